@@ -1,0 +1,24 @@
+#include "common/cpu_isa.h"
+#include "common/registry.h"
+#include "common/thread_pool.h"
+
+namespace offload {
+
+void register_runtime(pybind11::module_& m) {
+  m.def("num_threads", &num_threads, "Threads (caller included) the CPU kernels use");
+  m.def(
+      "set_num_threads",
+      [](int n) {
+        if (n < 0) throw std::invalid_argument("offload.set_num_threads: n must be >= 1 (or 0 for the default)");
+        set_num_threads(n);
+      },
+      pybind11::arg("n"), "Set the kernel thread count; 0 restores the default (usable cores)");
+  m.def("usable_cores", &usable_cores);
+  m.def("best_isa", [] { return std::string(isa_name(best_isa())); });
+  m.def("active_isa", [] { return std::string(isa_name(active_isa())); });
+  m.def(
+      "set_isa", [](const std::string& name) { set_isa(parse_isa(name)); }, pybind11::arg("isa"),
+      "Force the SIMD path: 'auto', 'avx512', 'avx2' or 'scalar'");
+}
+
+}  // namespace offload

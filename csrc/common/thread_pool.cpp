@@ -1,0 +1,148 @@
+#include "common/thread_pool.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace offload {
+namespace {
+
+class Pool {
+ public:
+  ~Pool() { stop_workers(); }
+
+  int size() {
+    std::lock_guard<std::mutex> g(run_mu_);
+    return want_;
+  }
+
+  void resize(int n) {
+    std::lock_guard<std::mutex> g(run_mu_);
+    want_ = n <= 0 ? usable_cores() : n;
+  }
+
+  void run(int64_t n_chunks, const std::function<void(int64_t)>& fn) {
+    if (n_chunks <= 0) return;
+    std::lock_guard<std::mutex> g(run_mu_);  // one job at a time
+    int threads = static_cast<int>(std::min<int64_t>(want_, n_chunks));
+    if (threads <= 1) {
+      for (int64_t i = 0; i < n_chunks; ++i) fn(i);
+      return;
+    }
+    ensure_workers(want_ - 1);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      job_ = &fn;
+      n_chunks_ = n_chunks;
+      next_.store(0);
+      error_ = nullptr;
+      helpers_wanted_ = threads - 1;
+      helpers_running_ = 0;
+      ++generation_;
+    }
+    cv_.notify_all();
+    work();  // the caller takes chunks too
+    std::unique_lock<std::mutex> lk(mu_);
+    // Wait for every helper that joined this generation to leave it, so `fn` (a reference into
+    // the caller's frame) is not used after we return.
+    done_cv_.wait(lk, [&] { return helpers_running_ == 0 && helpers_wanted_ == 0; });
+    job_ = nullptr;
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void work() {
+    for (;;) {
+      int64_t i = next_.fetch_add(1);
+      if (i >= n_chunks_) return;
+      try {
+        (*job_)(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (!error_) error_ = std::current_exception();
+        next_.store(n_chunks_);  // stop handing out chunks
+      }
+    }
+  }
+
+  void worker_main() {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [&] { return stop_ || (generation_ != seen && helpers_wanted_ > 0); });
+      if (stop_) return;
+      seen = generation_;
+      --helpers_wanted_;
+      ++helpers_running_;
+      lk.unlock();
+      work();
+      lk.lock();
+      --helpers_running_;
+      if (helpers_running_ == 0) done_cv_.notify_all();
+    }
+  }
+
+  void ensure_workers(int n) {
+    // Called under run_mu_, between jobs.
+    while (static_cast<int>(workers_.size()) < n) workers_.emplace_back([this] { worker_main(); });
+    // Surplus workers (after a shrink) simply never get picked: helpers_wanted_ caps them.
+  }
+
+  void stop_workers() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+    workers_.clear();
+  }
+
+  std::mutex run_mu_;
+  int want_ = usable_cores();
+
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int64_t)>* job_ = nullptr;
+  int64_t n_chunks_ = 0;
+  std::atomic<int64_t> next_{0};
+  std::exception_ptr error_;
+  uint64_t generation_ = 0;
+  int helpers_wanted_ = 0;
+  int helpers_running_ = 0;
+  bool stop_ = false;
+};
+
+Pool& pool() {
+  // Leaked on purpose: joining threads from a static destructor at interpreter exit can deadlock.
+  static Pool* p = new Pool();
+  return *p;
+}
+
+}  // namespace
+
+int usable_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+int num_threads() { return pool().size(); }
+void set_num_threads(int n) { pool().resize(n); }
+
+void parallel_run(int64_t n_chunks, const std::function<void(int64_t)>& fn) { pool().run(n_chunks, fn); }
+
+void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  int64_t chunks = (n + grain - 1) / grain;
+  parallel_run(chunks, [&](int64_t c) { fn(c * grain, std::min(n, (c + 1) * grain)); });
+}
+
+}  // namespace offload

@@ -1,0 +1,103 @@
+"""Loads the C++ extension `offload._C`: prebuilt (setup.py with OFFLOAD_BUILD_EXT=1) or compiled by
+ninja on first use and cached. Without a compiler the callers fall back to plain torch, warned once.
+
+Environment:
+  OFFLOAD_BUILD_DIR    where the JIT build is cached (default ~/.cache/offload/ext/<torch version>)
+  OFFLOAD_DISABLE_EXT  "1": never load the extension (tests the plain-torch fallback)
+  OFFLOAD_NO_URING     "1": build without io_uring even when liburing is installed
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import warnings
+from pathlib import Path
+
+_lock = threading.Lock()
+_module = None
+_error: str | None = None
+_loaded = False
+_warned = False
+
+
+def build_dir() -> Path:
+    env = os.environ.get("OFFLOAD_BUILD_DIR")
+    if env:
+        return Path(env)
+    import torch
+
+    tag = torch.__version__.replace("+", "_")
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "offload" / "ext" / tag
+
+
+def _load():
+    if os.environ.get("OFFLOAD_DISABLE_EXT") == "1":
+        raise RuntimeError("disabled by OFFLOAD_DISABLE_EXT=1")
+    try:  # ahead-of-time build
+        return importlib.import_module("offload._C")
+    except ImportError:
+        pass
+    from torch.utils import cpp_extension
+
+    from ._build_spec import build_spec
+
+    spec = build_spec()
+    path = build_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    verbose = os.environ.get("OFFLOAD_BUILD_VERBOSE") == "1"
+    return cpp_extension.load(
+        name="offload_C",
+        sources=spec.sources,
+        extra_include_paths=spec.include_dirs,
+        extra_cflags=spec.cflags,
+        extra_ldflags=spec.ldflags,
+        build_directory=str(path),
+        verbose=verbose,
+    )
+
+
+def get():
+    """The extension module, or None when it cannot be built (the reason is in `error()`)."""
+    global _module, _error, _loaded
+    if _loaded:
+        return _module
+    with _lock:
+        if not _loaded:
+            try:
+                _module = _load()
+            except Exception as exc:  # no compiler, missing headers, disabled: fall back, never crash
+                _error = f"{type(exc).__name__}: {exc}".strip()
+                _module = None
+            _loaded = True
+    return _module
+
+
+def error() -> str | None:
+    get()
+    return _error
+
+
+def require():
+    """The extension, or a RuntimeError saying why it is missing and how to fix it."""
+    mod = get()
+    if mod is None:
+        raise RuntimeError(
+            "offload: the C++ extension offload._C is not available "
+            f"({_error}). Install a C++ compiler (g++) and ninja, then retry; "
+            "`offload env` shows the build directory and the last error."
+        )
+    return mod
+
+
+def warn_fallback(what: str) -> None:
+    """Warn once per process that `what` runs on the slow plain-torch path."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"offload: C++ extension unavailable ({_error}); {what} uses the plain-torch fallback "
+            "(correct, slower). Install g++ and ninja to build it.",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,76 @@
+"""The `offload` command. Subcommands register here; each lives in its own module."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import __version__
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    """Versions, the CPU's SIMD paths, and whether/where the extension is built."""
+    import platform
+
+    import torch
+
+    from . import _ext
+    from ._build_spec import build_spec
+
+    mod = _ext.get()
+    info = {
+        "offload": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "extension_built": mod is not None,
+        "extension_path": getattr(mod, "__file__", None),
+        "extension_error": _ext.error(),
+        "build_dir": str(_ext.build_dir()),
+    }
+    try:
+        info["build_features"] = build_spec().features
+    except FileNotFoundError as exc:
+        info["build_features"] = str(exc)
+    if mod is not None:
+        info["cpu_isa_best"] = mod.best_isa()
+        info["kernel_threads"] = mod.num_threads()
+        if hasattr(mod, "aio_backends"):
+            info["aio_backends"] = mod.aio_backends()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        width = max(map(len, info))
+        for key, value in info.items():
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="offload", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"offload {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    env = sub.add_parser("env", help="versions, CPU ISA, extension build status")
+    env.add_argument("--json", action="store_true", help="print JSON")
+    env.set_defaults(func=_cmd_env)
+    # Later subcommands (bench, plan, demo) add themselves here.
+    try:
+        from .bench.cli import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
