@@ -53,13 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="versions, CPU ISA, extension build status")
     env.add_argument("--json", action="store_true", help="print JSON")
     env.set_defaults(func=_cmd_env)
-    # Later subcommands (bench, plan, demo) add themselves here.
-    try:
-        from .bench.cli import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(sub)
+    # Each later subcommand adds itself here: from .x.cli import add_x_parser; add_x_parser(sub)
     return parser
 
 

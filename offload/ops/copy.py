@@ -1,0 +1,2 @@
+"""Copy / cast / flatten kernels (csrc/copy) and their plain-torch references."""
+__all__: list[str] = []
