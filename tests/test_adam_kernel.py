@@ -32,14 +32,16 @@ SIZES = [0, 1, 7, 4097, 1_000_003]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 STEPS = 20
 
-# torch's vectorized sqrt is not correctly rounded (~0.7% of lanes are 1 ulp off the IEEE sqrt the
-# kernel uses), which moves a param by a few ulps of its update term (~lr): relative 1e-5, plus an
-# absolute floor of lr * 1e-6 for params that pass through zero (where relative error is meaningless).
+# Tolerance for the param: the kernel folds sqrt(bc2) into its scalars (one division less than torch)
+# and uses an IEEE sqrt (torch's vectorized sqrt is ~1 ulp off in ~0.7% of lanes), so each step's
+# update differs from torch's by a few ulps of the update (~lr). Hence 1e-5 relative to the value,
+# with an absolute floor of 1e-5 * lr for params that pass near zero (relative error is meaningless
+# there). The moments do not see these differences and match torch bit for bit.
 RTOL = 1e-5
 
 
 def atol(h):
-    return h["lr"] * 1e-6
+    return h["lr"] * 1e-5
 
 
 @pytest.fixture
@@ -183,7 +185,7 @@ def test_nan_param_gives_nan_out():
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 def test_bf16_moments_match_reference(isa):
     # Moments never see the master, so the kernel's bf16 moments equal the reference's bit for bit;
-    # the master differs only through torch's inexact sqrt (see RTOL).
+    # the master differs by a few ulps of its update (see RTOL).
     n = 4097 * 3
     p0 = torch.randn(n)
     grads = _grads(n, torch.bfloat16, STEPS, seed=5)

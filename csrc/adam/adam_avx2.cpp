@@ -59,7 +59,7 @@ enum class Out { kNone, kF32, kBF16, kF16 };
 
 template <DType G, DType M, Out O>
 struct Kernel {
-  __m256 gs, w, b2, c2, decay, nss, bc2s, eps;
+  __m256 gs, w, b2, c2, decay, step, eps_hat;
   bool lerp_lo;
 
   OFFLOAD_AVX2 explicit Kernel(const Consts& c) {
@@ -68,9 +68,8 @@ struct Kernel {
     b2 = _mm256_set1_ps(c.b2);
     c2 = _mm256_set1_ps(c.c2);
     decay = _mm256_set1_ps(c.decay);
-    nss = _mm256_set1_ps(c.nss);
-    bc2s = _mm256_set1_ps(c.bc2s);
-    eps = _mm256_set1_ps(c.eps);
+    step = _mm256_set1_ps(c.step);
+    eps_hat = _mm256_set1_ps(c.eps_hat);
     lerp_lo = c.lerp_lo;
   }
 
@@ -84,8 +83,8 @@ struct Kernel {
     const __m256 d = _mm256_sub_ps(g, m);
     m = _mm256_fmadd_ps(w, d, lerp_lo ? m : g);
     v = _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, _mm256_mul_ps(v, b2));
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2s), eps);
-    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(nss, m), denom));
+    const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(v), eps_hat);
+    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(step, m), denom));
     store8<M>(exp_avg, i, m, false);
     store8<M>(exp_avg_sq, i, v, false);
     _mm256_storeu_ps(master + i, p);

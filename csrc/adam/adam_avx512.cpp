@@ -78,7 +78,7 @@ template <DType G, DType M, Out O>
 OFFLOAD_AVX512 void chunk(const Buffers& b, const Consts& c, int64_t begin, int64_t end, bool nt_out) {
   const __m512 gs = _mm512_set1_ps(c.gs), w = _mm512_set1_ps(c.lerp_lo ? c.w1 : c.w1m1);
   const __m512 b2 = _mm512_set1_ps(c.b2), c2 = _mm512_set1_ps(c.c2), decay = _mm512_set1_ps(c.decay);
-  const __m512 nss = _mm512_set1_ps(c.nss), bc2s = _mm512_set1_ps(c.bc2s), eps = _mm512_set1_ps(c.eps);
+  const __m512 step = _mm512_set1_ps(c.step), eps_hat = _mm512_set1_ps(c.eps_hat);
   const bool lerp_lo = c.lerp_lo;
   float* master = b.master;
   // Streaming stores need 32/64-byte aligned addresses; chunks start at multiples of 32 elements,
@@ -97,8 +97,8 @@ OFFLOAD_AVX512 void chunk(const Buffers& b, const Consts& c, int64_t begin, int6
     const __m512 d = _mm512_sub_ps(g, m);
     m = _mm512_fmadd_ps(w, d, lerp_lo ? m : g);
     v = _mm512_fmadd_ps(_mm512_mul_ps(c2, g), g, _mm512_mul_ps(v, b2));
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2s), eps);
-    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(nss, m), denom));
+    const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(v), eps_hat);
+    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(step, m), denom));
     store_ps<M>(b.exp_avg, i, m, k, full, false);
     store_ps<M>(b.exp_avg_sq, i, v, k, full, false);
     _mm512_mask_storeu_ps(master + i, k, p);

@@ -77,9 +77,8 @@ Consts make_consts(const Hyper& h) {
   c.b2 = static_cast<float>(h.beta2);
   c.c2 = static_cast<float>(1.0 - h.beta2);
   c.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
-  c.nss = static_cast<float>(-(h.lr / bc1));
-  c.bc2s = static_cast<float>(std::sqrt(bc2));
-  c.eps = static_cast<float>(h.eps);
+  c.step = static_cast<float>(-h.lr * std::sqrt(bc2) / bc1);
+  c.eps_hat = static_cast<float>(h.eps * std::sqrt(bc2));
   return c;
 }
 
@@ -94,8 +93,8 @@ void adamw_chunk_scalar(const Buffers& b, const Consts& c, int64_t begin, int64_
     const float d = g - m;
     m = c.lerp_lo ? std::fma(c.w1, d, m) : std::fma(c.w1m1, d, g);
     v = std::fma(c.c2 * g, g, v * c.b2);
-    const float denom = std::sqrt(v) / c.bc2s + c.eps;
-    p = p + (c.nss * m) / denom;
+    const float denom = std::sqrt(v) + c.eps_hat;
+    p = p + (c.step * m) / denom;
     // Moments stored in bf16 are rounded after the update; the update itself used fp32 values.
     store_from_f32(b.exp_avg, b.moment_dtype, i, m);
     store_from_f32(b.exp_avg_sq, b.moment_dtype, i, v);
