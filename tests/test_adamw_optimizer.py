@@ -249,6 +249,9 @@ def test_unsupported_configurations_raise():
     p = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="amsgrad"):
         offload.AdamW([p], amsgrad=True)
+    with pytest.raises(ValueError, match="capturable"):
+        offload.AdamW([p], capturable=True)
+    offload.AdamW([p], foreach=True, fused=True)  # accepted for drop-in use: always one fused pass
     with pytest.raises(ValueError, match="moments_dtype"):
         offload.AdamW([p], moments_dtype=torch.float16)
     with pytest.raises(ValueError, match="lr"):

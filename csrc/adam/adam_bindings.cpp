@@ -102,10 +102,9 @@ void adamw_step_py(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::T
   }
   // In-place writes behind autograd's back: bump the version counters as torch's in-place ops do,
   // so a stale saved tensor is detected rather than silently used.
-  master.unsafeGetTensorImpl()->bump_version();
-  exp_avg.unsafeGetTensorImpl()->bump_version();
-  exp_avg_sq.unsafeGetTensorImpl()->bump_version();
-  if (b.out) out->unsafeGetTensorImpl()->bump_version();
+  // (Inference tensors have no version counter.)
+  for (const at::Tensor* t : {&master, &exp_avg, &exp_avg_sq, b.out ? &*out : nullptr})
+    if (t && !t->is_inference()) t->unsafeGetTensorImpl()->bump_version();
 }
 
 // Benchmark helpers: contiguous fp32 CPU tensors of equal size, else ValueError.
@@ -156,6 +155,15 @@ void register_adam(py::module_& m) {
         membw::axpy(p[0], p[1], static_cast<float>(s), a.numel());
       },
       py::arg("a"), py::arg("b"), py::arg("s"), "Roofline helper: a += s*b on the kernel pool");
+  m.def(
+      "membw_adam_shaped_",
+      [](at::Tensor a, at::Tensor b, at::Tensor c, at::Tensor d, double s) {
+        auto p = membw_args("membw_adam_shaped_", {{"a", &a}, {"b", &b}, {"c", &c}, {"d", &d}});
+        py::gil_scoped_release nogil;  // memory-bound loop on raw pointers
+        membw::adam_shaped(p[0], p[1], p[2], p[3], static_cast<float>(s), a.numel());
+      },
+      py::arg("a"), py::arg("b"), py::arg("c"), py::arg("d"), py::arg("s"),
+      "Roofline helper: a, b, c += s*d on the kernel pool (the fp32 Adam step's traffic, 28 B/elem)");
 }
 
 }  // namespace offload

@@ -28,6 +28,16 @@ OFFLOAD_MEMBW void axpy_chunk(float* __restrict a, const float* __restrict b, fl
   for (int64_t i = begin; i < end; ++i) a[i] = a[i] + s * b[i];
 }
 
+OFFLOAD_MEMBW void adam_shaped_chunk(float* __restrict a, float* __restrict b, float* __restrict c,
+                                     const float* __restrict d, float s, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float x = s * d[i];
+    a[i] += x;
+    b[i] += x;
+    c[i] += x;
+  }
+}
+
 }  // namespace
 
 void copy(float* dst, const float* src, int64_t n) {
@@ -40,6 +50,10 @@ void triad(float* a, const float* b, const float* c, float s, int64_t n) {
 
 void axpy(float* a, const float* b, float s, int64_t n) {
   parallel_for(n, kGrain, [&](int64_t lo, int64_t hi) { axpy_chunk(a, b, s, lo, hi); });
+}
+
+void adam_shaped(float* a, float* b, float* c, const float* d, float s, int64_t n) {
+  parallel_for(n, kGrain, [&](int64_t lo, int64_t hi) { adam_shaped_chunk(a, b, c, d, s, lo, hi); });
 }
 
 }  // namespace membw
