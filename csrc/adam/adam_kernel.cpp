@@ -29,11 +29,12 @@ inline float bf16_to_f32(uint16_t h) {
 }
 
 // Integer round-to-nearest-even, keeps denormals (VCVTNEPS2BF16 would flush them, torch does not).
-// NaN becomes the canonical quiet NaN 0x7FC0, as c10::BFloat16 does.
+// NaN stays NaN: truncated and made quiet (sign and top payload bits kept), which is what
+// VCVTNEPS2BF16 does, so the AVX-512 path may use that instruction for vectors without denormals.
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return 0x7FC0;
+  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x0040u);
   u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
