@@ -19,6 +19,19 @@ needs_ext = pytest.mark.skipif(C is None, reason=f"C++ extension unavailable: {_
 ORDER = ["scalar", "avx2", "avx512"]
 ISAS = ORDER[: ORDER.index(C.best_isa()) + 1] if C is not None else []
 MISSING = [i for i in ORDER if i not in ISAS]
+# The AVX-512 path has two bf16 roundings: the hardware convert (AVX512_BF16 CPUs) and integer
+# rounding; "avx512-intbf16" forces the latter so both are tested where the CPU has the former.
+PATHS = ISAS + (["avx512-intbf16"] if "avx512" in ISAS and C.adam_hw_bf16_available() else [])
+
+
+def _set_path(name):
+    C.set_isa(name.split("-")[0])
+    C.adam_set_hw_bf16(not name.endswith("-intbf16"))
+
+
+def _reset_path():
+    C.set_isa("auto")
+    C.adam_set_hw_bf16(True)
 
 # Hyperparameter sets: default-like, no weight decay, beta1 < 0.5 (torch's other lerp branch) with a
 # grad scale, large lr.
@@ -46,9 +59,9 @@ def atol(h):
 
 @pytest.fixture
 def isa(request):
-    C.set_isa(request.param)
+    _set_path(request.param)
     yield request.param
-    C.set_isa("auto")
+    _reset_path()
 
 
 @pytest.fixture
@@ -118,13 +131,13 @@ def test_isa_paths_agree_bitwise(gdtype):
     p0 = torch.randn(n)
     grads = _grads(n, gdtype, 5, seed=7, tiny=gdtype != torch.float16)
     results = {}
-    for name in ISAS:
-        C.set_isa(name)
+    for name in PATHS:
+        _set_path(name)
         try:
             for moments in (torch.float32, torch.bfloat16):
                 results[name, moments] = _run_kernel(adamw_step_, p0, grads, HYPERS[2], torch.bfloat16, moments)
         finally:
-            C.set_isa("auto")
+            _reset_path()
     for (name, moments), got in results.items():
         for a, b in zip(got, results["scalar", moments]):
             assert torch.equal(a, b), (name, moments)
@@ -158,7 +171,7 @@ def test_thread_counts_agree_bitwise(isa, threads):
 
 
 @needs_ext
-@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("isa", PATHS, indirect=True)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_out_cast_is_bitwise_torch_for_all_finite_values(isa, out_dtype):
     # lr=0, wd=0 leaves master untouched, so `out` must be exactly master.to(dtype) for arbitrary bit
@@ -188,7 +201,7 @@ def test_nan_param_gives_nan_out():
 
 
 @needs_ext
-@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("isa", PATHS, indirect=True)
 def test_bf16_moments_match_reference(isa):
     # Moments never see the master, so the kernel's bf16 moments equal the reference's bit for bit;
     # the master differs by a few ulps of its update (see RTOL).

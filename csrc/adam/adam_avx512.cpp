@@ -5,6 +5,8 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
+#include <atomic>
+
 // GCC 12 reports the deliberately undefined upper halves inside its own cast intrinsics.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
@@ -78,10 +80,9 @@ namespace hwbf16 {
 #undef OFFLOAD_BODY_BF16
 }  // namespace hwbf16
 
-bool have_hw_bf16() {
-  static const bool yes = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq");
-  return yes;
-}
+std::atomic<bool> g_hw_bf16{true};
+
+bool have_hw_bf16() { return hw_bf16_available() && g_hw_bf16.load(std::memory_order_relaxed); }
 
 template <DType G, DType M, Out O>
 void chunk(const Buffers& b, const Consts& c, int64_t begin, int64_t end, bool nt_out) {
@@ -108,6 +109,13 @@ void pick_moment(const Buffers& b, const Consts& c, int64_t s, int64_t e, bool n
 }
 
 }  // namespace
+
+bool hw_bf16_available() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq");
+  return yes;
+}
+
+void set_hw_bf16(bool on) { g_hw_bf16.store(on); }
 
 void adamw_chunk_avx512(const Buffers& b, const Consts& c, int64_t begin, int64_t end, bool nt_out) {
   switch (b.grad_dtype) {

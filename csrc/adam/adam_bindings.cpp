@@ -131,6 +131,9 @@ void register_adam(py::module_& m) {
   m.def("adam_nontemporal_out", &adam::nontemporal_out, "Whether the AdamW kernel streams `out` (bypassing cache)");
   m.def("adam_set_nontemporal_out", &adam::set_nontemporal_out, py::arg("on"),
         "Benchmark knob: stream (non-temporal) stores for the AdamW `out` buffer");
+  m.def("adam_hw_bf16_available", &adam::hw_bf16_available, "Whether the CPU has VCVTNEPS2BF16 (AVX512_BF16)");
+  m.def("adam_set_hw_bf16", &adam::set_hw_bf16, py::arg("on"),
+        "Test knob: let the AVX-512 AdamW path use the hardware bf16 convert (default on)");
   m.def(
       "membw_copy_",
       [](at::Tensor dst, at::Tensor src) {

@@ -104,6 +104,11 @@ void adamw_chunk_scalar(const Buffers& b, const Consts& c, int64_t begin, int64_
   }
 }
 
+#if !defined(__x86_64__)
+bool hw_bf16_available() { return false; }
+void set_hw_bf16(bool) {}
+#endif
+
 bool nontemporal_out() { return g_nt_out.load(std::memory_order_relaxed); }
 void set_nontemporal_out(bool on) { g_nt_out.store(on); }
 

@@ -74,5 +74,11 @@ void adamw_chunk_avx512(const Buffers& b, const Consts& c, int64_t begin, int64_
 bool nontemporal_out();
 void set_nontemporal_out(bool on);
 
+// The AVX-512 path rounds to bf16 with VCVTNEPS2BF16 where the CPU has AVX512_BF16 (integer
+// rounding otherwise, or for vectors holding denormals). Off: always the integer rounding, so a
+// test can check both on one machine. Returns whether the CPU has the instruction at all.
+bool hw_bf16_available();
+void set_hw_bf16(bool on);
+
 }  // namespace adam
 }  // namespace offload
