@@ -1,0 +1,91 @@
+"""The `offload` command and the extension loader: built here, and a clear fallback when it cannot be."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offload import __version__, _ext
+from offload._build_spec import build_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "offload.cli", *args],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=300,
+    )
+
+
+def test_version():
+    out = run_cli("--version")
+    assert out.returncode == 0
+    assert out.stdout.strip() == f"offload {__version__}"
+
+
+def test_env_reports_built_extension():
+    out = run_cli("env", "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["offload"] == __version__
+    assert info["extension_built"] is True, info["extension_error"]
+    assert info["cpu_isa_best"] in ("avx512", "avx2", "scalar")
+    assert info["kernel_threads"] >= 1
+
+
+def test_env_without_extension_says_why():
+    out = run_cli("env", "--json", env={"OFFLOAD_DISABLE_EXT": "1"})
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["extension_built"] is False
+    assert "OFFLOAD_DISABLE_EXT" in info["extension_error"]
+
+
+def test_require_names_the_fix_when_missing():
+    code = "from offload import _ext\ntry:\n    _ext.require()\nexcept RuntimeError as e:\n    print(e)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "OFFLOAD_DISABLE_EXT": "1"}, timeout=120)
+    assert "not available" in out.stdout and "g++" in out.stdout
+
+
+def test_missing_compiler_falls_back_instead_of_crashing(tmp_path):
+    # A PATH without c++/g++ and a fresh build dir: loading must fail softly with the reason.
+    code = "from offload import _ext\nprint(_ext.get() is None)\nprint(_ext.error())\n"
+    env = {**os.environ, "OFFLOAD_BUILD_DIR": str(tmp_path / "build"), "CXX": "/nonexistent/c++",
+           "PATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "True", out.stdout
+    assert lines[1] and lines[1] != "None"
+
+
+def test_kernel_threads_and_isa_controls():
+    mod = _ext.require()
+    before = mod.num_threads()
+    try:
+        mod.set_num_threads(3)
+        assert mod.num_threads() == 3
+        mod.set_num_threads(0)
+        assert mod.num_threads() == mod.usable_cores()
+        with pytest.raises(ValueError, match="n must be"):
+            mod.set_num_threads(-1)
+    finally:
+        mod.set_num_threads(before)
+    with pytest.raises(ValueError, match="isa must be"):
+        mod.set_isa("sse9")
+    mod.set_isa("scalar")
+    assert mod.active_isa() == "scalar"
+    mod.set_isa("auto")
+    assert mod.active_isa() == mod.best_isa()
+
+
+def test_every_source_is_built_and_names_are_unique():
+    spec = build_spec()
+    names = [Path(s).name for s in spec.sources]
+    assert len(names) == len(set(names))
+    assert any(n == "module.cpp" for n in names)
