@@ -41,6 +41,7 @@ def _cmd_nvme(args: argparse.Namespace) -> int:
         fio=not args.no_fio,
         fio_ioengine=args.fio_ioengine,
         ops=tuple(args.ops),
+        deepspeed=args.deepspeed,
     )
     result = {"nvme": run_nvme_bench(cfg), "machine": _machine(), "command": " ".join(["offload"] + sys.argv[1:])}
     nv = result["nvme"]
@@ -48,6 +49,8 @@ def _cmd_nvme(args: argparse.Namespace) -> int:
         line = f"best {op}: {nv[f'{op}_gbps']:.3f} GB/s at {nv[f'best_{op}']}"
         if f"fio_{op}_gbps" in nv:
             line += f"; fio best {nv[f'fio_{op}_gbps']:.3f} GB/s at {nv[f'fio_best_{op}']} -> {nv[f'{op}_vs_fio_best']:.0%}"
+        if f"deepspeed_{op}_gbps" in nv:
+            line += f"; DeepSpeed best {nv[f'deepspeed_{op}_gbps']:.3f} GB/s -> {nv[f'{op}_vs_deepspeed_best']:.0%}"
         print(line)
     if args.json:
         with open(args.json, "w") as fh:
@@ -74,5 +77,7 @@ def add_bench_parser(subparsers) -> None:
     nvme.add_argument("--rounds", type=int, default=2, help="alternating engine/fio runs per configuration (median)")
     nvme.add_argument("--ops", type=_csv(str), default=["read", "write"], help="read,write (default both)")
     nvme.add_argument("--no-fio", action="store_true", help="skip fio even when installed")
+    nvme.add_argument("--deepspeed", action="store_true",
+                      help="also time DeepSpeed's AsyncIOBuilder handle (pip install deepspeed; needs libaio-dev)")
     nvme.add_argument("--fio-ioengine", default="io_uring", choices=["io_uring", "libaio", "psync"])
     nvme.set_defaults(func=_cmd_nvme)

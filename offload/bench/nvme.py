@@ -38,6 +38,7 @@ class NvmeBenchConfig:
     fio: bool = True                           # run fio when installed
     fio_ioengine: str = "io_uring"
     ops: tuple[str, ...] = ("read", "write")
+    deepspeed: bool = False                    # also time DeepSpeed's AsyncIOBuilder handle (if it builds)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -93,6 +94,33 @@ class _EngineRunner:
                 return _gbps(self.size, time.perf_counter() - t0)
 
 
+class _DeepSpeedRunner:
+    """DeepSpeed's async I/O handle (AsyncIOBuilder, libaio) on the same file and buffer: block size and
+    queue depth as given, intra_op_parallelism = workers, whole buffer per synchronous call."""
+
+    def __init__(self, path: str, size: int, buf: torch.Tensor):
+        from deepspeed.ops.op_builder import AsyncIOBuilder  # type: ignore  # optional baseline
+
+        builder = AsyncIOBuilder()
+        if not builder.is_compatible():
+            raise RuntimeError("DeepSpeed AsyncIOBuilder is not compatible here (libaio-dev missing?)")
+        self.aio = builder.load(verbose=False)
+        self.path, self.size, self.buf = path, size, buf
+
+    def run(self, op: str, block_size: int, queue_depth: int, workers: int) -> float:
+        handle = self.aio.aio_handle(block_size, queue_depth, False, True, workers)
+        t0 = time.perf_counter()
+        pos = 0
+        while pos < self.size:
+            n = min(self.buf.numel(), self.size - pos)
+            view = self.buf[:n]
+            rc = handle.sync_pwrite(view, self.path, pos) if op == "write" else handle.sync_pread(view, self.path, pos)
+            if rc < 0:
+                raise RuntimeError(f"DeepSpeed aio {op} failed (rc {rc})")
+            pos += n
+        return _gbps(self.size, time.perf_counter() - t0)
+
+
 def run_nvme_bench(cfg: NvmeBenchConfig, log: Callable[[str], None] = print) -> dict:
     os.makedirs(cfg.path, exist_ok=True)
     free = shutil.disk_usage(cfg.path).free
@@ -118,33 +146,50 @@ def run_nvme_bench(cfg: NvmeBenchConfig, log: Callable[[str], None] = print) -> 
             with eng.open(path, "x+") as f:
                 eng.fallocate(f, cfg.size)
         runner.run("write", 4 << 20, 8, 1, cfg.backend)  # lay the file out: later writes overwrite, as fio's do
+        ds = None
+        ds_note = "not requested (--deepspeed)"
+        if cfg.deepspeed:
+            try:
+                ds = _DeepSpeedRunner(path, cfg.size, buf)
+                ds_note = "AsyncIOBuilder (libaio)"
+            except Exception as exc:  # optional baseline: say why it is missing, measure the rest
+                ds_note = f"unavailable: {type(exc).__name__}: {exc}"
+        log(f"deepspeed: {ds_note}")
         log(f"nvme bench: {cfg.size / 2**30:.2f} GiB file {path}, engine backend {backend}, "
             f"fio {'(' + fio_version + ', ioengine ' + cfg.fio_ioengine + ')' if fio_version else 'not run'}")
-        log(f"{'op':<6}{'block':>9}{'qd':>5}{'engine GB/s':>13}{'fio GB/s':>10}{'ratio':>7}")
+        log(f"{'op':<6}{'block':>9}{'qd':>5}{'engine GB/s':>13}{'fio GB/s':>10}{'ratio':>7}{'  DS GB/s' if ds else ''}")
         for op in cfg.ops:
             for bs in cfg.block_sizes:
                 for qd in cfg.queue_depths:
-                    eng_runs, fio_runs = [], []
+                    eng_runs, fio_runs, ds_runs = [], [], []
                     for r in range(cfg.rounds):
-                        order = ("engine", "fio") if r % 2 == 0 else ("fio", "engine")
+                        order = ("engine", "fio", "deepspeed") if r % 2 == 0 else ("deepspeed", "fio", "engine")
                         for who in order:
                             if who == "engine":
                                 eng_runs.append(runner.run(op, bs, qd, cfg.workers, cfg.backend))
-                            elif fio_version:
+                            elif who == "fio" and fio_version:
                                 fio_runs.append(run_fio(path, op, bs, qd, cfg.size, cfg.fio_ioengine))
+                            elif who == "deepspeed" and ds is not None:
+                                ds_runs.append(ds.run(op, bs, qd, cfg.workers))
                     row = {"op": op, "block_size": bs, "queue_depth": qd,
                            "engine_gbps": statistics.median(eng_runs), "engine_runs": eng_runs}
                     if fio_runs:
                         row["fio_gbps"] = statistics.median(fio_runs)
                         row["fio_runs"] = fio_runs
                         row["ratio"] = row["engine_gbps"] / row["fio_gbps"]
+                    if ds_runs:
+                        row["deepspeed_gbps"] = statistics.median(ds_runs)
+                        row["deepspeed_runs"] = ds_runs
                     sweep.append(row)
                     fio_s = f"{row['fio_gbps']:10.3f}{row['ratio']:7.2f}" if fio_runs else f"{'-':>10}{'-':>7}"
-                    log(f"{op:<6}{bs // 1024:>8}K{qd:>5}{row['engine_gbps']:13.3f}{fio_s}")
+                    ds_s = f"{row['deepspeed_gbps']:8.3f}" if ds_runs else ""
+                    log(f"{op:<6}{bs // 1024:>8}K{qd:>5}{row['engine_gbps']:13.3f}{fio_s}{ds_s}")
     finally:
         if os.path.exists(path):
             os.unlink(path)
-    return _summarize(cfg, backend, fio_version, sweep)
+    result = _summarize(cfg, backend, fio_version, sweep)
+    result["deepspeed"] = ds_note
+    return result
 
 
 def _summarize(cfg: NvmeBenchConfig, backend: str | None, fio_version: str | None, sweep: list[dict]) -> dict:
@@ -169,5 +214,11 @@ def _summarize(cfg: NvmeBenchConfig, backend: str | None, fio_version: str | Non
             ratios = [r["ratio"] for r in fio_rows]
             out[f"{op}_ratio_geomean"] = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
             out[f"{op}_ratio_min"] = min(ratios)
+        ds_rows = [r for r in rows if "deepspeed_gbps" in r]
+        if ds_rows:
+            dbest = max(ds_rows, key=lambda r: r["deepspeed_gbps"])
+            out[f"deepspeed_{op}_gbps"] = dbest["deepspeed_gbps"]
+            out[f"deepspeed_best_{op}"] = {"block_size": dbest["block_size"], "queue_depth": dbest["queue_depth"]}
+            out[f"{op}_vs_deepspeed_best"] = best["engine_gbps"] / dbest["deepspeed_gbps"]
     out["sweep"] = sweep
     return out
