@@ -55,12 +55,78 @@ void copy_many(const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor
   copy::run_tasks(tasks);
 }
 
+// flat[offsets[i] : offsets[i] + srcs[i].numel()] <- srcs[i] (cast to flat's dtype) for every i, and the gaps
+// between them (padding) zeroed, all in one parallel run. With to_flat == false the direction is reversed:
+// srcs[i] <- its slice of flat, and nothing is zeroed. Offsets must be increasing and non-overlapping.
+void flat_copy(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& offsets,
+               bool to_flat) {
+  const char* fn = to_flat ? "offload._C.flatten_into" : "offload._C.unflatten_from";
+  if (!flat.device().is_cpu() || !flat.is_contiguous())
+    throw std::invalid_argument(std::string(fn) + ": flat must be a contiguous CPU tensor");
+  if (tensors.size() != offsets.size())
+    throw std::invalid_argument(std::string(fn) + ": " + std::to_string(tensors.size()) + " tensors but " +
+                                std::to_string(offsets.size()) + " offsets");
+  const int64_t es = static_cast<int64_t>(flat.element_size());
+  char* base = static_cast<char*>(flat.data_ptr());
+  std::vector<copy::Task> tasks;
+  tasks.reserve(2 * tensors.size() + 1);
+  std::vector<at::Tensor> keep;  // contiguous copies of non-contiguous sources live until the run ends
+  keep.reserve(tensors.size());
+  int64_t cursor = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    const std::string at_i = "[" + std::to_string(i) + "]";
+    const int64_t off = offsets[i], n = t.numel();
+    if (!t.device().is_cpu())
+      throw std::invalid_argument(std::string(fn) + ": tensors" + at_i + " must be a CPU tensor");
+    if (off < cursor || off + n > flat.numel())
+      throw std::invalid_argument(std::string(fn) + ": offsets" + at_i + " = " + std::to_string(off) +
+                                  " overlaps the previous tensor or runs past flat (" +
+                                  std::to_string(flat.numel()) + " elements)");
+    if (!to_flat && !t.is_contiguous())
+      throw std::invalid_argument(std::string(fn) + ": tensors" + at_i + " must be contiguous");
+    if (to_flat && off > cursor)  // zero the padding so the bytes written to disk are deterministic
+      tasks.push_back({base + cursor * es, nullptr, (off - cursor) * es, copy::DType::kBytes, copy::DType::kBytes});
+    const at::Tensor& c = to_flat && !t.is_contiguous() ? keep.emplace_back(t.contiguous()) : t;
+    char* slot = base + off * es;
+    copy::Task task = to_flat ? copy::Task{slot, c.data_ptr(), n, kind_of(c), kind_of(flat)}
+                              : copy::Task{c.data_ptr(), slot, n, kind_of(flat), kind_of(c)};
+    if (c.scalar_type() == flat.scalar_type()) {
+      task.from = task.to = copy::DType::kBytes;
+      task.n = n * es;
+    } else if (task.from == copy::DType::kBytes || task.to == copy::DType::kBytes ||
+               (task.from != copy::DType::kF32 && task.to != copy::DType::kF32)) {
+      throw std::invalid_argument(std::string(fn) + ": cannot cast between tensors" + at_i + " (" +
+                                  std::string(c10::toString(c.scalar_type())) + ") and flat (" +
+                                  std::string(c10::toString(flat.scalar_type())) + ")");
+    }
+    tasks.push_back(task);
+    cursor = off + n;
+  }
+  pybind11::gil_scoped_release nogil;  // pure memory work
+  copy::run_tasks(tasks);
+}
+
 }  // namespace
 
 void register_copy(pybind11::module_& m) {
   m.def("copy_many", &copy_many, pybind11::arg("dsts"), pybind11::arg("srcs"),
         "dsts[i] <- srcs[i] for every i (CPU, contiguous, equal numel), casting float32<->bfloat16/float16 "
         "like Tensor.to(), multi-threaded over the kernel pool");
+  m.def(
+      "flatten_into",
+      [](const at::Tensor& flat, const std::vector<at::Tensor>& srcs, const std::vector<int64_t>& offsets) {
+        flat_copy(flat, srcs, offsets, true);
+      },
+      pybind11::arg("flat"), pybind11::arg("srcs"), pybind11::arg("offsets"),
+      "flat[offsets[i]:...] <- srcs[i] (cast to flat's dtype), padding zeroed, one parallel run");
+  m.def(
+      "unflatten_from",
+      [](const at::Tensor& flat, const std::vector<at::Tensor>& outs, const std::vector<int64_t>& offsets) {
+        flat_copy(flat, outs, offsets, false);
+      },
+      pybind11::arg("flat"), pybind11::arg("outs"), pybind11::arg("offsets"),
+      "outs[i] <- flat[offsets[i]:...] (cast to each out's dtype), one parallel run");
 }
 
 }  // namespace offload

@@ -198,6 +198,10 @@ int64_t grain_for(const Task& t) {
 
 void run_range(const Task& t, int64_t b, int64_t e) {
   const int64_t n = e - b;
+  if (t.src == nullptr) {  // padding between flattened tensors
+    std::memset(static_cast<char*>(t.dst) + b, 0, static_cast<size_t>(n));
+    return;
+  }
   if (t.from == t.to) {
     const int64_t es = elem_size(t.to);
     std::memcpy(static_cast<char*>(t.dst) + b * es, static_cast<const char*>(t.src) + b * es, n * es);

@@ -20,7 +20,8 @@ namespace copy {
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kBytes = 3 };  // kBytes: plain copy, n in bytes
 
 // One dst <- src job: n elements of `from` converted to `to`. from == to is a plain memcpy
-// (n counts elements of that type; kBytes counts bytes). Buffers must not overlap.
+// (n counts elements of that type; kBytes counts bytes). src == nullptr with kBytes zero-fills n bytes.
+// Buffers must not overlap.
 struct Task {
   void* dst;
   const void* src;

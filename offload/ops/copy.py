@@ -148,6 +148,18 @@ def _check_flat(flat: torch.Tensor, name: str, total: int, align: int) -> None:
         )
 
 
+def _check_casts(kind: str, dtypes, flat_dtype, tensors_name: str, flat_name: str, to_flat: bool) -> None:
+    for i, dt in dtypes:
+        pair = (dt, flat_dtype) if to_flat else (flat_dtype, dt)
+        if dt != flat_dtype and pair not in _CASTS:
+            src, dst = (f"{tensors_name}[{i}] ({dt})", f"{flat_name} ({flat_dtype})")
+            if not to_flat:
+                src, dst = dst, src
+            raise ValueError(
+                f"{kind}: cannot cast {src} to {dst}; supported: same dtype, float32<->bfloat16, float32<->float16"
+            )
+
+
 def _prepare_flatten(tensors, out, align, dtype):
     tensors = list(tensors)
     for i, t in enumerate(tensors):
@@ -157,19 +169,21 @@ def _prepare_flatten(tensors, out, align, dtype):
         dtype = out.dtype if out is not None else (tensors[0].dtype if tensors else torch.float32)
     if out is not None and out.dtype != dtype:
         raise ValueError(f"out has dtype {out.dtype} but dtype={dtype} was asked for")
+    seen: dict = {}
+    for i, t in enumerate(tensors):
+        seen.setdefault(t.dtype, i)
+    _check_casts("flatten", [(i, dt) for dt, i in seen.items()], dtype, "tensors", "out", True)
     offsets, total = flat_layout(tensors, align, dtype) if tensors else ([], 0)
     if out is None:
         device = tensors[0].device if tensors else torch.device("cpu")
-        out = aligned_empty(total, dtype, align) if device.type == "cpu" else torch.empty(total, dtype=dtype, device=device)
+        if device.type == "cpu":
+            out = aligned_empty(total, dtype, align)
+        else:
+            out = torch.empty(total, dtype=dtype, device=device)
     else:
         _check_flat(out, "out", total, align)
         out = out[:total]
-    views = []
-    for i, (t, off) in enumerate(zip(tensors, offsets)):
-        v = out[off : off + t.numel()]
-        _check_pair("out", v, f"tensors[{i}]", t)
-        views.append(v)
-    return tensors, out, offsets, views
+    return tensors, out, offsets
 
 
 def _zero_padding(flat: torch.Tensor, offsets: list[int], numels: list[int]) -> None:
@@ -182,10 +196,10 @@ def _zero_padding(flat: torch.Tensor, offsets: list[int], numels: list[int]) -> 
 
 def flatten_reference(tensors, out=None, align: int = 4096, dtype=None):
     """Plain torch flatten (same layout and padding as flatten)."""
-    tensors, flat, offsets, views = _prepare_flatten(tensors, out, align, dtype)
+    tensors, flat, offsets = _prepare_flatten(tensors, out, align, dtype)
     _zero_padding(flat, offsets, [t.numel() for t in tensors])
-    for v, t in zip(views, tensors):
-        v.copy_(t.reshape(-1))
+    for off, t in zip(offsets, tensors):
+        flat[off : off + t.numel()].copy_(t.reshape(-1))
     return flat, offsets
 
 
@@ -198,50 +212,54 @@ def flatten(
     """Copy (casting to `dtype`, default out's or the first tensor's) every tensor into one flat
     buffer at `align`-byte aligned offsets. `out`, when given, must be 1-D, contiguous, `align`-aligned
     and hold at least the layout's total; the returned flat is `out[:total]`."""
-    tensors, flat, offsets, views = _prepare_flatten(tensors, out, align, dtype)
+    tensors, flat, offsets = _prepare_flatten(tensors, out, align, dtype)
     mod = _kernel_ok(flat, *tensors)
     if mod is None:
         return flatten_reference(tensors, flat, align, flat.dtype)
-    _zero_padding(flat, offsets, [t.numel() for t in tensors])
-    mod.copy_many(views, [t.contiguous() for t in tensors])
+    mod.flatten_into(flat, tensors, offsets)  # copies, casts and zeroes the padding in one parallel run
     return flat, offsets
 
 
 def _prepare_unflatten(flat, offsets, outs):
     outs = list(outs)
-    offsets = list(offsets)
+    offsets = [int(o) for o in offsets]
     if len(offsets) != len(outs):
         raise ValueError(f"offsets has {len(offsets)} entries but outs has {len(outs)}")
     if flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError(f"flat must be a contiguous 1-D tensor (got shape {tuple(flat.shape)})")
-    views = []
+    seen: dict = {}
+    end = 0
     for i, (off, o) in enumerate(zip(offsets, outs)):
         if not isinstance(o, torch.Tensor):
             raise ValueError(f"outs[{i}] must be a tensor, got {type(o).__name__}")
-        if off < 0 or off + o.numel() > flat.numel():
+        n = o.numel()
+        if off < end or off + n > flat.numel():
             raise ValueError(
-                f"offsets[{i}] = {off} with outs[{i}].numel() = {o.numel()} runs past flat's {flat.numel()} elements"
+                f"offsets[{i}] = {off} with outs[{i}].numel() = {n} overlaps the previous slice or runs past "
+                f"flat's {flat.numel()} elements"
             )
-        v = flat[off : off + o.numel()]
-        _check_pair(f"outs[{i}]", o, "flat", v)
-        views.append(v)
-    return outs, views
+        if not o.is_contiguous():
+            raise ValueError(f"outs[{i}] must be contiguous (got strides {tuple(o.stride())})")
+        seen.setdefault(o.dtype, i)
+        end = off + n
+    _check_casts("unflatten", [(i, dt) for dt, i in seen.items()], flat.dtype, "outs", "flat", False)
+    return outs, offsets
 
 
 def unflatten_reference(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.Tensor]):
     """Plain torch unflatten."""
-    outs, views = _prepare_unflatten(flat, offsets, outs)
-    for o, v in zip(outs, views):
-        o.view(-1).copy_(v)
+    outs, offsets = _prepare_unflatten(flat, offsets, outs)
+    for o, off in zip(outs, offsets):
+        o.view(-1).copy_(flat[off : off + o.numel()])
     return outs
 
 
 def unflatten(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """outs[i] <- flat[offsets[i] : offsets[i] + outs[i].numel()], casting to each out's dtype.
     Returns outs."""
-    outs, views = _prepare_unflatten(flat, offsets, outs)
+    outs, offsets = _prepare_unflatten(flat, offsets, outs)
     mod = _kernel_ok(flat, *outs)
     if mod is None:
         return unflatten_reference(flat, offsets, outs)
-    mod.copy_many(outs, views)
+    mod.unflatten_from(flat, outs, offsets)
     return outs
