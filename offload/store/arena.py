@@ -69,6 +69,13 @@ class ArenaBlock:
             raise ValueError(f"view of {numel} x {dtype} needs {numel * item} bytes; the block has {self.nbytes}")
         return self.tensor[: numel * item].view(dtype)
 
+    def padded(self) -> torch.Tensor:
+        """The block's whole reserved range (nbytes rounded up to 4096) as uint8: the length an O_DIRECT
+        read or write of this block must use."""
+        if self.freed:
+            raise RuntimeError(f"{self.arena.name}: block at offset {self.offset} is freed")
+        return self.arena.buffer[self.offset : self.offset + self.reserved]
+
     def data_ptr(self) -> int:
         return self.arena.base_ptr + self.offset
 
