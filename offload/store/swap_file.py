@@ -49,6 +49,9 @@ class SwapDir:
             self.created = True
         elif not os.path.isdir(self.path):
             raise NotADirectoryError(errno.ENOTDIR, f"nvme_path {self.path!r} exists and is not a directory", self.path)
+        if os.statvfs(self.path).f_flag & os.ST_RDONLY:
+            raise OSError(errno.EROFS, f"nvme_path {self.path!r} is on a read-only filesystem; swap files need a "
+                          "writable directory", self.path)
         if not os.access(self.path, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, f"nvme_path {self.path!r} is not writable by this process", self.path)
 

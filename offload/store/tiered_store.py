@@ -202,14 +202,14 @@ class TieredStore:
                 return self._done(None)
             # The initial bytes go out through a staging buffer: the shard starts as a working copy at
             # CPU and the first move writes it home and drops it.
-            stg = self._arena.alloc(nbytes, timeout)
+            stg = self._alloc(s, ["cpu"], timeout)["cpu"]
             _host_copy(_view(stg, s), init.detach().cpu() if init.device.type != "cpu" else init.detach())
             s.residency, s.cpu_block, s.target = R.CPU, stg, Tier.CPU
             with self._lock:
                 self._shards[name] = s
             return self.release(name, writeback=True)
-        pool = self._arena if home is Tier.CPU else self._dev
-        blk = pool.alloc(nbytes, timeout)
+        kind = "cpu" if home is Tier.CPU else "dev"
+        blk = self._alloc(s, [kind], timeout)[kind]
         try:
             t = _view(blk, s)
             if init is None:
