@@ -20,11 +20,15 @@ def _isas():
     return order[: order.index(_C.best_isa()) + 1]
 
 
-@pytest.fixture
-def isa_and_threads():
+@pytest.fixture(params=["store", "stream"])
+def isa_and_threads(request):
+    # "stream": every output takes the non-temporal-store path (normally only outputs >= 32 MiB)
+    if request.param == "stream":
+        _C.set_copy_stream_threshold(0)
     yield
     _C.set_isa("auto")
     _C.set_num_threads(0)
+    _C.set_copy_stream_threshold(-1)
 
 
 SPECIAL_F32 = [
@@ -106,6 +110,28 @@ def test_cast_to_f32_every_isa_bitwise(n, frm, isa_and_threads):
         out = torch.full((n,), 7.0)
         oc.copy_(out, x)
         assert_bitwise(out, want)
+
+
+@needs_ext
+def test_misaligned_outputs_every_path(isa_and_threads):
+    # outputs starting 1..3 elements past an aligned address: the streaming head/tail code
+    n = 5003
+    x = f32_input(n + 3, 11)
+    for isa in _isas():
+        _C.set_isa(isa)
+        for k in range(4):
+            for to in (torch.bfloat16, torch.float16, torch.float32):
+                out = oc.aligned_empty(n + 3, to)[k : k + n]
+                oc.copy_(out, x[k : k + n])
+                assert_bitwise(out, x[k : k + n].to(to))
+            back = oc.aligned_empty(n + 3, torch.float32)[k : k + n]
+            h = x[:n].to(torch.bfloat16)
+            assert_bitwise(oc.copy_(back, h), h.to(torch.float32))
+
+
+@needs_ext
+def test_stream_threshold_default():
+    assert _C.copy_stream_threshold() == 32 << 20
 
 
 @needs_ext

@@ -113,6 +113,10 @@ void register_copy(pybind11::module_& m) {
   m.def("copy_many", &copy_many, pybind11::arg("dsts"), pybind11::arg("srcs"),
         "dsts[i] <- srcs[i] for every i (CPU, contiguous, equal numel), casting float32<->bfloat16/float16 "
         "like Tensor.to(), multi-threaded over the kernel pool");
+  m.def("copy_stream_threshold", &copy::stream_threshold,
+        "Output size (bytes per tensor) from which copies/casts use non-temporal stores");
+  m.def("set_copy_stream_threshold", &copy::set_stream_threshold, pybind11::arg("nbytes"),
+        "Set that size; a negative value restores the default (32 MiB)");
   m.def(
       "flatten_into",
       [](const at::Tensor& flat, const std::vector<at::Tensor>& srcs, const std::vector<int64_t>& offsets) {

@@ -34,12 +34,18 @@ struct Task {
 // element depends only on its own input element, so the result is the same for any thread count.
 void run_tasks(const std::vector<Task>& tasks);
 
-// Single-threaded conversions of [0, n) on the path offload::active_isa() names (scalar / AVX2 /
-// AVX-512); run_tasks calls them on each chunk.
-void cast_f32_to_bf16(const float* src, uint16_t* dst, int64_t n);
-void cast_bf16_to_f32(const uint16_t* src, float* dst, int64_t n);
-void cast_f32_to_f16(const float* src, uint16_t* dst, int64_t n);
-void cast_f16_to_f32(const uint16_t* src, float* dst, int64_t n);
+// Outputs of at least this many bytes (per task) use streaming stores; default 32 MiB, < 0 restores it.
+int64_t stream_threshold();
+void set_stream_threshold(int64_t bytes);
+
+// Single-threaded conversions / copy of [0, n) on the path offload::active_isa() names (scalar / AVX2 /
+// AVX-512); run_tasks calls them on each chunk. `stream`: non-temporal stores (for outputs much larger
+// than the cache; the caller issues the sfence).
+void cast_f32_to_bf16(const float* src, uint16_t* dst, int64_t n, bool stream = false);
+void cast_bf16_to_f32(const uint16_t* src, float* dst, int64_t n, bool stream = false);
+void cast_f32_to_f16(const float* src, uint16_t* dst, int64_t n, bool stream = false);
+void cast_f16_to_f32(const uint16_t* src, float* dst, int64_t n, bool stream = false);
+void copy_bytes(void* dst, const void* src, int64_t n, bool stream = false);
 
 }  // namespace copy
 }  // namespace offload
