@@ -125,6 +125,30 @@ def test_lock_reported_and_no_pin_memory_on_cpu_only():
     assert not a.locked
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the arena is registered, not mlock'ed")
+def test_lock_respects_rlimit_memlock():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, hard))
+    try:
+        a = PinnedArena("1MiB")  # auto: over the soft limit -> not locked, and says why
+        assert a.lock_kind == "none" and "RLIMIT_MEMLOCK is 64.00 KiB < arena 1.00 MiB" in a.lock_error
+        a.close()
+        small = PinnedArena(64 * 1024)
+        assert small.lock_kind == "mlock"
+        small.close()
+        try:
+            forced = PinnedArena("1MiB", lock=True)  # root / CAP_IPC_LOCK may exceed the soft limit
+        except OSError as e:
+            assert "could not page-lock the arena" in str(e)
+        else:
+            assert forced.lock_kind == "mlock"
+            forced.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
+
+
 def test_close_releases_the_allocation():
     a = PinnedArena("4MiB", lock=False)
     ref = weakref.ref(a._raw)

@@ -11,10 +11,11 @@ Why one allocation: torch's pinned allocator rounds every block up to a power of
 one separately; here a block costs its size rounded up to 4096 (so every block can be an O_DIRECT
 buffer) and the page-locking happens once.
 
-Locking: with CUDA, the whole range is registered with cudaHostRegister (via torch.cuda.cudart()),
-which makes it pinned for async H2D/D2H copies. Without CUDA, it is mlock'ed when RLIMIT_MEMLOCK
-allows (lock_kind says "mlock", or "none" with the reason in lock_error). pin_memory() is never
-called: CPU-only torch refuses it.
+Locking (lock="auto"): with CUDA, the whole range is registered with cudaHostRegister (via
+torch.cuda.cudart()), which makes it pinned for async H2D/D2H copies. Without CUDA, it is mlock'ed
+when it fits under RLIMIT_MEMLOCK (lock_kind says "mlock", or "none" with the reason in lock_error);
+lock=True locks regardless of the soft limit where the process may (root / CAP_IPC_LOCK) and raises
+otherwise; lock=False never locks. pin_memory() is never called: CPU-only torch refuses it.
 
 Free ranges are kept sorted by offset; a free coalesces with both neighbours, so a fully freed arena
 is one free range again. Allocation is first-fit. `alloc` waits on a condition variable for a free(),
@@ -134,10 +135,13 @@ class PinnedArena:
             self.lock_error = f"cudaHostRegister({format_bytes(self.capacity)}) failed with cudaError {code}"
         else:
             soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-            if soft != resource.RLIM_INFINITY and soft < self.capacity and os.geteuid() != 0:
+            over = soft != resource.RLIM_INFINITY and soft < self.capacity
+            if over and not required:
+                # "auto" respects the limit even for root (who could exceed it): locking a large arena
+                # commits all of it at once, which a shared CPU-only machine should not get by default.
                 self.lock_error = (
                     f"RLIMIT_MEMLOCK is {format_bytes(soft)} < arena {format_bytes(self.capacity)} "
-                    "(raise it with `ulimit -l` or run with CAP_IPC_LOCK)"
+                    "(raise it with `ulimit -l`, or pass lock=True to lock anyway where CAP_IPC_LOCK allows)"
                 )
             else:
                 err = _libc().mlock(ctypes.c_void_p(self.base_ptr), ctypes.c_size_t(self.capacity))

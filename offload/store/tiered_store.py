@@ -185,25 +185,32 @@ class TieredStore:
         if home is Tier.NVME:
             swap = self._swap_file(tier_class)
             slot_bytes = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
-            with self._lock:
-                if self._nvme_used + slot_bytes > self.nvme_capacity:
-                    raise SwapSpaceError(
-                        28,  # ENOSPC
-                        f"shard {name!r} needs {slot_bytes} bytes of swap but the nvme budget of "
-                        f"{format_bytes(self.nvme_capacity)} has {self.nvme_capacity - self._nvme_used} bytes left; "
-                        "raise nvme_budget",
-                    )
-                s.slot = swap.reserve(nbytes)
-                s.swap = swap
-                self._nvme_used += slot_bytes
-            if init is None:
+            # The initial bytes go out through a staging buffer, taken first so that a refusal leaves
+            # no swap slot behind: the shard starts as a working copy at CPU and its first move writes
+            # it home and drops it.
+            stg = self._alloc(s, ["cpu"], timeout)["cpu"] if init is not None else None
+            try:
+                if stg is not None:
+                    _host_copy(_view(stg, s), init.detach().cpu() if init.device.type != "cpu" else init.detach())
+                with self._lock:
+                    if self._nvme_used + slot_bytes > self.nvme_capacity:
+                        raise SwapSpaceError(
+                            28,  # ENOSPC
+                            f"shard {name!r} needs {slot_bytes} bytes of swap but the nvme budget of "
+                            f"{format_bytes(self.nvme_capacity)} has {self.nvme_capacity - self._nvme_used} bytes "
+                            "left; raise nvme_budget",
+                        )
+                    s.slot = swap.reserve(nbytes)
+                    s.swap = swap
+                    self._nvme_used += slot_bytes
+            except BaseException:
+                if stg is not None:
+                    stg.free()
+                raise
+            if stg is None:
                 with self._lock:
                     self._shards[name] = s
                 return self._done(None)
-            # The initial bytes go out through a staging buffer: the shard starts as a working copy at
-            # CPU and the first move writes it home and drops it.
-            stg = self._alloc(s, ["cpu"], timeout)["cpu"]
-            _host_copy(_view(stg, s), init.detach().cpu() if init.device.type != "cpu" else init.detach())
             s.residency, s.cpu_block, s.target = R.CPU, stg, Tier.CPU
             with self._lock:
                 self._shards[name] = s
