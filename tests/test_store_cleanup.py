@@ -66,12 +66,19 @@ def test_exception_inside_with_with_moves_in_flight(tmp_path, baseline):
     with pytest.raises(ZeroDivisionError):
         with TieredStore(cfg(d, io_workers=2)) as st:
             fill(st)
+            futs = []
             for i in range(20):
-                st.fetch(f"s{i}", "cpu")  # queued, some running when the block dies
-                st.release(f"s{i}", writeback=True)
+                for _ in range(3):  # chains of moves per shard: queued, some running when the block dies
+                    futs.append(st.fetch(f"s{i}", "cpu"))
+                    futs.append(st.release(f"s{i}", writeback=True))
             arena_ref = weakref.ref(st._arena._raw)
             1 / 0
     assert st.closed
+    assert all(f.done() for f in futs)
+    cancelled = sum(f.cancelled() for f in futs)
+    assert cancelled > 0  # the exit did not run the whole queue
+    # no move of a shard ran beside another move of the same shard (the transitions would have asserted)
+    assert not [f.exception() for f in futs if not f.cancelled() and f.exception() is not None]
     with pytest.raises(StoreError, match="closed"):
         st.fetch("s1", "cpu")
     del st

@@ -29,7 +29,7 @@ def store(tmp_path):
 
 
 # 1 byte .. a few MiB, odd sizes
-CASES = [(1, torch.uint8), (3, torch.bfloat16), (1023, torch.float32), (4096, torch.bfloat16),
+CASES = [(0, torch.float32), (1, torch.uint8), (3, torch.bfloat16), (1023, torch.float32), (4096, torch.bfloat16),
          (4097, torch.float32), (65_537, torch.bfloat16), (1_048_579, torch.float32)]
 
 

@@ -123,8 +123,10 @@ class TieredStore:
             cfg = StoreConfig(**{**cfg.__dict__, **overrides})
         self.config = cfg
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self._lock = threading.Lock()
+        # Re-entrant: a future's done-callbacks (which take the lock) can fire inside _chain, which holds it.
+        self._lock = threading.RLock()
         self._closed = False
+        self._cancelling = False
         self._shards: dict[str, _Shard] = {}
         self._inflight: set[cf.Future] = set()
         self._moved = {"nvme->cpu": 0, "cpu->nvme": 0, "cpu->device": 0, "device->cpu": 0}
@@ -328,6 +330,7 @@ class TieredStore:
             if self._closed:
                 return
             self._closed = True
+            self._cancelling = cancel
             futs = list(self._inflight)
         if cancel:
             for f in futs:
@@ -400,6 +403,8 @@ class TieredStore:
         self._inflight.add(fut)
 
         def run():
+            if self._cancelling:
+                fut.cancel()  # close(cancel=True): nothing new starts, even if queued behind a cancelled move
             if not fut.set_running_or_notify_cancel():
                 self._drop_unused(new)
                 return
