@@ -255,17 +255,19 @@ class TieredStore:
             else:
                 need = ["dev", "cpu"] if (plan is None and s.home is Tier.NVME) else ["dev"]
         new = self._alloc(s, need, timeout)
+        after = self._stream_point()
         with self._lock:
             if tier is not s.home:
                 s.target = tier
-            return self._chain(s, lambda: self._do_fetch(s, tier, new), new)
+            return self._chain(s, lambda: self._do_fetch(s, tier, new, after), new)
 
     def writeback(self, name: str, timeout: float | None = None) -> cf.Future:
         """Future[None]: copy the working copy to the home copy (no-op without a working copy)."""
         s = self._get(name)
         new = self._alloc(s, self._writeback_needs(s), self.config.alloc_timeout if timeout is None else timeout)
+        after = self._stream_point()
         with self._lock:
-            return self._chain(s, lambda: self._do_writeback(s, new), new)
+            return self._chain(s, lambda: self._do_writeback(s, new, after), new)
 
     def release(self, name: str, writeback: bool = False, timeout: float | None = None) -> cf.Future:
         """Future[None]: free the working copy (after writing it home when `writeback`); its buffer
@@ -273,9 +275,10 @@ class TieredStore:
         s = self._get(name)
         need = self._writeback_needs(s) if writeback else []
         new = self._alloc(s, need, self.config.alloc_timeout if timeout is None else timeout)
+        after = self._stream_point()
         with self._lock:
             s.target = None
-            return self._chain(s, lambda: self._do_release(s, writeback, new), new)
+            return self._chain(s, lambda: self._do_release(s, writeback, new, after), new)
 
     def residency(self, name: str) -> Residency:
         return self._get(name).residency
@@ -475,7 +478,18 @@ class TieredStore:
         if t.device.type == "cuda":
             torch.cuda.current_stream(t.device).synchronize()  # the copy must be over before the buffer is used
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _stream_point(self):
+        """On CUDA, an event on the caller's current stream at the time of the request: the move's copy
+        waits for it, so it sees the caller's queued writes to a working copy, and a device buffer just
+        taken from the caching allocator is not written while kernels queued before the request may
+        still use its previous occupant. None without CUDA."""
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> None:
         """dst <- src between host and device buffers; returns when the bytes have landed."""
         if dst.device.type == "cpu" and src.device.type == "cpu":
             _host_copy(dst, src)  # multi-threaded C++ copy (GIL released)
@@ -483,6 +497,8 @@ class TieredStore:
         stream = getattr(self._cuda_streams, "s", None)
         if stream is None:
             stream = self._cuda_streams.s = torch.cuda.Stream(self.device)
+        if after is not None:
+            stream.wait_event(after)  # the caller's work queued before this request comes first
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         stream.synchronize()  # the future resolves (and a buffer may be freed) only after the copy is over
@@ -513,7 +529,7 @@ class TieredStore:
         s.cpu_block, new["cpu"] = blk, None
         self._transition(s, R.READING, R.CPU)
 
-    def _do_fetch(self, s: _Shard, tier: Tier, new: dict) -> torch.Tensor:
+    def _do_fetch(self, s: _Shard, tier: Tier, new: dict, after=None) -> torch.Tensor:
         try:
             st = s.residency
             if tier is s.home:
@@ -529,7 +545,7 @@ class TieredStore:
                     raise StoreError(f"shard {s.name!r}: moved while this fetch was being queued; fetch again")
                 self._transition(s, R.DEVICE, R.TO_CPU)
                 try:
-                    self._copy(_view(blk, s), _view(s.dev_block, s))
+                    self._copy(_view(blk, s), _view(s.dev_block, s), after)
                 except BaseException:
                     self._transition(s, R.TO_CPU, R.DEVICE)
                     raise
@@ -550,7 +566,7 @@ class TieredStore:
             src = s.cpu_block if s.home is Tier.NVME else s.home_block
             self._transition(s, R.CPU, R.TO_DEVICE)
             try:
-                self._copy(_view(dev, s), _view(src, s))
+                self._copy(_view(dev, s), _view(src, s), after)
             except BaseException:
                 self._transition(s, R.TO_DEVICE, R.CPU)
                 raise
@@ -564,7 +580,7 @@ class TieredStore:
         finally:
             self._drop_unused(new)
 
-    def _writeback_now(self, s: _Shard, new: dict) -> None:
+    def _writeback_now(self, s: _Shard, new: dict, after=None) -> None:
         st = s.residency
         if s.home is Tier.DEVICE or st is R.NVME or (st is R.CPU and s.home is Tier.CPU):
             return  # no working copy apart from the home copy
@@ -579,7 +595,7 @@ class TieredStore:
         if s.home is Tier.CPU:
             self._transition(s, R.DEVICE, R.TO_CPU)
             try:
-                self._copy(_view(s.home_block, s), _view(s.dev_block, s))
+                self._copy(_view(s.home_block, s), _view(s.dev_block, s), after)
                 self._count("device->cpu", s.nbytes)
             finally:
                 self._transition(s, R.TO_CPU, R.DEVICE)
@@ -589,7 +605,7 @@ class TieredStore:
             raise StoreError(f"shard {s.name!r}: moved while this writeback was being queued; write back again")
         self._transition(s, R.DEVICE, R.TO_CPU)
         try:
-            self._copy(_view(stg, s), _view(s.dev_block, s))
+            self._copy(_view(stg, s), _view(s.dev_block, s), after)
             self._count("device->cpu", s.nbytes)
         except BaseException:
             self._transition(s, R.TO_CPU, R.DEVICE)
@@ -600,16 +616,16 @@ class TieredStore:
         finally:
             self._transition(s, R.WRITING, R.DEVICE)
 
-    def _do_writeback(self, s: _Shard, new: dict) -> None:
+    def _do_writeback(self, s: _Shard, new: dict, after=None) -> None:
         try:
-            self._writeback_now(s, new)
+            self._writeback_now(s, new, after)
         finally:
             self._drop_unused(new)
 
-    def _do_release(self, s: _Shard, writeback: bool, new: dict) -> None:
+    def _do_release(self, s: _Shard, writeback: bool, new: dict, after=None) -> None:
         try:
             if writeback:
-                self._writeback_now(s, new)  # a failure keeps the working copy: nothing is lost
+                self._writeback_now(s, new, after)  # a failure keeps the working copy: nothing is lost
             st = s.residency
             if st is R.CPU and s.home is Tier.NVME:
                 self._transition(s, R.CPU, R.NVME)
