@@ -21,6 +21,13 @@ def test_parse_size():
             parse_size(bad, "cpu_budget")
 
 
+def test_bad_budget_names_the_setting():
+    with pytest.raises(ValueError, match=r"cpu_budget must be a size like '60GiB'.* got 'lots'"):
+        TieredStore(StoreConfig(cpu_budget="lots", device_budget="1MiB"))
+    with pytest.raises(ValueError, match=r"device_budget must be >= 0 bytes"):
+        TieredStore(StoreConfig(cpu_budget="1MiB", device_budget=-5))
+
+
 def test_auto_budgets_are_the_stated_fractions(tmp_path):
     avail = psutil.virtual_memory().available
     assert abs(resolve_budget("auto", "cpu") - AUTO_FRACTION["cpu"] * avail) < 0.05 * avail
@@ -96,7 +103,7 @@ SHARDS = [(n, dt, home) for n, dt, home in [
 ]]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from(["fetch_cpu", "fetch_device", "release", "release_wb", "writeback"]),
                           st.integers(0, len(SHARDS) - 1)), min_size=1, max_size=40))
 def test_random_fetch_release_never_exceeds_budgets(tmp_path_factory, ops):
