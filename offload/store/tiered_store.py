@@ -55,6 +55,7 @@ from .swap_file import SLOT_ALIGN, SwapDir, SwapFile, SwapSpaceError
 __all__ = ["TieredStore", "StoreConfig", "StoreError", "ShardInfo"]
 
 R = Residency
+_TO_WORKER = object()  # yielded by a move before work that must run in a worker thread
 
 
 class StoreError(RuntimeError):
@@ -72,7 +73,7 @@ class StoreConfig:
     rank: int = 0  # names the swap files: rank{rank}-{tier_class}.swap
     device: str | None = None  # compute device; default "cuda" when available, else "cpu"
     lock_memory: bool | str = "auto"  # page-lock the arena: "auto" where allowed, True required, False never
-    io_workers: int = 8  # threads running moves (each waits on its own I/O or copy)
+    io_workers: int = 16  # threads running moves (each waits on its own I/O or copy; enough to keep the aio queue full)
     alloc_timeout: float | None = None  # default wait for budget space (None: until a release frees it)
     aio_block_size: int | str = "1MiB"
     aio_queue_depth: int = 32
@@ -259,7 +260,9 @@ class TieredStore:
         with self._lock:
             if tier is not s.home:
                 s.target = tier
-            return self._chain(s, lambda: self._do_fetch(s, tier, new, after), new)
+            fut, kick = self._chain(s, lambda: self._do_fetch(s, tier, new, after), new)
+        kick()  # outside the lock: may run the move's first step (its I/O submission) right here
+        return fut
 
     def writeback(self, name: str, timeout: float | None = None) -> cf.Future:
         """Future[None]: copy the working copy to the home copy (no-op without a working copy)."""
@@ -267,7 +270,9 @@ class TieredStore:
         new = self._alloc(s, self._writeback_needs(s), self.config.alloc_timeout if timeout is None else timeout)
         after = self._stream_point()
         with self._lock:
-            return self._chain(s, lambda: self._do_writeback(s, new, after), new)
+            fut, kick = self._chain(s, lambda: self._do_writeback(s, new, after), new)
+        kick()  # outside the lock: may run the move's first step (its I/O submission) right here
+        return fut
 
     def release(self, name: str, writeback: bool = False, timeout: float | None = None) -> cf.Future:
         """Future[None]: free the working copy (after writing it home when `writeback`); its buffer
@@ -278,7 +283,9 @@ class TieredStore:
         after = self._stream_point()
         with self._lock:
             s.target = None
-            return self._chain(s, lambda: self._do_release(s, writeback, new, after), new)
+            fut, kick = self._chain(s, lambda: self._do_release(s, writeback, new, after), new)
+        kick()  # outside the lock: may run the move's first step (its I/O submission) right here
+        return fut
 
     def residency(self, name: str) -> Residency:
         return self._get(name).residency
@@ -399,41 +406,75 @@ class TieredStore:
         f.set_result(value)
         return f
 
-    def _chain(self, s: _Shard, fn: Callable, new: dict) -> cf.Future:
-        """Queues fn as the shard's next move (called with self._lock held)."""
+    def _chain(self, s: _Shard, make: Callable, new: dict):
+        """Queues a move as the shard's next; returns (future, kick), and the caller calls kick() once it
+        has released self._lock (called with it held).
+
+        A move is a generator (make() creates it): it runs until it has submitted an I/O and yields the
+        handle, or yields _TO_WORKER before work that must not run in the caller (a copy); a worker waits
+        for the handle and resumes it. When nothing of this shard is queued before it, kick() runs the
+        first step in the calling thread, so the I/O is in the engine's queue at once and a worker only
+        finishes it: the disk stays busy however slowly Python threads get the GIL."""
         fut: cf.Future = cf.Future()
         prev, s.last = s.last, fut
         self._inflight.add(fut)
+        fut.add_done_callback(self._forget)
 
-        def run():
+        def failed(e: BaseException) -> None:
+            with self._lock:
+                if s.last is fut:  # nothing queued behind: the plan is where the bytes really are
+                    s.target = self._working_tier(s)
+            self._finish(fut, exc=e)
+
+        def drive(gen, pending) -> None:  # in a worker, to the end of the move
+            try:
+                while True:
+                    if pending is not _TO_WORKER:
+                        try:
+                            pending.wait()  # the move resumes only once its I/O is over
+                        except Exception:
+                            pass  # the move calls wait() again and handles the error where it can undo its state
+                    pending = gen.send(None)
+            except StopIteration as stop:
+                self._finish(fut, result=stop.value)
+            except BaseException as e:
+                failed(e)
+
+        def begin(in_worker: bool) -> None:  # the first step, up to the move's first wait
             if self._cancelling:
                 fut.cancel()  # close(cancel=True): nothing new starts, even if queued behind a cancelled move
             if not fut.set_running_or_notify_cancel():
                 self._drop_unused(new)
                 return
+            gen = make()
             try:
-                result = fn()
+                pending = gen.send(None)
+            except StopIteration as stop:
+                self._finish(fut, result=stop.value)
+                return
             except BaseException as e:
-                with self._lock:
-                    if s.last is fut:  # nothing queued behind: the plan is where the bytes really are
-                        s.target = self._working_tier(s)
-                self._finish(fut, exc=e)
-            else:
-                self._finish(fut, result=result)
-
-        def start(_=None):
+                failed(e)
+                return
+            if in_worker:
+                drive(gen, pending)
+                return
             try:
-                self._pool.submit(run)
+                self._pool.submit(drive, gen, pending)
+            except RuntimeError as e:  # cannot happen while open (close waits for running moves); be safe
+                gen.close()
+                failed(StoreError(f"shard {s.name!r}: no worker to finish the move ({e})"))
+
+        def after_prev(_=None) -> None:
+            try:
+                self._pool.submit(begin, True)
             except RuntimeError:  # pool shut down by close(): this move never runs
                 self._drop_unused(new)
                 self._finish(fut, exc=StoreError(f"shard {s.name!r}: the store closed before this move ran"))
 
-        fut.add_done_callback(self._forget)
-        if prev is None:
-            start()
-        else:
-            prev.add_done_callback(start)  # moves of one shard run in the order they were asked for
-        return fut
+        if prev is None or prev.done():
+            return fut, (lambda: begin(False))
+        # moves of one shard run in the order they were asked for
+        return fut, (lambda: prev.add_done_callback(after_prev))
 
     def _forget(self, fut: cf.Future) -> None:
         with self._lock:
@@ -503,33 +544,43 @@ class TieredStore:
             dst.copy_(src, non_blocking=True)
         stream.synchronize()  # the future resolves (and a buffer may be freed) only after the copy is over
 
-    def _read(self, s: _Shard, blk) -> None:
+    # Moves are generators (see _chain): `yield handle` submits an I/O and is resumed once it is over;
+    # `yield _TO_WORKER` hands the rest to a worker thread. Each undoes its residency on failure.
+
+    def _read(self, s: _Shard, blk):
         if blk.reserved == 0:
             return
-        s.swap.check_intact(s.slot + blk.reserved)
-        self._engine.read(s.swap.file, s.slot, blk.padded()).wait()  # the buffer is valid only after the read
+        h = self._engine.read(s.swap.file, s.slot, blk.padded())
+        yield h  # resumed once the read is over: the buffer is valid only then
+        try:
+            h.wait()  # already over; raises the read's error here, where the caller undoes its state
+        except OSError:
+            s.swap.check_intact(s.slot + blk.reserved)  # a file cut short says so (clearer than ENODATA)
+            raise
         self._count("nvme->cpu", s.nbytes)
 
-    def _write(self, s: _Shard, blk) -> None:
+    def _write(self, s: _Shard, blk):
         if blk.reserved == 0:
             return
-        self._engine.write(s.swap.file, s.slot, blk.padded()).wait()  # the buffer may be freed only after the write
+        h = self._engine.write(s.swap.file, s.slot, blk.padded())
+        yield h  # resumed once the write is over: the buffer may be reused or freed only then
+        h.wait()  # already over; raises the write's error here
         self._count("cpu->nvme", s.nbytes)
 
-    def _nvme_to_cpu(self, s: _Shard, new: dict) -> None:
+    def _nvme_to_cpu(self, s: _Shard, new: dict):
         blk = new.get("cpu")
         if blk is None:
             raise StoreError(f"shard {s.name!r}: moved while this fetch was being queued; fetch again")
         self._transition(s, R.NVME, R.READING)
         try:
-            self._read(s, blk)
+            yield from self._read(s, blk)
         except BaseException:
             self._transition(s, R.READING, R.NVME)
             raise
         s.cpu_block, new["cpu"] = blk, None
         self._transition(s, R.READING, R.CPU)
 
-    def _do_fetch(self, s: _Shard, tier: Tier, new: dict, after=None) -> torch.Tensor:
+    def _do_fetch(self, s: _Shard, tier: Tier, new: dict, after=None):
         try:
             st = s.residency
             if tier is s.home:
@@ -538,11 +589,12 @@ class TieredStore:
                 if st is R.CPU:
                     return _view(s.cpu_block, s)
                 if st is R.NVME:
-                    self._nvme_to_cpu(s, new)
+                    yield from self._nvme_to_cpu(s, new)
                     return _view(s.cpu_block, s)
                 blk = new.get("cpu")  # st is DEVICE: the working copy comes down to cpu
                 if blk is None:
                     raise StoreError(f"shard {s.name!r}: moved while this fetch was being queued; fetch again")
+                yield _TO_WORKER  # copies run in a worker, never in the caller
                 self._transition(s, R.DEVICE, R.TO_CPU)
                 try:
                     self._copy(_view(blk, s), _view(s.dev_block, s), after)
@@ -562,8 +614,9 @@ class TieredStore:
             if dev is None:
                 raise StoreError(f"shard {s.name!r}: moved while this fetch was being queued; fetch again")
             if st is R.NVME:
-                self._nvme_to_cpu(s, new)
+                yield from self._nvme_to_cpu(s, new)
             src = s.cpu_block if s.home is Tier.NVME else s.home_block
+            yield _TO_WORKER  # copies run in a worker, never in the caller
             self._transition(s, R.CPU, R.TO_DEVICE)
             try:
                 self._copy(_view(dev, s), _view(src, s), after)
@@ -580,18 +633,19 @@ class TieredStore:
         finally:
             self._drop_unused(new)
 
-    def _writeback_now(self, s: _Shard, new: dict, after=None) -> None:
+    def _writeback_now(self, s: _Shard, new: dict, after=None):
         st = s.residency
         if s.home is Tier.DEVICE or st is R.NVME or (st is R.CPU and s.home is Tier.CPU):
             return  # no working copy apart from the home copy
         if st is R.CPU:  # home nvme, working copy in the staging buffer
             self._transition(s, R.CPU, R.WRITING)
             try:
-                self._write(s, s.cpu_block)
+                yield from self._write(s, s.cpu_block)
             finally:
                 self._transition(s, R.WRITING, R.CPU)
             return
         # st is DEVICE
+        yield _TO_WORKER  # copies run in a worker, never in the caller
         if s.home is Tier.CPU:
             self._transition(s, R.DEVICE, R.TO_CPU)
             try:
@@ -612,20 +666,20 @@ class TieredStore:
             raise
         self._transition(s, R.TO_CPU, R.WRITING)
         try:
-            self._write(s, stg)
+            yield from self._write(s, stg)
         finally:
             self._transition(s, R.WRITING, R.DEVICE)
 
-    def _do_writeback(self, s: _Shard, new: dict, after=None) -> None:
+    def _do_writeback(self, s: _Shard, new: dict, after=None):
         try:
-            self._writeback_now(s, new, after)
+            yield from self._writeback_now(s, new, after)
         finally:
             self._drop_unused(new)
 
-    def _do_release(self, s: _Shard, writeback: bool, new: dict, after=None) -> None:
+    def _do_release(self, s: _Shard, writeback: bool, new: dict, after=None):
         try:
             if writeback:
-                self._writeback_now(s, new, after)  # a failure keeps the working copy: nothing is lost
+                yield from self._writeback_now(s, new, after)  # a failure keeps the working copy: nothing is lost
             st = s.residency
             if st is R.CPU and s.home is Tier.NVME:
                 self._transition(s, R.CPU, R.NVME)
