@@ -18,7 +18,10 @@ shard has at most one working copy: fetching it to another tier moves the workin
 
 Guarantees
 - Moves of one shard run in the order they were asked for; moves of different shards run in
-  parallel on `io_workers` threads (and the aio engine's queue underneath).
+  parallel on `io_workers` threads (and the aio engine's queue underneath). fetch/writeback/release
+  return at once with a future: they may submit the move's first I/O from the calling thread (when
+  nothing of that shard is queued before it) and a release without writeback may free the buffer
+  right there, but they never copy or wait for I/O in the caller; they only wait for budget space.
 - A buffer is freed only by the move that last used it, after that move's I/O or copy is over, and the
   arena hands a range out again only after it was freed: no buffer is reused while a move into or out
   of it is in flight. A tensor returned by fetch is valid until that shard's next release or fetch to
