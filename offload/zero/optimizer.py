@@ -1,0 +1,242 @@
+"""AdamW over the runtime's shards: each rank steps its own shard of every unit where the states live.
+
+Per unit and step: fetch the fp32 master (the param shard itself when compute is fp32), exp_avg,
+exp_avg_sq and the grad shard from their tiers (nvme: read into host memory), run the fused update over
+the ranges of each parameter (grouped by hyperparameters and step count, so param groups and parameters
+that got no gradient behave as in torch.optim.AdamW), write the states back, and when compute is bf16
+write the new bf16 param shard to its home tier. The next gather of a unit sees the new values.
+
+The update is `offload.ops.adamw_step_` (the fused C++ kernel) when available, else `adamw_reference_`,
+the same arithmetic as torch.optim.AdamW's single-tensor path.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .state import UnitState
+
+
+def adamw_reference_(master, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
+                     grad_scale=1.0, out=None):
+    """torch.optim.AdamW (single-tensor, non-amsgrad, non-maximize) on flat fp32 tensors, in place."""
+    if grad_scale != 1.0:
+        grad = grad * grad_scale
+    master.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+    master.addcdiv_(exp_avg, denom, value=-step_size)
+    if out is not None:
+        out.copy_(master)
+
+
+def _kernel():
+    try:
+        from ..ops import adamw_step_  # the fused kernel (offload/ops/adam.py), when present
+    except ImportError:
+        return adamw_reference_
+    return adamw_step_
+
+
+def owned_by_runtime(params) -> bool:
+    return any(hasattr(p, "_offload_unit") for p in params)
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """AdamW for parameters owned by an offload runtime (placeholders from `model.parameters()`)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, amsgrad=False,
+                 maximize=False, kernel=None):
+        if amsgrad or maximize:
+            raise ValueError("offload.AdamW: amsgrad / maximize are not supported for sharded parameters")
+        if not 0.0 <= lr:
+            raise ValueError(f"offload.AdamW: invalid lr {lr}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        params = list(params)
+        from .runtime import current
+
+        rt = current()
+        if rt is not None and any(isinstance(p, torch.Tensor) and p.device.type == "meta"
+                                  and not hasattr(p, "_offload_unit") for p in _flat_params(params)):
+            rt.materialize_pending()  # built in the block, not used yet: shard it now
+        super().__init__(params, defaults)
+        runtimes = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                unit = getattr(p, "_offload_unit", None)
+                if unit is None:
+                    raise ValueError(
+                        "offload.AdamW: a parameter is not owned by an offload runtime; build or rt.wrap() the "
+                        "model inside `with offload.init(...)` before creating the optimizer, or pass only "
+                        "its parameters"
+                    )
+                runtimes.add(unit.rt)
+        if len(runtimes) > 1:
+            raise ValueError("offload.AdamW: parameters from several offload runtimes")
+        self.rt = runtimes.pop() if runtimes else rt
+        self._kernel = kernel or _kernel()
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _unit_plan(self):
+        """unit -> [(piece, group, param)] for this rank's shard, in shard order."""
+        by_slot = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                by_slot[(id(p._offload_unit), p._offload_slot)] = (group, p)
+        plan = []
+        for unit in self.rt.units:
+            entries = []
+            for piece in unit.layout.pieces(self.rt.rank):
+                hit = by_slot.get((id(unit), piece.slot))
+                if hit is not None:
+                    entries.append((piece,) + hit)
+            if entries:
+                plan.append((unit, entries))
+        return plan
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        rt = self.rt
+        rt._check_open("offload.AdamW.step")
+        rt.flush_grads()
+        rt.sync_used()
+        fp32 = rt.compute_dtype == torch.float32
+        storage = rt.storage
+        stepped_params = set()
+        for unit, entries in self._unit_plan():
+            live = [(pc, g, p) for pc, g, p in entries if unit.has_grad and bool(unit.used[pc.slot])]
+            if not live:
+                continue
+            k = unit.key
+            master_key = f"{k}.param" if fp32 else f"{k}.master"
+            master = storage.get(master_key)
+            if not storage.has(f"{k}.exp_avg"):
+                zeros = torch.zeros_like(master, dtype=torch.float32)
+                storage.put(f"{k}.exp_avg", zeros, rt.optimizer_tier)
+                storage.put(f"{k}.exp_avg_sq", zeros, rt.optimizer_tier)
+                del zeros
+            exp_avg = storage.get(f"{k}.exp_avg")
+            exp_avg_sq = storage.get(f"{k}.exp_avg_sq")
+            grad = storage.get(f"{k}.grad")
+            for piece, group, p in live:
+                if id(p) not in stepped_params:
+                    stepped_params.add(id(p))
+                    state = self.state[p]
+                    state["step"] = state.get("step", 0) + 1
+            for lo, hi, group, step in _runs(live, self.state):
+                beta1, beta2 = group["betas"]
+                self._kernel(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], lr=group["lr"],
+                             beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                             step=step, grad_scale=rt.grad_scale)
+            storage.put(master_key, master)
+            storage.put(f"{k}.exp_avg", exp_avg)
+            storage.put(f"{k}.exp_avg_sq", exp_avg_sq)
+            if not fp32:
+                storage.put(f"{k}.param", master.to(rt.compute_dtype))
+            del master, exp_avg, exp_avg_sq, grad
+            if unit.state is UnitState.UNSHARDED:
+                unit.stale = True  # persistent units re-gather before their next use
+        rt.grad_scale = 1.0
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.rt.zero_grad()
+
+    # ---- state dict (this rank's shard) -----------------------------------------------------
+    def state_dict(self):
+        """torch-style state dict of this rank's shard: per parameter its step and the exp_avg /
+        exp_avg_sq elements of the parameter that live in this rank's shard (1-D, with `shard_range`)."""
+        sd = super().state_dict()
+        index = {}
+        for group, gsd in zip(self.param_groups, sd["param_groups"]):
+            for p, i in zip(group["params"], gsd["params"]):
+                index[id(p)] = i
+        state = {}
+        for unit, entries in self._unit_plan():
+            have = self.rt.storage.has(f"{unit.key}.exp_avg")
+            m = self.rt.storage.get(f"{unit.key}.exp_avg") if have else None
+            v = self.rt.storage.get(f"{unit.key}.exp_avg_sq") if have else None
+            for piece, group, p in entries:
+                st = self.state.get(p, {})
+                if "step" not in st:
+                    continue
+                state[index[id(p)]] = {
+                    "step": torch.tensor(float(st["step"])),
+                    "exp_avg": m[piece.lo:piece.hi].clone(),
+                    "exp_avg_sq": v[piece.lo:piece.hi].clone(),
+                    "shard_range": (piece.param_lo, piece.param_lo + piece.hi - piece.lo),
+                }
+        sd["state"] = state
+        sd["world_size"] = self.rt.world_size
+        return sd
+
+    def load_state_dict(self, state_dict):
+        if state_dict.get("world_size", self.rt.world_size) != self.rt.world_size:
+            raise ValueError("offload.AdamW.load_state_dict: saved with world_size "
+                             f"{state_dict['world_size']}, loading with {self.rt.world_size}")
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError("offload.AdamW.load_state_dict: param group count differs")
+        by_index = {}
+        for group, saved in zip(self.param_groups, groups):
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = value
+            for p, i in zip(group["params"], saved["params"]):
+                by_index[i] = p
+        saved_state = state_dict["state"]
+        storage = self.rt.storage
+        for unit, entries in self._unit_plan():
+            touched = [(pc, p) for pc, g, p in entries if _index_of(by_index, p) in saved_state]
+            if not touched:
+                continue
+            k = unit.key
+            if not storage.has(f"{k}.exp_avg"):
+                zeros = torch.zeros(unit.layout.shard_numel, dtype=torch.float32)
+                storage.put(f"{k}.exp_avg", zeros, self.rt.optimizer_tier)
+                storage.put(f"{k}.exp_avg_sq", zeros, self.rt.optimizer_tier)
+            m = storage.get(f"{k}.exp_avg")
+            v = storage.get(f"{k}.exp_avg_sq")
+            for piece, p in touched:
+                st = saved_state[_index_of(by_index, p)]
+                m[piece.lo:piece.hi].copy_(st["exp_avg"])
+                v[piece.lo:piece.hi].copy_(st["exp_avg_sq"])
+                self.state[p]["step"] = int(st["step"])
+            storage.put(f"{k}.exp_avg", m)
+            storage.put(f"{k}.exp_avg_sq", v)
+
+
+def _index_of(by_index, p):
+    for i, q in by_index.items():
+        if q is p:
+            return i
+    return None
+
+
+def _flat_params(params):
+    for x in params:
+        if isinstance(x, dict):
+            yield from x["params"]
+        else:
+            yield x
+
+
+def _runs(live, state):
+    """Merge adjacent pieces with the same group and step into one kernel call: (lo, hi, group, step)."""
+    runs = []
+    for piece, group, p in live:
+        step = state[p]["step"]
+        if runs and runs[-1][1] == piece.lo and runs[-1][2] is group and runs[-1][3] == step:
+            runs[-1][1] = piece.hi
+        else:
+            runs.append([piece.lo, piece.hi, group, step])
+    return [tuple(r) for r in runs]
