@@ -10,6 +10,11 @@ import torch
 import torch.distributed as dist
 
 
+# torch >= 2.12 names them *_single (the *_tensor spellings warn); older releases only have *_tensor.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 @dataclass
 class Group:
     rank: int = 0
@@ -26,7 +31,7 @@ def all_gather_into(group: Group, out: torch.Tensor, shard: torch.Tensor) -> Non
     if not group.distributed:
         out.copy_(shard)
         return
-    dist.all_gather_into_tensor(out, shard.contiguous(), group=group.pg)
+    _all_gather(out, shard.contiguous(), group=group.pg)
 
 
 def reduce_scatter_mean(group: Group, full: torch.Tensor) -> torch.Tensor:
@@ -34,7 +39,7 @@ def reduce_scatter_mean(group: Group, full: torch.Tensor) -> torch.Tensor:
     if not group.distributed:
         return full.clone()
     out = torch.empty(full.numel() // group.world_size, dtype=full.dtype, device=full.device)
-    dist.reduce_scatter_tensor(out, full.contiguous(), op=dist.ReduceOp.SUM, group=group.pg)
+    _reduce_scatter(out, full.contiguous(), op=dist.ReduceOp.SUM, group=group.pg)
     out.div_(group.world_size)
     return out
 

@@ -24,6 +24,7 @@ class Slot:
     requires_grad: bool
     refs: list = field(default_factory=list)  # [(module, attribute name)] that hold this parameter
     fqn: str = ""  # first qualified name (for messages and state dicts)
+    ordinal: int = 0  # position in model.parameters() (clip_grad_norm_ combines norms in this order)
 
 
 @dataclass

@@ -11,8 +11,6 @@ the same arithmetic as torch.optim.AdamW's single-tensor path.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .state import UnitState
@@ -29,7 +27,7 @@ def adamw_reference_(master, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
     step_size = lr / bias_correction1
-    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+    denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
     master.addcdiv_(exp_avg, denom, value=-step_size)
     if out is not None:
         out.copy_(master)

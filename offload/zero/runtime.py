@@ -77,6 +77,7 @@ class Runtime:
         self._owns_pg = False
         self._capture: ConstructionCapture | None = None
         self._pending = False
+        self._ordinal_base = 0
         self.storage: ShardStorage | None = None
 
     # ---- lifetime ---------------------------------------------------------------------------
@@ -208,6 +209,8 @@ class Runtime:
         width = self.compute_dtype.itemsize
         persist = parse_size(cfg.persist_threshold, "persist_threshold")
         base = len(self.units)
+        ordinal = {id(p): i + self._ordinal_base for i, p in enumerate(model.parameters())}
+        self._ordinal_base += len(ordinal)
         with self._capture.paused() if self._capture else contextlib.nullcontext():
             for k, (spec, layout) in enumerate(zip(specs, layouts)):
                 index = base + k
@@ -229,6 +232,8 @@ class Runtime:
                 del shard
                 unit = ShardedUnit(self, index, spec.name, spec.module, layout)
                 for slot, (p, _, _) in zip(layout.slots, spec.params):
+                    slot.ordinal = ordinal[id(p)]
+                for slot, (p, _, _) in zip(layout.slots, spec.params):
                     if p.device.type != "meta":
                         torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"),
                                                                  requires_grad=p.requires_grad))
@@ -244,10 +249,13 @@ class Runtime:
                 if unit.nbytes_full <= persist:
                     unit.unshard()
                     unit.persistent = True
+        # Buffers are replicated, not sharded: moved to the compute device, and floating ones cast to the
+        # compute dtype (what model.to(torch.bfloat16) would do).
         for name, buf in list(model.named_buffers()):
-            if buf.device != self.device:
+            dtype = self.compute_dtype if buf.is_floating_point() else buf.dtype
+            if buf.device != self.device or buf.dtype != dtype:
                 mod_name, _, attr = name.rpartition(".")
-                model.get_submodule(mod_name)._buffers[attr] = buf.to(self.device)
+                model.get_submodule(mod_name)._buffers[attr] = buf.to(self.device, dtype)
         model._offload_runtime = self
         self.models.append(model)
         return model
@@ -346,20 +354,28 @@ class Runtime:
         by min(1, max_norm / (norm + 1e-6)) inside its fused update (as torch.nn.utils.clip_grad_norm_)."""
         self._check_open("rt.clip_grad_norm_")
         self.flush_grads()
-        inf = math.isinf(norm_type)
-        acc = torch.zeros((), dtype=torch.float32)
+        # Per-parameter norms first, then the norm of those (as torch.nn.utils.clip_grad_norm_ does), so
+        # one rank reproduces torch bit for bit; ranks combine their partial sums of squares.
+        norms = []
         for unit in self.units:
             if not unit.has_grad:
                 continue
             g = self.storage.get(f"{unit.key}.grad")
-            if inf:
-                acc = torch.maximum(acc, g.abs().max())
-            else:
-                acc += torch.linalg.vector_norm(g, norm_type) ** norm_type
-        comm.all_reduce_(self.group, acc, "max" if inf else "sum")
-        total = acc if inf else acc ** (1.0 / norm_type)
-        coef = float(max_norm) / (float(total) + 1e-6)
-        self.grad_scale = min(coef, 1.0)
+            for piece in unit.layout.pieces(self.rank):
+                if unit.layout.slots[piece.slot].requires_grad:
+                    norms.append((unit.layout.slots[piece.slot].ordinal,
+                                  torch.linalg.vector_norm(g[piece.lo:piece.hi], norm_type)))
+            del g
+        norms = [n for _, n in sorted(norms, key=lambda x: x[0])]  # model.parameters() order, as torch
+        local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
+        if not self.group.distributed:
+            total = local
+        elif math.isinf(norm_type):
+            total = comm.all_reduce_(self.group, local.clone(), "max")
+        else:
+            total = comm.all_reduce_(self.group, local ** norm_type, "sum") ** (1.0 / norm_type)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # fp32, exactly as torch computes it
+        self.grad_scale = float(coef)
         return total
 
     def zero_grad(self) -> None:
