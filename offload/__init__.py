@@ -1,21 +1,16 @@
 """offload: heterogeneous-memory offload runtime for PyTorch training."""
 __version__ = "0.1.0"
 
-# Public names resolve lazily so `import offload` (and the CLI) stays light.
+# Public names resolve lazily: `import offload` (the CLI's --version) must not pay for importing torch.
 _LAZY = {
+    "AdamW": ("offload.optim", "AdamW"),
     "Config": ("offload.config", "Config"),
     "init": ("offload.zero.runtime", "init"),
     "Runtime": ("offload.zero.runtime", "Runtime"),
 }
 
 
-def __getattr__(name):
-    if name == "AdamW":
-        try:
-            from .optim import AdamW  # the fused-kernel optimizer (delegates runtime-owned params)
-        except ImportError:
-            from .zero.optimizer import ShardedAdamW as AdamW
-        return AdamW
+def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 

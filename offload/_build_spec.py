@@ -40,7 +40,10 @@ def build_spec(csrc: Path | None = None) -> BuildSpec:
         raise ValueError(f"offload: csrc/ has several files named {dup}; give each .cpp a unique name")
     # No -march: the binary runs on any x86-64 and picks AVX-512 / AVX2 / scalar at run time
     # (function-level target attributes). No -ffast-math: results must match torch bit for bit.
-    cflags = ["-O3", "-std=c++17", "-Wall", "-Wno-unused-function", "-fno-math-errno", "-pthread"]
+    # -ffp-contract=off: GCC fuses a*b+c into an FMA even in -std=c++17 mode (vector intrinsics
+    # included), which changes roundings; kernels write their FMAs explicitly instead.
+    cflags = ["-O3", "-std=c++17", "-ffp-contract=off", "-Wall", "-Wno-unused-function", "-fno-math-errno",
+              "-pthread"]
     ldflags = ["-pthread"]
     features = {"x86_64": platform.machine() in ("x86_64", "AMD64"), "liburing": False}
     if os.environ.get("OFFLOAD_NO_URING") != "1" and _have_header("liburing.h"):

@@ -1,6 +1,122 @@
-// Placeholder until the adam kernels land.
+// Python face of the fused AdamW kernel: argument checks (ValueError naming the argument), then the
+// kernel with the GIL released.
+#include <torch/extension.h>
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "adam/adam_kernel.h"
 #include "common/registry.h"
 
 namespace offload {
-void register_adam(pybind11::module_& m) { (void)m; }
+namespace {
+
+namespace py = pybind11;
+using adam::DType;
+
+// pybind11 turns std::invalid_argument into ValueError.
+[[noreturn]] void bad(const std::string& msg) { throw std::invalid_argument("offload.ops.adamw_step_: " + msg); }
+
+DType to_dtype(const at::Tensor& t, const char* name, bool allow_f16, bool allow_bf16) {
+  const auto st = t.scalar_type();
+  if (st == at::kFloat) return DType::kF32;
+  if (st == at::kBFloat16 && allow_bf16) return DType::kBF16;
+  if (st == at::kHalf && allow_f16) return DType::kF16;
+  std::string allowed = "float32";
+  if (allow_bf16) allowed += ", bfloat16";
+  if (allow_f16) allowed += ", float16";
+  bad(std::string(name) + " has dtype " + std::string(c10::toString(st)) + "; expected one of: " + allowed);
+}
+
+void check_common(const at::Tensor& t, const char* name, int64_t n) {
+  if (!t.device().is_cpu())
+    bad(std::string(name) + " is on " + t.device().str() + "; this kernel runs on CPU tensors only");
+  if (t.layout() != at::kStrided) bad(std::string(name) + " must be a dense (strided) tensor");
+  if (!t.is_contiguous()) bad(std::string(name) + " must be contiguous (call .contiguous() or use a flat buffer)");
+  if (t.numel() != n)
+    bad(std::string(name) + " has " + std::to_string(t.numel()) + " elements but master has " + std::to_string(n));
+}
+
+// Two outputs sharing bytes would race between lanes and threads.
+void check_disjoint(const at::Tensor& a, const char* an, const at::Tensor& b, const char* bn) {
+  if (a.numel() == 0 || b.numel() == 0) return;
+  const auto* a0 = static_cast<const char*>(a.data_ptr());
+  const auto* b0 = static_cast<const char*>(b.data_ptr());
+  const auto* a1 = a0 + a.numel() * a.element_size();
+  const auto* b1 = b0 + b.numel() * b.element_size();
+  if (a0 < b1 && b0 < a1) bad(std::string(an) + " and " + bn + " overlap in memory; each needs its own buffer");
+}
+
+void check_hyper(const adam::Hyper& h) {
+  if (!std::isfinite(h.lr) || h.lr < 0) bad("lr must be finite and >= 0, got " + std::to_string(h.lr));
+  if (!(h.beta1 >= 0 && h.beta1 < 1)) bad("beta1 must be in [0, 1), got " + std::to_string(h.beta1));
+  if (!(h.beta2 >= 0 && h.beta2 < 1)) bad("beta2 must be in [0, 1), got " + std::to_string(h.beta2));
+  if (!std::isfinite(h.eps) || h.eps < 0) bad("eps must be finite and >= 0, got " + std::to_string(h.eps));
+  if (!std::isfinite(h.weight_decay) || h.weight_decay < 0)
+    bad("weight_decay must be finite and >= 0, got " + std::to_string(h.weight_decay));
+  if (!std::isfinite(h.grad_scale)) bad("grad_scale must be finite, got " + std::to_string(h.grad_scale));
+  if (h.step < 1) bad("step must be >= 1 (the count after this update), got " + std::to_string(h.step));
+}
+
+void adamw_step_py(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq, double lr,
+                   double beta1, double beta2, double eps, double weight_decay, int64_t step, double grad_scale,
+                   c10::optional<at::Tensor> out) {
+  adam::Buffers b;
+  adam::Hyper h{lr, beta1, beta2, eps, weight_decay, grad_scale, step};
+  check_hyper(h);
+  if (master.scalar_type() != at::kFloat)
+    bad(std::string("master has dtype ") + c10::toString(master.scalar_type()) +
+        "; expected float32 (keep an fp32 master copy and pass the low-precision param as out=)");
+  const int64_t n = master.numel();
+  check_common(master, "master", n);
+  check_common(grad, "grad", n);
+  check_common(exp_avg, "exp_avg", n);
+  check_common(exp_avg_sq, "exp_avg_sq", n);
+  b.grad_dtype = to_dtype(grad, "grad", /*f16=*/true, /*bf16=*/true);
+  b.moment_dtype = to_dtype(exp_avg, "exp_avg", false, true);
+  if (to_dtype(exp_avg_sq, "exp_avg_sq", false, true) != b.moment_dtype)
+    bad(std::string("exp_avg_sq has dtype ") + c10::toString(exp_avg_sq.scalar_type()) +
+        " but exp_avg has " + c10::toString(exp_avg.scalar_type()) + "; both moments need the same dtype");
+  check_disjoint(master, "master", exp_avg, "exp_avg");
+  check_disjoint(master, "master", exp_avg_sq, "exp_avg_sq");
+  check_disjoint(exp_avg, "exp_avg", exp_avg_sq, "exp_avg_sq");
+  if (out.has_value() && out->defined()) {
+    check_common(*out, "out", n);
+    b.out_dtype = to_dtype(*out, "out", true, true);
+    check_disjoint(*out, "out", master, "master");
+    check_disjoint(*out, "out", exp_avg, "exp_avg");
+    check_disjoint(*out, "out", exp_avg_sq, "exp_avg_sq");
+    b.out = out->data_ptr();
+  }
+  b.master = master.data_ptr<float>();
+  b.grad = grad.data_ptr();
+  b.exp_avg = exp_avg.data_ptr();
+  b.exp_avg_sq = exp_avg_sq.data_ptr();
+  b.n = n;
+  {
+    py::gil_scoped_release nogil;  // pure memory-bound work on raw pointers: let other Python threads run
+    adam::adamw_step(b, h);
+  }
+  // In-place writes behind autograd's back: bump the version counters as torch's in-place ops do,
+  // so a stale saved tensor is detected rather than silently used.
+  master.unsafeGetTensorImpl()->bump_version();
+  exp_avg.unsafeGetTensorImpl()->bump_version();
+  exp_avg_sq.unsafeGetTensorImpl()->bump_version();
+  if (b.out) out->unsafeGetTensorImpl()->bump_version();
+}
+
+}  // namespace
+
+void register_adam(py::module_& m) {
+  m.def("adamw_step_", &adamw_step_py, py::arg("master"), py::arg("grad"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("step"), py::arg("grad_scale") = 1.0, py::arg("out") = py::none(),
+        "Fused AdamW step in place on master/exp_avg/exp_avg_sq; optionally writes the param to out "
+        "(bf16/fp16, round-to-nearest-even). See offload.ops.adamw_step_.");
+  m.def("adam_nontemporal_out", &adam::nontemporal_out, "Whether the AdamW kernel streams `out` (bypassing cache)");
+  m.def("adam_set_nontemporal_out", &adam::set_nontemporal_out, py::arg("on"),
+        "Benchmark knob: stream (non-temporal) stores for the AdamW `out` buffer");
+}
+
 }  // namespace offload

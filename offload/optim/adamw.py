@@ -1,0 +1,189 @@
+"""`offload.AdamW`: a drop-in torch.optim.Optimizer running the fused CPU AdamW kernel.
+
+- fp32 params are stepped in place; their state (`step`, `exp_avg`, `exp_avg_sq`) has torch.optim.AdamW's
+  keys and layout, so state dicts move between the two.
+- bf16/fp16 params keep an fp32 `master` copy in state; the kernel updates master and moments and
+  writes the rounded param back into the param's own storage in the same pass (no cast pass).
+- `moments_dtype=torch.bfloat16` (opt-in, per group) stores both moments in bf16: 12 -> 8 bytes of
+  optimizer state per param, fewer bytes to move when states are offloaded.
+- `maximize=True` is the kernel's grad scale of -1; `amsgrad` is not supported.
+
+The per-buffer update is `step_flat`, so a sharded/offloaded optimizer can step flat shards with the
+same hyperparameter handling as this class.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..ops.adam import adamw_step_
+
+__all__ = ["AdamW", "step_flat"]
+
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def step_flat(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    out: torch.Tensor | None,
+    group: dict[str, Any],
+    step: int,
+    grad_scale: float = 1.0,
+) -> None:
+    """One AdamW update of a flat (contiguous CPU) buffer with `group`'s hyperparameters.
+
+    master fp32; grad fp32/bf16/fp16; moments fp32 or bf16; `out` (optional) receives the updated
+    param as bf16/fp16. `step` is the count after this update. `grad_scale` multiplies the grad in
+    the same pass (clipping coefficient, loss-scale unscale); maximize flips its sign.
+    """
+    beta1, beta2 = group["betas"]
+    scale = -float(grad_scale) if group.get("maximize", False) else float(grad_scale)
+    adamw_step_(
+        master, grad, exp_avg, exp_avg_sq,
+        lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+        weight_decay=float(group["weight_decay"]), step=int(step), grad_scale=scale, out=out,
+    )
+
+
+def _check_hyper(lr, betas, eps, weight_decay, moments_dtype) -> None:
+    lr_value = float(lr)
+    if not 0.0 <= lr_value:
+        raise ValueError(f"offload.AdamW: invalid lr {lr_value}; must be >= 0")
+    if not 0.0 <= eps:
+        raise ValueError(f"offload.AdamW: invalid eps {eps}; must be >= 0")
+    if len(betas) != 2 or not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"offload.AdamW: invalid betas {betas}; need two values in [0, 1)")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"offload.AdamW: invalid weight_decay {weight_decay}; must be >= 0")
+    if moments_dtype not in _MOMENT_DTYPES:
+        raise ValueError(
+            f"offload.AdamW: moments_dtype must be torch.float32 or torch.bfloat16, got {moments_dtype}"
+        )
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) on CPU tensors with the fused offload kernel.
+
+    Same arguments and defaults as torch.optim.AdamW (lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+    weight_decay=1e-2, maximize=False); `amsgrad=True` is rejected; `moments_dtype` (float32 by
+    default, bfloat16 opt-in) sets the dtype of both moments per param group.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        moments_dtype: torch.dtype = torch.float32,
+    ):
+        if amsgrad:
+            raise ValueError("offload.AdamW: amsgrad=True is not supported; use torch.optim.AdamW for AMSGrad")
+        _check_hyper(lr, betas, eps, weight_decay, moments_dtype)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=maximize, moments_dtype=moments_dtype)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], group["moments_dtype"])
+            if group.get("amsgrad", False):
+                raise ValueError("offload.AdamW: amsgrad=True is not supported (param group)")
+            for p in group["params"]:
+                self._check_param(p)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("maximize", False)
+            group.setdefault("amsgrad", False)
+            group.setdefault("moments_dtype", torch.float32)
+
+    @staticmethod
+    def _check_param(p: torch.Tensor) -> None:
+        if p.device.type != "cpu":
+            raise ValueError(
+                f"offload.AdamW: a parameter is on {p.device}; this optimizer steps CPU tensors "
+                "(keep params on CPU, or use the offload runtime to shard them)"
+            )
+        if p.dtype not in _PARAM_DTYPES:
+            raise ValueError(f"offload.AdamW: parameter dtype {p.dtype} is not supported (float32, bfloat16, float16)")
+
+    def _init_state(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        mdt = group["moments_dtype"]
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros(p.shape, dtype=mdt)
+        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=mdt)
+        if p.dtype != torch.float32:
+            state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("offload.AdamW does not support sparse gradients")
+                self._check_param(p)
+                state = self.state[p]
+                if len(state) == 0:
+                    self._init_state(p, state, group)
+                state["step"] += 1
+                self._step_param(p, state, group, int(state["step"].item()))
+        return loss
+
+    def _step_param(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], step: int) -> None:
+        grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+        master = state.get("master")
+        if master is None:  # fp32 param: it is its own master
+            if p.is_contiguous():
+                step_flat(p, grad, state["exp_avg"], state["exp_avg_sq"], None, group, step)
+            else:  # rare (strided views as params): step a contiguous copy, write it back
+                tmp = p.contiguous()
+                step_flat(tmp, grad, state["exp_avg"], state["exp_avg_sq"], None, group, step)
+                p.copy_(tmp)
+            return
+        if p.is_contiguous():
+            step_flat(master, grad, state["exp_avg"], state["exp_avg_sq"], p, group, step)
+        else:
+            step_flat(master, grad, state["exp_avg"], state["exp_avg_sq"], None, group, step)
+            p.copy_(master.view(p.shape))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loader casts every floating state tensor to the param's dtype, which would round a
+        bf16 param's fp32 master (and fp32 moments) to bf16. Restore the saved tensors with this
+        optimizer's dtypes (master fp32, moments per group) as private contiguous CPU copies."""
+        saved_groups = state_dict["param_groups"]
+        saved_state = state_dict["state"]
+        super().load_state_dict(state_dict)
+        id_to_param = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            for pid, p in zip(saved["params"], group["params"]):
+                id_to_param[pid] = (p, group)
+        for pid, saved in saved_state.items():
+            if pid not in id_to_param:
+                continue
+            p, group = id_to_param[pid]
+            st = self.state[p]
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in saved:
+                    st[key] = saved[key].detach().to(device="cpu", dtype=group["moments_dtype"], copy=True).contiguous()
+            if p.dtype != torch.float32:
+                src = saved["master"] if "master" in saved else p.detach()  # no master saved: best effort
+                st["master"] = src.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+            else:
+                st.pop("master", None)
+            if "step" in saved:
+                st["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().cpu()
