@@ -1,68 +1,58 @@
 """AdamW over the runtime's shards: each rank steps its own shard of every unit where the states live.
 
 Per unit and step: fetch the fp32 master (the param shard itself when compute is fp32), exp_avg,
-exp_avg_sq and the grad shard from their tiers (nvme: read into host memory), run the fused update over
-the ranges of each parameter (grouped by hyperparameters and step count, so param groups and parameters
-that got no gradient behave as in torch.optim.AdamW), write the states back, and when compute is bf16
-write the new bf16 param shard to its home tier. The next gather of a unit sees the new values.
+exp_avg_sq and the grad shard from their tiers (nvme: read into host memory), run the fused kernel
+(`offload.optim.step_flat` -> `offload.ops.adamw_step_`) over the ranges of each parameter (grouped by
+hyperparameters and step count, so param groups and parameters that got no gradient behave as in
+torch.optim.AdamW; the clipping coefficient is the kernel's grad_scale), write the states back, and when
+compute is bf16 let the kernel write the new bf16 param shard in the same pass, then store it in its home
+tier. The next gather of a unit sees the new values.
 
-The update is `offload.ops.adamw_step_` (the fused C++ kernel) when available, else `adamw_reference_`,
-the same arithmetic as torch.optim.AdamW's single-tensor path.
+`offload.AdamW(params)` returns this class when the params belong to an offload runtime.
 """
 from __future__ import annotations
 
 import torch
 
+from ..optim.adamw import AdamW, _check_hyper, step_flat
 from .state import UnitState
 
 
-def adamw_reference_(master, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
-                     grad_scale=1.0, out=None):
-    """torch.optim.AdamW (single-tensor, non-amsgrad, non-maximize) on flat fp32 tensors, in place."""
-    if grad_scale != 1.0:
-        grad = grad * grad_scale
-    master.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
-    step_size = lr / bias_correction1
-    denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
-    master.addcdiv_(exp_avg, denom, value=-step_size)
-    if out is not None:
-        out.copy_(master)
-
-
-def _kernel():
-    try:
-        from ..ops import adamw_step_  # the fused kernel (offload/ops/adam.py), when present
-    except ImportError:
-        return adamw_reference_
-    return adamw_step_
-
-
 def owned_by_runtime(params) -> bool:
-    return any(hasattr(p, "_offload_unit") for p in params)
+    return any(hasattr(p, "_offload_unit") for p in _flat_params(params))
 
 
-class ShardedAdamW(torch.optim.Optimizer):
+def wants_sharded(params) -> bool:
+    """Params of a sharded model, or meta params of a model built inside an open offload.init block."""
+    from .runtime import current
+
+    flat = list(_flat_params(params))
+    if any(hasattr(p, "_offload_unit") for p in flat):
+        return True
+    return current() is not None and any(isinstance(p, torch.Tensor) and p.device.type == "meta" for p in flat)
+
+
+class ShardedAdamW(AdamW):
     """AdamW for parameters owned by an offload runtime (placeholders from `model.parameters()`)."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *, amsgrad=False,
-                 maximize=False, kernel=None):
-        if amsgrad or maximize:
-            raise ValueError("offload.AdamW: amsgrad / maximize are not supported for sharded parameters")
-        if not 0.0 <= lr:
-            raise ValueError(f"offload.AdamW: invalid lr {lr}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, moments_dtype=torch.float32):
+        params = self.__dict__.pop("_offload_params", params)
         params = list(params)
+        if amsgrad:
+            raise ValueError("offload.AdamW: amsgrad=True is not supported")
+        _check_hyper(lr, betas, eps, weight_decay, moments_dtype)
+        if moments_dtype != torch.float32:
+            raise ValueError("offload.AdamW: sharded parameters keep fp32 moments (moments_dtype=torch.float32)")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
+                        maximize=maximize, moments_dtype=moments_dtype)
         from .runtime import current
 
         rt = current()
         if rt is not None and any(isinstance(p, torch.Tensor) and p.device.type == "meta"
                                   and not hasattr(p, "_offload_unit") for p in _flat_params(params)):
             rt.materialize_pending()  # built in the block, not used yet: shard it now
-        super().__init__(params, defaults)
+        torch.optim.Optimizer.__init__(self, params, defaults)
         runtimes = set()
         for group in self.param_groups:
             for p in group["params"]:
@@ -70,14 +60,13 @@ class ShardedAdamW(torch.optim.Optimizer):
                 if unit is None:
                     raise ValueError(
                         "offload.AdamW: a parameter is not owned by an offload runtime; build or rt.wrap() the "
-                        "model inside `with offload.init(...)` before creating the optimizer, or pass only "
+                        "model inside `with offload.init(...)` before creating the optimizer, and pass only "
                         "its parameters"
                     )
                 runtimes.add(unit.rt)
         if len(runtimes) > 1:
             raise ValueError("offload.AdamW: parameters from several offload runtimes")
-        self.rt = runtimes.pop() if runtimes else rt
-        self._kernel = kernel or _kernel()
+        self.rt = runtimes.pop()
 
     # ---- helpers ----------------------------------------------------------------------------
     def _unit_plan(self):
@@ -125,22 +114,21 @@ class ShardedAdamW(torch.optim.Optimizer):
             exp_avg = storage.get(f"{k}.exp_avg")
             exp_avg_sq = storage.get(f"{k}.exp_avg_sq")
             grad = storage.get(f"{k}.grad")
+            param = None if fp32 else storage.get(f"{k}.param")  # bf16 shard the kernel rewrites
             for piece, group, p in live:
                 if id(p) not in stepped_params:
                     stepped_params.add(id(p))
                     state = self.state[p]
                     state["step"] = state.get("step", 0) + 1
             for lo, hi, group, step in _runs(live, self.state):
-                beta1, beta2 = group["betas"]
-                self._kernel(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], lr=group["lr"],
-                             beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                             step=step, grad_scale=rt.grad_scale)
+                step_flat(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
+                          None if param is None else param[lo:hi], group, step, rt.grad_scale)
             storage.put(master_key, master)
             storage.put(f"{k}.exp_avg", exp_avg)
             storage.put(f"{k}.exp_avg_sq", exp_avg_sq)
-            if not fp32:
-                storage.put(f"{k}.param", master.to(rt.compute_dtype))
-            del master, exp_avg, exp_avg_sq, grad
+            if param is not None:
+                storage.put(f"{k}.param", param)
+            del master, exp_avg, exp_avg_sq, grad, param
             if unit.state is UnitState.UNSHARDED:
                 unit.stale = True  # persistent units re-gather before their next use
         rt.grad_scale = 1.0
