@@ -18,6 +18,22 @@ from ..optim.adamw import AdamW, _check_hyper, step_flat
 from .state import UnitState
 
 
+def _placeholders(params):
+    """Views of a gathered unit (what model.parameters() yields while a unit is gathered, e.g. persistent
+    units) stand for their placeholder parameters."""
+    out = []
+    for x in params:
+        if isinstance(x, dict):
+            out.append(dict(x, params=[getattr(p, "_offload_placeholder", p) for p in _as_list(x["params"])]))
+        else:
+            out.append(getattr(x, "_offload_placeholder", x))
+    return out
+
+
+def _as_list(params):
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
 def owned_by_runtime(params) -> bool:
     return any(hasattr(p, "_offload_unit") for p in _flat_params(params))
 
@@ -26,7 +42,7 @@ def wants_sharded(params) -> bool:
     """Params of a sharded model, or meta params of a model built inside an open offload.init block."""
     from .runtime import current
 
-    flat = list(_flat_params(params))
+    flat = list(_flat_params(_placeholders(params)))
     if any(hasattr(p, "_offload_unit") for p in flat):
         return True
     return current() is not None and any(isinstance(p, torch.Tensor) and p.device.type == "meta" for p in flat)
@@ -38,7 +54,7 @@ class ShardedAdamW(AdamW):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, moments_dtype=torch.float32):
         params = self.__dict__.pop("_offload_params", params)
-        params = list(params)
+        params = _placeholders(list(params))
         if amsgrad:
             raise ValueError("offload.AdamW: amsgrad=True is not supported")
         _check_hyper(lr, betas, eps, weight_decay, moments_dtype)
@@ -211,7 +227,7 @@ def _index_of(by_index, p):
 def _flat_params(params):
     for x in params:
         if isinstance(x, dict):
-            yield from x["params"]
+            yield from _as_list(x["params"])
         else:
             yield x
 

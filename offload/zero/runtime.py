@@ -242,6 +242,7 @@ class Runtime:
                     p._offload_unit = unit
                     p._offload_slot = slot.index
                     unit.placeholders.append(p)
+                    unit.views[slot.index]._offload_placeholder = p  # model.parameters() while gathered
                 unit._install(unit.placeholders)
                 spec.module._offload_unit_obj = unit
                 self.units.append(unit)
