@@ -25,6 +25,7 @@ import contextlib
 import math
 import os
 import resource
+import sys
 from pathlib import Path
 
 import torch
@@ -46,6 +47,22 @@ _ACTIVE: list["Runtime"] = []
 def current() -> "Runtime | None":
     """The innermost open runtime (None outside any offload.init block)."""
     return _ACTIVE[-1] if _ACTIVE else None
+
+
+def _pin_mmap_threshold() -> None:
+    """glibc raises its mmap threshold to the size of the largest block freed so far (up to 32 MiB), after
+    which multi-MB staging buffers (nvme reads, gathered units) come from the heap and are kept there: RSS
+    grows by several units' worth. Pinning M_MMAP_THRESHOLD at 128 KiB (glibc's initial value) disables
+    that adjustment, so freed buffers go back to the OS. Process-wide; OFFLOAD_MALLOC_TUNE=0 skips it."""
+    if os.environ.get("OFFLOAD_MALLOC_TUNE", "1") == "0" or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc (musl, ...): nothing to tune
+        pass
 
 
 def init(config: Config | None = None, **fields) -> "Runtime":
@@ -109,6 +126,7 @@ class Runtime:
             run_dir = Path(cfg.nvme_path) / f"offload-{os.getpid()}-rank{self.group.rank}"
             run_dir.mkdir(parents=True, exist_ok=True)
         self.storage = ShardStorage(self.device, self.budgets, run_dir)
+        _pin_mmap_threshold()
         # a module was built: the next forward may need to materialize it
         self._capture = ConstructionCapture(on_module=self._note_module).__enter__()
         self._hooks.append(nn.modules.module.register_module_forward_pre_hook(self._auto_wrap))
