@@ -1,2 +1,23 @@
 """The tiered store: shards paged among device memory, pinned host RAM and NVMe, within byte budgets.
-Knows nothing about modules or optimizers."""
+Knows nothing about modules or optimizers.
+
+    TieredStore, StoreConfig   tiered_store.py  (the API is in its docstring)
+    Residency, Tier            residency.py     (where a shard's bytes are)
+    PinnedArena                arena.py         (one page-locked allocation, exact sub-allocation)
+    parse_size, format_bytes   sizes.py         ("60GiB")
+    resolve_budget             budget.py        ("auto" budgets)
+    SwapDir, SwapFile          swap_file.py     (preallocated swap files)
+    AioEngine                  aio.py           (async O_DIRECT engine)
+"""
+from .arena import ArenaBlock, ArenaFullError, PinnedArena
+from .budget import AUTO_FRACTION, resolve_budget
+from .residency import Residency, Tier
+from .sizes import format_bytes, parse_size
+from .swap_file import SwapSpaceError
+from .tiered_store import ShardInfo, StoreConfig, StoreError, TieredStore
+
+__all__ = [
+    "TieredStore", "StoreConfig", "StoreError", "ShardInfo", "Residency", "Tier",
+    "PinnedArena", "ArenaBlock", "ArenaFullError", "SwapSpaceError",
+    "parse_size", "format_bytes", "resolve_budget", "AUTO_FRACTION",
+]

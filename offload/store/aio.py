@@ -1,0 +1,468 @@
+"""Async file I/O for the NVMe tier: O_DIRECT reads and writes of CPU tensors, many in flight.
+
+    eng = AioEngine(block_size="1MiB", queue_depth=32, workers=2, backend="auto")
+    with eng.open("/nvme/swap.bin", "w+") as f:
+        eng.fallocate(f, 64 << 20)
+        eng.write(f, 0, tensor).wait()
+        h = eng.read(f, 0, out)      # returns at once; the GIL is free while the I/O runs
+        h.wait()                     # raises AioError (an OSError) naming file, operation, offset, errno
+
+Each request is cut into `block_size` pieces that the engine keeps `queue_depth` deep in flight,
+on io_uring rings (one per worker thread) or, where io_uring is missing, on `queue_depth` threads
+calling pread/pwrite. The handle holds the tensors until the I/O is over, even if dropped early.
+
+O_DIRECT needs buffer address, file offset and length to be multiples of the file's alignment
+(4096 or the device's own): misaligned requests raise AioError(EINVAL) before anything is queued.
+Files on filesystems that refuse O_DIRECT are reopened buffered, with one warning naming the path.
+"""
+from __future__ import annotations
+
+import errno as _errno
+import os
+import re
+import shutil
+import threading
+import warnings
+import weakref
+from typing import Iterable, Sequence
+
+import torch
+
+from .. import _ext
+
+__all__ = ["AioEngine", "AioFile", "AioHandle", "AioError", "AioTimeoutError", "aio_backends", "aligned_empty",
+           "parse_size"]
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(value: int | str, what: str = "size") -> int:
+    """Bytes from 4096, "4096", "128KiB", "1MiB", "1.5GB" (binary *iB, decimal kB/MB/GB; K/M/G as given)."""
+    if isinstance(value, bool):
+        raise TypeError(f"offload aio: {what} must be a byte count or a string like '1MiB', got {value!r}")
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(f"offload aio: cannot read {what}={value!r}; use bytes or a unit like '128KiB', '1MiB', '4GiB'")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, alignment: int = 4096) -> torch.Tensor:
+    """A 1-D CPU tensor of `numel` elements whose data starts on an `alignment`-byte boundary (for O_DIRECT
+    outside the pinned arena: over-allocates by one alignment and slices; the slice keeps the base alive)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if alignment % itemsize:
+        raise ValueError(f"offload aio: alignment {alignment} is not a multiple of the {dtype} item size {itemsize}")
+    base = torch.empty(numel * itemsize + alignment, dtype=torch.uint8)
+    skip = (-base.data_ptr()) % alignment
+    return base[skip:skip + numel * itemsize].view(dtype)
+
+
+class AioError(OSError):
+    """An I/O failure of the aio engine. `.errno`, `.filename` as for OSError; str() is the full message
+    (file, operation, offset, length, errno name and text)."""
+
+    def __init__(self, err: int, message: str, filename: str | None = None):
+        super().__init__(err, message, filename)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class AioTimeoutError(AioError, TimeoutError):
+    """`AioHandle.wait(timeout)` ran out of time; the I/O is still in flight."""
+
+
+def _errname(err: int) -> str:
+    return _errno.errorcode.get(err, f"errno {err}")
+
+
+_HINTS = {
+    _errno.ENOSPC: "the filesystem is full: free space or point the swap directory at a larger disk",
+    _errno.EFBIG: "the file would exceed the size limit (RLIMIT_FSIZE or the filesystem's maximum file size)",
+    _errno.EBADF: "the file is not open for this operation (opened read-only?) or was closed",
+    _errno.EROFS: "the filesystem is mounted read-only",
+    _errno.EACCES: "permission denied on the path or its directory",
+    _errno.ELOOP: "the path is a symbolic link; offload opens swap files with O_NOFOLLOW and refuses links",
+    _errno.ENOENT: "the file or its directory does not exist",
+    _errno.EIO: "the device reported an I/O error (check dmesg)",
+}
+
+
+def _hint(err: int) -> str:
+    return f" [{_HINTS[err]}]" if err in _HINTS else ""
+
+
+def aio_backends() -> dict[str, str]:
+    """Each backend and whether it is usable here ("usable" or the reason it is not)."""
+    mod = _ext.get()
+    if mod is None:
+        reason = f"C++ extension unavailable ({_ext.error()})"
+        return {"threads": reason, "io_uring": reason, "python": "usable"}
+    out = dict(mod.aio_backends())
+    out["python"] = "usable"
+    return out
+
+
+_warned_dirs: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_buffered(path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    with _warn_lock:
+        if directory in _warned_dirs:
+            return
+        _warned_dirs.add(directory)
+    warnings.warn(
+        f"offload aio: the filesystem of '{path}' refuses O_DIRECT (EINVAL); using buffered I/O for files in "
+        f"{directory} (correct, but goes through the page cache; put swap files on a local disk for direct I/O)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+_MODES = {
+    "r": os.O_RDONLY,
+    "r+": os.O_RDWR,
+    "w+": os.O_RDWR | os.O_CREAT | os.O_TRUNC,
+    "x+": os.O_RDWR | os.O_CREAT | os.O_EXCL,
+}
+
+
+class AioFile:
+    """A file opened by `AioEngine.open` (O_NOFOLLOW, O_CLOEXEC, O_DIRECT unless refused or direct=False)."""
+
+    def __init__(self, path: str, fd: int, mode: str, direct: bool, alignment: int):
+        self.path = path
+        self.fd = fd
+        self.mode = mode
+        self.direct = direct
+        self.alignment = alignment  # bytes; 1 for buffered files
+        self._inflight: list = []   # batches that may still touch this fd (pruned as they finish)
+        self._lock = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        return self.fd < 0
+
+    @property
+    def size(self) -> int:
+        self._check_open()
+        return os.fstat(self.fd).st_size
+
+    def fileno(self) -> int:
+        self._check_open()
+        return self.fd
+
+    def _check_open(self) -> None:
+        if self.fd < 0:
+            raise ValueError(f"offload aio: I/O on closed file '{self.path}'")
+
+    def _track(self, batch) -> None:
+        with self._lock:
+            self._inflight = [b for b in self._inflight if not b.done()]
+            self._inflight.append(batch)
+
+    def close(self) -> None:
+        """Waits for this file's in-flight I/O (the fd must outlive it), then closes. Idempotent."""
+        with self._lock:
+            if self.fd < 0:
+                return
+            pending, self._inflight = self._inflight, []
+            for b in pending:
+                b.wait(-1.0)  # closing the fd under a queued piece would read or write a reused fd
+            fd, self.fd = self.fd, -1
+        os.close(fd)
+
+    def __enter__(self) -> "AioFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.fd < 0 else f"fd={self.fd}"
+        return f"AioFile({self.path!r}, mode={self.mode!r}, direct={self.direct}, {state})"
+
+
+class AioHandle:
+    """One submitted read/write (or batch). Keeps its tensors alive until the I/O is over."""
+
+    def __init__(self, engine: "AioEngine", batch, tensors: list[torch.Tensor]):
+        self._engine = engine
+        self._batch = batch
+        self._tensors = tensors
+
+    @property
+    def nbytes(self) -> int:
+        return self._batch.bytes()
+
+    def done(self) -> bool:
+        """True once every piece has finished (successfully or not); never blocks."""
+        if self._batch.done():
+            self._tensors = []
+            return True
+        return False
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks (GIL released) until done; raises AioError on failure, AioTimeoutError on timeout."""
+        if not self._batch.wait(-1.0 if timeout is None else max(0.0, float(timeout))):
+            raise AioTimeoutError(_errno.ETIMEDOUT, f"offload aio: I/O of {self.nbytes} bytes still in flight "
+                                  f"after {timeout} s")
+        self._tensors = []
+        exc = self.exception()
+        if exc is not None:
+            raise exc
+
+    def exception(self) -> AioError | None:
+        """The failure of a finished handle as an AioError, or None (also None while still running)."""
+        if not self._batch.done() or not self._batch.failed():
+            return None
+        err, write, path, req_off, req_len, off, length, detail = self._batch.error()
+        op = "write" if write else "read"
+        where = f"at offset {off} ({length} bytes"
+        if (off, length) != (req_off, req_len):
+            where += f"; request: offset {req_off}, length {req_len}"
+        msg = (f"offload aio: {op} of '{path}' failed {where}): {_errname(err)} ({os.strerror(err)})"
+               + (f"; {detail}" if detail else "") + _hint(err))
+        return AioError(err, msg, path)
+
+    def __del__(self):
+        # Dropped before completion: the engine keeps the tensors until the kernel is done with them.
+        try:
+            if self._tensors and not self._batch.done():
+                self._engine._adopt(self._batch, self._tensors)
+        except Exception:
+            pass
+
+
+class AioEngine:
+    """The async I/O engine. See the module docstring.
+
+    block_size:  pieces each request is cut into ("1MiB"); a multiple of 4096.
+    queue_depth: most pieces in flight at once, engine-wide.
+    workers:     io_uring submitting threads, each with its share of queue_depth (threads backend:
+                 queue_depth blocking threads, one piece each).
+    backend:     "auto" (io_uring when built with liburing and the kernel allows it, else threads),
+                 "io_uring", "threads", or "python" (no C++ extension; used by "auto" when it is missing).
+    """
+
+    def __init__(self, block_size: int | str = "1MiB", queue_depth: int = 32, workers: int = 2,
+                 backend: str = "auto"):
+        bs = parse_size(block_size, "block_size")
+        if bs <= 0 or bs % 4096:
+            raise ValueError(f"offload aio: block_size must be a positive multiple of 4096 bytes (O_DIRECT), "
+                             f"got {block_size!r} = {bs}")
+        if backend not in ("auto", "io_uring", "threads", "python"):
+            raise ValueError(f"offload aio: backend must be 'auto', 'io_uring', 'threads' or 'python', got {backend!r}")
+        if not isinstance(queue_depth, int) or not isinstance(workers, int):
+            raise TypeError("offload aio: queue_depth and workers must be integers")
+        mod = None if backend == "python" else _ext.get()
+        if mod is None and backend in ("io_uring", "threads"):
+            _ext.require()  # raises with the reason and the fix
+        if mod is None:
+            from ._aio_py import PyEngineCore
+
+            if backend == "auto":
+                _ext.warn_fallback("the async NVMe engine")
+            self._core = PyEngineCore(backend, bs, queue_depth, workers)
+        else:
+            self._core = mod.AioEngineCore(backend, bs, queue_depth, workers)
+        self._mod = mod
+        self._files: "weakref.WeakSet[AioFile]" = weakref.WeakSet()
+        self._orphans: list[tuple] = []
+        self._lock = threading.Lock()
+
+    # -- properties ------------------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        return self._core.backend
+
+    @property
+    def fallback_reason(self) -> str:
+        """Why "auto" did not pick io_uring ("" when it did)."""
+        return self._core.fallback_reason
+
+    @property
+    def block_size(self) -> int:
+        return self._core.block_size
+
+    @property
+    def queue_depth(self) -> int:
+        return self._core.queue_depth
+
+    @property
+    def num_threads(self) -> int:
+        return self._core.num_threads
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    # -- files -----------------------------------------------------------------------------------
+    def open(self, path: str | os.PathLike, mode: str = "r+", direct: bool = True) -> AioFile:
+        """Opens `path` with O_NOFOLLOW|O_CLOEXEC (and O_DIRECT when `direct`), 0600 when created.
+
+        mode: "r" read-only, "r+" read/write existing, "w+" create or truncate, "x+" create, must not exist.
+        """
+        self._check_open()
+        path = os.fspath(path)
+        if mode not in _MODES:
+            raise ValueError(f"offload aio: mode must be one of {sorted(_MODES)}, got {mode!r}")
+        flags = _MODES[mode] | os.O_NOFOLLOW | os.O_CLOEXEC
+        existed = os.path.lexists(path)
+        use_direct = direct
+        try:
+            fd = self._os_open(path, flags | (os.O_DIRECT if direct else 0), mode, direct)
+        except AioError as exc:
+            if not (direct and exc.errno == _errno.EINVAL):
+                raise
+            # The filesystem refuses O_DIRECT. Linux may have created the file before refusing it.
+            if mode == "x+" and not existed:
+                flags &= ~os.O_EXCL
+            fd = self._os_open(path, flags, mode, False)
+            use_direct = False
+            _warn_buffered(path)
+        align = 1
+        if use_direct:
+            align = int(self._mod.aio_dio_alignment(fd)) if self._mod is not None else 4096
+        f = AioFile(path, fd, mode, use_direct, align)
+        with self._lock:
+            self._files.add(f)
+        return f
+
+    @staticmethod
+    def _os_open(path: str, flags: int, mode: str, direct: bool) -> int:
+        try:
+            return os.open(path, flags, 0o600)
+        except OSError as exc:
+            err = exc.errno or _errno.EIO
+            how = f"mode {mode!r}" + (", O_DIRECT" if direct else "")
+            raise AioError(err, f"offload aio: cannot open '{path}' ({how}): {_errname(err)} "
+                           f"({os.strerror(err)}){_hint(err)}", path) from None
+
+    def fallocate(self, f: AioFile, nbytes: int | str) -> None:
+        """Reserves `nbytes` of disk for `f` (posix_fallocate from 0), so later writes cannot hit ENOSPC."""
+        n = parse_size(nbytes, "nbytes")
+        f._check_open()
+        if n <= 0:
+            return
+        try:
+            os.posix_fallocate(f.fd, 0, n)  # releases the GIL
+        except OSError as exc:
+            err = exc.errno or _errno.EIO
+            free = ""
+            try:
+                free = f"; {shutil.disk_usage(os.path.dirname(os.path.abspath(f.path))).free} bytes free"
+            except OSError:
+                pass
+            raise AioError(err, f"offload aio: fallocate of '{f.path}' to {n} bytes failed: {_errname(err)} "
+                           f"({os.strerror(err)}){free}{_hint(err)}", f.path) from None
+
+    # -- I/O -------------------------------------------------------------------------------------
+    def read(self, f: AioFile, offset: int, tensor: torch.Tensor) -> AioHandle:
+        """Fills `tensor` (contiguous CPU, any dtype) with its nbytes bytes of `f` from `offset`."""
+        return self._submit([(f, offset, tensor)], write=False)
+
+    def write(self, f: AioFile, offset: int, tensor: torch.Tensor) -> AioHandle:
+        """Writes the bytes of `tensor` to `f` at `offset`."""
+        return self._submit([(f, offset, tensor)], write=True)
+
+    def read_many(self, items: Iterable[Sequence]) -> AioHandle:
+        """Reads [(f, offset, tensor), ...] as one handle."""
+        return self._submit(list(items), write=False)
+
+    def write_many(self, items: Iterable[Sequence]) -> AioHandle:
+        """Writes [(f, offset, tensor), ...] as one handle."""
+        return self._submit(list(items), write=True)
+
+    def _submit(self, items: list, write: bool) -> AioHandle:
+        self._check_open()
+        self._reap_orphans()
+        op = "write" if write else "read"
+        reqs, keep, files = [], [], []
+        for item in items:
+            f, offset, t = item
+            if not isinstance(f, AioFile):
+                raise TypeError(f"offload aio: {op} needs an AioFile from AioEngine.open, got {type(f).__name__}")
+            f._check_open()
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"offload aio: {op} of '{f.path}': tensor must be a torch.Tensor, got {type(t).__name__}")
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"offload aio: {op} of '{f.path}': tensor must be a contiguous CPU tensor "
+                                 f"(got device={t.device}, contiguous={t.is_contiguous()})")
+            offset = int(offset)
+            if offset < 0:
+                raise ValueError(f"offload aio: {op} of '{f.path}': offset must be >= 0, got {offset}")
+            nbytes = t.numel() * t.element_size()
+            addr = t.data_ptr()
+            if f.direct and nbytes:
+                self._check_aligned(f, op, addr, offset, nbytes)
+            reqs.append((f.fd, write, f.path, offset, addr, nbytes))
+            keep.append(t)
+            files.append(f)
+        batch = self._core.submit(reqs)
+        for f in set(files):
+            f._track(batch)
+        return AioHandle(self, batch, keep)
+
+    @staticmethod
+    def _check_aligned(f: AioFile, op: str, addr: int, offset: int, nbytes: int) -> None:
+        a = f.alignment
+        for name, value in (("buffer address", addr), ("offset", offset), ("length", nbytes)):
+            if value % a:
+                shown = hex(value) if name == "buffer address" else str(value)
+                raise AioError(
+                    _errno.EINVAL,
+                    f"offload aio: {op} of '{f.path}' at offset {offset} ({nbytes} bytes): {name} {shown} is not a "
+                    f"multiple of {a} (off by {value % a} bytes): EINVAL; O_DIRECT needs buffer address, offset and "
+                    f"length aligned to {a} bytes (allocate buffers from the pinned arena, or open with direct=False)",
+                    f.path,
+                )
+
+    # -- lifetime --------------------------------------------------------------------------------
+    def _adopt(self, batch, tensors: list) -> None:
+        with self._lock:
+            self._orphans.append((batch, tensors))
+
+    def _reap_orphans(self) -> None:
+        with self._lock:
+            if self._orphans:
+                self._orphans = [o for o in self._orphans if not o[0].done()]
+
+    def _check_open(self) -> None:
+        if self._core.closed:
+            raise ValueError("offload aio: the engine is closed")
+
+    def close(self) -> None:
+        """Cancels queued pieces (their handles fail with ECANCELED), waits for the ones in the
+        kernel, joins the workers and closes the files it opened. Idempotent."""
+        if self._core.closed:
+            return
+        self._core.close()  # GIL released while joining
+        with self._lock:
+            files = list(self._files)
+            self._orphans = []
+        for f in files:
+            f.close()
+
+    def __enter__(self) -> "AioEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (f"AioEngine(backend={self.backend!r}, block_size={self.block_size}, queue_depth={self.queue_depth}, "
+                f"threads={self.num_threads}{', closed' if self.closed else ''})")

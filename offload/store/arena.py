@@ -1,0 +1,307 @@
+"""Pinned arena: one large host allocation, sub-allocated in exact sizes at 4096-byte alignment.
+
+    arena = PinnedArena("8GiB")            # or a byte count; lock="auto" | True | False
+    blk = arena.alloc(nbytes, timeout=None)  # blocks until a range is free; ArenaFullError if it never can be
+    t = blk.view(torch.bfloat16, numel)    # or blk.tensor (uint8, exactly nbytes)
+    blk.free()                             # or `with arena.alloc(n) as blk:`
+    arena.bytes_in_use, arena.peak_bytes, arena.locked, arena.lock_kind
+    arena.close()                          # unlocks / unregisters and drops the allocation
+
+Why one allocation: torch's pinned allocator rounds every block up to a power of two and pins each
+one separately; here a block costs its size rounded up to 4096 (so every block can be an O_DIRECT
+buffer) and the page-locking happens once.
+
+Locking (lock="auto"): with CUDA, the whole range is registered with cudaHostRegister (via
+torch.cuda.cudart()), which makes it pinned for async H2D/D2H copies. Without CUDA, it is mlock'ed
+when it fits under RLIMIT_MEMLOCK (lock_kind says "mlock", or "none" with the reason in lock_error);
+lock=True locks regardless of the soft limit where the process may (root / CAP_IPC_LOCK) and raises
+otherwise; lock=False never locks. pin_memory() is never called: CPU-only torch refuses it.
+
+Free ranges are kept sorted by offset; a free coalesces with both neighbours, so a fully freed arena
+is one free range again. Allocation is first-fit. `alloc` waits on a condition variable for a free(),
+so a buffer is only handed out again after its previous owner freed it.
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+import ctypes.util
+import os
+import resource
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .sizes import format_bytes, parse_size
+
+__all__ = ["PinnedArena", "ArenaBlock", "ArenaFullError", "ALIGN"]
+
+ALIGN = 4096
+
+
+class ArenaFullError(MemoryError):
+    """A request that can never be satisfied (larger than the arena) or that timed out waiting."""
+
+
+def _round_up(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(eq=False)
+class ArenaBlock:
+    """A sub-range of the arena: `tensor` is a uint8 view of exactly `nbytes` bytes at `offset`
+    (a multiple of 4096 from the arena's 4096-aligned base). Valid until free()."""
+
+    arena: "PinnedArena"
+    offset: int
+    nbytes: int
+    reserved: int  # nbytes rounded up to 4096: what the block takes from the arena
+    tensor: torch.Tensor
+    freed: bool = False
+
+    def view(self, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
+        """The block as a 1-D tensor of `dtype` (default: as many elements as fit)."""
+        item = torch.empty((), dtype=dtype).element_size()
+        if numel is None:
+            numel = self.nbytes // item
+        if numel * item > self.nbytes:
+            raise ValueError(f"view of {numel} x {dtype} needs {numel * item} bytes; the block has {self.nbytes}")
+        return self.tensor[: numel * item].view(dtype)
+
+    def padded(self) -> torch.Tensor:
+        """The block's whole reserved range (nbytes rounded up to 4096) as uint8: the length an O_DIRECT
+        read or write of this block must use."""
+        if self.freed:
+            raise RuntimeError(f"{self.arena.name}: block at offset {self.offset} is freed")
+        return self.arena.buffer[self.offset : self.offset + self.reserved]
+
+    def data_ptr(self) -> int:
+        return self.arena.base_ptr + self.offset
+
+    def free(self) -> None:
+        self.arena._free(self)
+
+    def __enter__(self) -> "ArenaBlock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.freed:
+            self.free()
+
+
+class PinnedArena:
+    """See the module docstring."""
+
+    def __init__(self, capacity: int | str, *, lock: bool | str = "auto", name: str = "arena"):
+        self.capacity = _round_up(parse_size(capacity, "capacity"))
+        self.name = name
+        self._cv = threading.Condition()
+        self._free_offsets: list[int] = []  # sorted starts of free ranges
+        self._free_sizes: dict[int, int] = {}  # start -> length
+        self._live: dict[int, ArenaBlock] = {}  # offset -> block
+        self.bytes_in_use = 0  # reserved bytes (sizes rounded to 4096)
+        self.bytes_requested = 0  # exact bytes asked for by live blocks
+        self.peak_bytes = 0
+        self.closed = False
+        self.lock_kind = "none"
+        self.lock_error: str | None = None
+        # One allocation; the extra ALIGN bytes let the base start on a page boundary.
+        self._raw = torch.empty(self.capacity + ALIGN, dtype=torch.uint8)
+        skip = (-self._raw.data_ptr()) % ALIGN
+        self.buffer = self._raw[skip : skip + self.capacity]
+        self.base_ptr = self.buffer.data_ptr()
+        if self.capacity:
+            self._free_offsets = [0]
+            self._free_sizes = {0: self.capacity}
+        if lock is not False and self.capacity:
+            self._lock(required=lock is True)
+
+    # ------------------------------------------------------------------ locking
+
+    @property
+    def locked(self) -> bool:
+        return self.lock_kind != "none"
+
+    def _lock(self, required: bool) -> None:
+        if torch.cuda.is_available():
+            cudart = torch.cuda.cudart()
+            rc = cudart.cudaHostRegister(self.base_ptr, self.capacity, 0)  # flags 0: cudaHostRegisterDefault
+            code = int(getattr(rc, "value", rc))
+            if code == 0:
+                self.lock_kind = "cuda"
+                return
+            self.lock_error = f"cudaHostRegister({format_bytes(self.capacity)}) failed with cudaError {code}"
+        else:
+            soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+            over = soft != resource.RLIM_INFINITY and soft < self.capacity
+            if over and not required:
+                # "auto" respects the limit even for root (who could exceed it): locking a large arena
+                # commits all of it at once, which a shared CPU-only machine should not get by default.
+                self.lock_error = (
+                    f"RLIMIT_MEMLOCK is {format_bytes(soft)} < arena {format_bytes(self.capacity)} "
+                    "(raise it with `ulimit -l`, or pass lock=True to lock anyway where CAP_IPC_LOCK allows)"
+                )
+            else:
+                err = _libc().mlock(ctypes.c_void_p(self.base_ptr), ctypes.c_size_t(self.capacity))
+                if err == 0:
+                    self.lock_kind = "mlock"
+                    return
+                e = ctypes.get_errno()
+                self.lock_error = f"mlock({format_bytes(self.capacity)}) failed: {os.strerror(e)} (errno {e})"
+        if required:
+            raise OSError(f"{self.name}: could not page-lock the arena: {self.lock_error}")
+
+    def _unlock(self) -> None:
+        if self.lock_kind == "cuda":
+            torch.cuda.cudart().cudaHostUnregister(self.base_ptr)
+        elif self.lock_kind == "mlock":
+            _libc().munlock(ctypes.c_void_p(self.base_ptr), ctypes.c_size_t(self.capacity))
+        self.lock_kind = "none"
+
+    # ------------------------------------------------------------------ allocation
+
+    def _find(self, size: int) -> int | None:
+        for off in self._free_offsets:  # first fit
+            if self._free_sizes[off] >= size:
+                return off
+        return None
+
+    def largest_free(self) -> int:
+        with self._cv:
+            return max(self._free_sizes.values(), default=0)
+
+    def alloc(self, nbytes: int, timeout: float | None = None) -> ArenaBlock:
+        """A block of exactly `nbytes` (taking nbytes rounded up to 4096 from the arena). Waits until a
+        large enough range is free; `timeout` seconds (None: forever) then ArenaFullError. A request
+        larger than the whole arena raises ArenaFullError at once."""
+        nbytes = int(nbytes)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        size = _round_up(nbytes)
+        if size > self.capacity:
+            raise ArenaFullError(
+                f"{self.name}: a request of {format_bytes(nbytes)} ({nbytes} bytes) can never fit in the arena's "
+                f"capacity of {format_bytes(self.capacity)}; raise the cpu budget"
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while True:
+                if self.closed:
+                    raise RuntimeError(f"{self.name}: alloc on a closed arena")
+                off = self._find(size) if size else 0
+                if off is not None:
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise ArenaFullError(
+                        f"{self.name}: timed out after {timeout}s waiting for {format_bytes(nbytes)}; "
+                        f"{format_bytes(self.bytes_in_use)} of {format_bytes(self.capacity)} in use, largest free "
+                        f"range {format_bytes(max(self._free_sizes.values(), default=0))}"
+                    )
+                self._cv.wait(left)  # woken by _free (or close); re-check the free list
+            if size:
+                rest = self._free_sizes.pop(off) - size
+                i = bisect.bisect_left(self._free_offsets, off)
+                if rest:
+                    self._free_offsets[i] = off + size
+                    self._free_sizes[off + size] = rest
+                else:
+                    del self._free_offsets[i]
+            blk = ArenaBlock(self, off, nbytes, size, self.buffer[off : off + nbytes])
+            if size:
+                self._live[off] = blk
+            self.bytes_in_use += size
+            self.bytes_requested += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.bytes_in_use)
+            return blk
+
+    def _free(self, blk: ArenaBlock) -> None:
+        with self._cv:
+            if blk.freed:
+                raise RuntimeError(f"{self.name}: block at offset {blk.offset} freed twice")
+            blk.freed = True
+            blk.tensor = _EMPTY  # the block no longer hands out the range it gave back
+            self.bytes_in_use -= blk.reserved
+            self.bytes_requested -= blk.nbytes
+            if not blk.reserved or self.closed:
+                return
+            del self._live[blk.offset]
+            off, size = blk.offset, blk.reserved
+            i = bisect.bisect_left(self._free_offsets, off)
+            # coalesce with the next free range
+            if i < len(self._free_offsets) and self._free_offsets[i] == off + size:
+                size += self._free_sizes.pop(self._free_offsets[i])
+                del self._free_offsets[i]
+            # and with the previous one
+            if i > 0:
+                prev = self._free_offsets[i - 1]
+                if prev + self._free_sizes[prev] == off:
+                    self._free_sizes[prev] += size
+                    self._cv.notify_all()  # a larger range is free: waiters re-check
+                    return
+            self._free_offsets.insert(i, off)
+            self._free_sizes[off] = size
+            self._cv.notify_all()  # a range is free: waiters re-check
+
+    # ------------------------------------------------------------------ lifetime
+
+    @property
+    def live_blocks(self) -> int:
+        with self._cv:
+            return len(self._live)
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {
+                "capacity": self.capacity,
+                "bytes_in_use": self.bytes_in_use,
+                "bytes_requested": self.bytes_requested,
+                "peak_bytes": self.peak_bytes,
+                "largest_free": max(self._free_sizes.values(), default=0),
+                "live_blocks": len(self._live),
+                "locked": self.locked,
+                "lock_kind": self.lock_kind,
+            }
+
+    def close(self) -> None:
+        """Unlock and drop the allocation. Blocks still live become invalid (their tensors keep the
+        memory alive only as long as the caller holds them); waiters in alloc get an error."""
+        with self._cv:
+            if self.closed:
+                return
+            self.closed = True
+            for blk in self._live.values():
+                blk.freed = True
+                blk.tensor = _EMPTY
+            self._live.clear()
+            self._cv.notify_all()  # waiters in alloc see `closed` and raise
+        self._unlock()
+        self.buffer = self._raw = None  # type: ignore[assignment]
+        self.bytes_in_use = self.bytes_requested = 0
+
+    def __enter__(self) -> "PinnedArena":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            if not self.closed:
+                self.close()
+        except Exception:
+            pass
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+_LIBC = None
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _LIBC.mlock.argtypes = _LIBC.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return _LIBC

@@ -1,0 +1,47 @@
+"""Byte sizes as strings: "60GiB", "512MiB", "1.5GB", "4096", or a plain int.
+
+Binary units (KiB, MiB, GiB, TiB) are powers of 1024; decimal ones (KB, MB, GB, TB) powers of 1000;
+"K"/"M"/"G"/"T" alone are binary (what `ulimit`/`dd` users expect). "auto" is not a size: budgets
+handle it (see budget.py).
+"""
+from __future__ import annotations
+
+import re
+
+__all__ = ["parse_size", "format_bytes"]
+
+_UNITS = {
+    "": 1, "B": 1,
+    "K": 1 << 10, "KIB": 1 << 10, "KB": 10**3,
+    "M": 1 << 20, "MIB": 1 << 20, "MB": 10**6,
+    "G": 1 << 30, "GIB": 1 << 30, "GB": 10**9,
+    "T": 1 << 40, "TIB": 1 << 40, "TB": 10**12,
+}
+_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: int | str, what: str = "size") -> int:
+    """Bytes in `value`; `what` names the setting in the error message."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a size like '60GiB' or a byte count, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{what} must be >= 0 bytes, got {value}")
+        return value
+    m = _RE.match(str(value))
+    unit = m.group(2).upper() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(
+            f"{what} must be a size like '60GiB', '512MiB', '1.5GB' or a byte count, got {value!r}"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: int | float) -> str:
+    """1536 -> '1.50 KiB' (binary units, for messages)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

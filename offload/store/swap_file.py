@@ -1,0 +1,130 @@
+"""Swap files of the NVMe tier: one preallocated file per (rank, tier class), shards at 4096-aligned slots.
+
+    d = SwapDir("/nvme/run1")            # creates the directory 0700 if missing (its parent must exist)
+    f = SwapFile(engine, d, "params", rank=0)   # <dir>/rank0-params.swap, 0600, O_NOFOLLOW, O_DIRECT
+    off = f.reserve(nbytes)              # a slot; the file grows by fallocate, free space checked first
+    f.close(); d.close()                 # removes the file, and the directory if SwapDir created it
+
+A symlink planted at a swap path is refused (O_NOFOLLOW: ELOOP); an existing regular file there is
+truncated (it is ours: a leftover of a run that crashed).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+
+from .aio import AioEngine, AioError, AioFile
+from .sizes import format_bytes
+
+__all__ = ["SwapDir", "SwapFile", "SwapSpaceError", "SLOT_ALIGN"]
+
+SLOT_ALIGN = 4096
+
+
+class SwapSpaceError(OSError):
+    """The swap directory's filesystem (or the nvme budget) cannot hold the registered shards."""
+
+
+class SwapDir:
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.path.abspath(os.fspath(path))
+        self.created = False
+        parent = os.path.dirname(self.path)
+        if not os.path.lexists(self.path):
+            if not os.path.isdir(parent):
+                raise FileNotFoundError(
+                    errno.ENOENT,
+                    f"nvme_path {self.path!r}: its parent directory {parent!r} does not exist; create it or point "
+                    "nvme_path at an existing directory on the NVMe drive",
+                    self.path,
+                )
+            try:
+                os.mkdir(self.path, 0o700)
+            except OSError as e:
+                raise type(e)(e.errno, f"nvme_path {self.path!r}: cannot create the swap directory: "
+                              f"{os.strerror(e.errno)}", self.path) from None
+            os.chmod(self.path, 0o700)  # mkdir's mode is filtered by the umask
+            self.created = True
+        elif not os.path.isdir(self.path):
+            raise NotADirectoryError(errno.ENOTDIR, f"nvme_path {self.path!r} exists and is not a directory", self.path)
+        if os.statvfs(self.path).f_flag & os.ST_RDONLY:
+            raise OSError(errno.EROFS, f"nvme_path {self.path!r} is on a read-only filesystem; swap files need a "
+                          "writable directory", self.path)
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, f"nvme_path {self.path!r} is not writable by this process", self.path)
+
+    def free_bytes(self) -> int:
+        return shutil.disk_usage(self.path).free
+
+    def close(self) -> None:
+        """Removes the directory if this object created it (and it is empty)."""
+        if self.created:
+            self.created = False
+            try:
+                os.rmdir(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class SwapFile:
+    def __init__(self, engine: AioEngine, directory: SwapDir, tier_class: str, rank: int = 0):
+        if not tier_class.replace("_", "").isalnum():
+            raise ValueError(f"tier_class must be alphanumeric (it names a file), got {tier_class!r}")
+        self.engine = engine
+        self.dir = directory
+        self.tier_class = tier_class
+        self.path = os.path.join(directory.path, f"rank{rank}-{tier_class}.swap")
+        self.file: AioFile = engine.open(self.path, "w+", direct=True)  # O_NOFOLLOW | O_CREAT | 0600
+        st = os.fstat(self.file.fd)
+        if not stat.S_ISREG(st.st_mode):
+            self.file.close()
+            raise OSError(errno.EINVAL, f"swap path {self.path!r} is not a regular file", self.path)
+        self._ino = (st.st_dev, st.st_ino)
+        self.size = 0  # bytes reserved (file length after fallocate)
+
+    def reserve(self, nbytes: int) -> int:
+        """A 4096-aligned slot of nbytes (rounded up to 4096) at the end of the file; the file is
+        extended with fallocate so later writes cannot run out of space."""
+        slot = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+        off = self.size
+        if slot == 0:
+            return off
+        free = self.dir.free_bytes()
+        if slot > free:
+            raise SwapSpaceError(
+                errno.ENOSPC,
+                f"swap file {self.path!r}: registering needs {slot} more bytes ({format_bytes(slot)}) but its "
+                f"filesystem has {free} bytes ({format_bytes(free)}) free; free space or move nvme_path",
+                self.path,
+            )
+        try:
+            self.engine.fallocate(self.file, off + slot)
+        except AioError as e:
+            raise SwapSpaceError(e.errno, f"swap file {self.path!r}: cannot grow to {off + slot} bytes "
+                                 f"({format_bytes(off + slot)}, {format_bytes(free)} free): {e}", self.path) from None
+        self.size = off + slot
+        return off
+
+    def check_intact(self, end: int) -> None:
+        """Raises if the file was cut short of `end` behind the store's back (called before reads)."""
+        size = os.fstat(self.file.fd).st_size
+        if size < end:
+            raise OSError(
+                errno.EIO,
+                f"swap file {self.path!r} is {size} bytes but a shard's slot ends at {end} (the store allocated "
+                f"{self.size}): it was truncated from outside; the shards past its end are lost",
+                self.path,
+            )
+
+    def close(self, remove: bool = True) -> None:
+        if not self.file.closed:
+            self.file.close()
+        if remove:
+            try:
+                st = os.lstat(self.path)
+                if (st.st_dev, st.st_ino) == self._ino:  # only the file we created, never a replacement
+                    os.unlink(self.path)
+            except FileNotFoundError:
+                pass

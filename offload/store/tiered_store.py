@@ -1,0 +1,717 @@
+"""TieredStore: named flat shards paged among the device, pinned host RAM (cpu) and NVMe, within budgets.
+
+    from offload.store import TieredStore, StoreConfig
+    with TieredStore(StoreConfig(device_budget="8GiB", cpu_budget="32GiB", nvme_budget="1TiB",
+                                 nvme_path="/nvme/run1")) as store:
+        store.register("layer0.master", numel, torch.float32, home="nvme", tier_class="optim", init=t)
+        x = store.fetch("layer0.master", "cpu").result()   # Future[Tensor]: the working copy
+        x.mul_(0.5)
+        store.writeback("layer0.master")                   # Future[None]: working copy -> home copy
+        store.release("layer0.master")                     # Future[None]: drop the working copy
+        store.stats()                                      # bytes in use / peak per tier, bytes moved
+
+Every shard has a home tier that always holds a copy (the *home copy*: a swap-file slot, a cpu buffer
+in the pinned arena, or a device buffer). fetch(name, tier) makes a *working copy* in a faster tier and
+returns it; writeback copies the working copy to the home copy; release frees the working copy
+(release(name, writeback=True) does both). fetch to the home tier returns the home copy itself. A
+shard has at most one working copy: fetching it to another tier moves the working copy there.
+
+Guarantees
+- Moves of one shard run in the order they were asked for; moves of different shards run in
+  parallel on `io_workers` threads (and the aio engine's queue underneath). fetch/writeback/release
+  return at once with a future: they may submit the move's first I/O from the calling thread (when
+  nothing of that shard is queued before it) and a release without writeback may free the buffer
+  right there, but they never copy or wait for I/O in the caller; they only wait for budget space.
+- A buffer is freed only by the move that last used it, after that move's I/O or copy is over, and the
+  arena hands a range out again only after it was freed: no buffer is reused while a move into or out
+  of it is in flight. A tensor returned by fetch is valid until that shard's next release or fetch to
+  another tier; do not touch it while a writeback of that shard is in flight.
+- Budgets: cpu buffers come from one PinnedArena whose capacity is the cpu budget; device buffers from
+  a DeviceTier of the device budget; swap slots are counted against the nvme budget at register time.
+  A request that can never fit raises (naming the size and the budget); one that does not fit *now*
+  blocks in the calling thread until a release frees space (`timeout`, else StoreConfig.alloc_timeout).
+- Residency (residency.py) is written only by _transition, which asserts the move is allowed.
+- close() (or leaving `with`, also by an exception) cancels moves not yet started, waits for the
+  ones running, joins the worker threads and the aio engine, frees the arena and removes the swap
+  files and the swap directory if the store created it.
+
+Call fetch/writeback/release of one shard from one thread at a time (different shards: any threads).
+Without a GPU, the device tier is a budgeted region of host memory and its tensors are CPU tensors.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..ops.copy import copy_ as _host_copy
+from .arena import ArenaFullError, PinnedArena
+from .budget import DeviceTier, resolve_budget
+from .residency import TRANSITIONS, Residency, Tier
+from .sizes import format_bytes
+from .swap_file import SLOT_ALIGN, SwapDir, SwapFile, SwapSpaceError
+
+__all__ = ["TieredStore", "StoreConfig", "StoreError", "ShardInfo"]
+
+R = Residency
+_TO_WORKER = object()  # yielded by a move before work that must run in a worker thread
+
+
+class StoreError(RuntimeError):
+    """Misuse of the store (unknown shard, wrong tier, closed store) or a move that could not run."""
+
+
+@dataclass
+class StoreConfig:
+    """Budgets are sizes ("60GiB", "512MiB", bytes) or "auto" (see budget.py for the fractions)."""
+
+    device_budget: int | str = "auto"
+    cpu_budget: int | str = "auto"
+    nvme_budget: int | str = "auto"
+    nvme_path: str | None = None  # swap directory; needed only for shards whose home is "nvme"
+    rank: int = 0  # names the swap files: rank{rank}-{tier_class}.swap
+    device: str | None = None  # compute device; default "cuda" when available, else "cpu"
+    lock_memory: bool | str = "auto"  # page-lock the arena: "auto" where allowed, True required, False never
+    io_workers: int = 16  # threads running moves (each waits on its own I/O or copy; enough to keep the aio queue full)
+    alloc_timeout: float | None = None  # default wait for budget space (None: until a release frees it)
+    aio_block_size: int | str = "1MiB"
+    aio_queue_depth: int = 32
+    aio_workers: int = 2
+    aio_backend: str = "auto"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    numel: int
+    dtype: torch.dtype
+    home: Tier
+    tier_class: str
+    nbytes: int
+    residency: Residency
+
+
+@dataclass(eq=False)
+class _Shard:
+    name: str
+    numel: int
+    dtype: torch.dtype
+    home: Tier
+    tier_class: str
+    nbytes: int
+    residency: Residency
+    home_block: object = None  # home cpu (arena block) or home device (device block)
+    swap: SwapFile | None = None  # home nvme: the file and the slot offset in it
+    slot: int = 0
+    cpu_block: object = None  # home nvme: staging buffer holding the working copy at CPU
+    dev_block: object = None  # working copy on the device (home cpu / nvme)
+    target: Tier | None = None  # where the working copy will be once queued moves ran (None: home only)
+    last: cf.Future | None = None  # the last move queued for this shard
+    extra: dict = field(default_factory=dict)
+
+
+def _view(block, s: _Shard) -> torch.Tensor:
+    return block.view(s.dtype, s.numel)
+
+
+class TieredStore:
+    """See the module docstring."""
+
+    def __init__(self, config: StoreConfig | None = None, **overrides):
+        cfg = config or StoreConfig()
+        if overrides:
+            cfg = StoreConfig(**{**cfg.__dict__, **overrides})
+        self.config = cfg
+        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # Re-entrant: a future's done-callbacks (which take the lock) can fire inside _chain, which holds it.
+        self._lock = threading.RLock()
+        self._closed = False
+        self._cancelling = False
+        self._shards: dict[str, _Shard] = {}
+        self._inflight: set[cf.Future] = set()
+        self._moved = {"nvme->cpu": 0, "cpu->nvme": 0, "cpu->device": 0, "device->cpu": 0}
+        self._swap: dict[str, SwapFile] = {}
+        self._swapdir: SwapDir | None = None
+        self._engine = None
+        self._arena: PinnedArena | None = None
+        self._dev: DeviceTier | None = None
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._cuda_streams = threading.local()
+        try:
+            page = SLOT_ALIGN
+            cpu_cap = resolve_budget(cfg.cpu_budget, "cpu") // page * page
+            dev_cap = resolve_budget(cfg.device_budget, "device") // page * page
+            self.nvme_capacity = resolve_budget(cfg.nvme_budget, "nvme", nvme_path=cfg.nvme_path)
+            self._nvme_used = 0
+            if cfg.nvme_path is not None:
+                self._swapdir = SwapDir(cfg.nvme_path)
+                from .aio import AioEngine
+
+                self._engine = AioEngine(cfg.aio_block_size, cfg.aio_queue_depth, cfg.aio_workers, cfg.aio_backend)
+            self._arena = PinnedArena(cpu_cap, lock=cfg.lock_memory, name="cpu tier (pinned arena)")
+            self._dev = DeviceTier(dev_cap, self.device)
+            self._pool = cf.ThreadPoolExecutor(max(1, cfg.io_workers), thread_name_prefix="offload-store")
+        except BaseException:
+            self._teardown()
+            raise
+
+    # ------------------------------------------------------------------ public API
+
+    def register(
+        self,
+        name: str,
+        numel: int,
+        dtype: torch.dtype = torch.float32,
+        home: str | Tier = "cpu",
+        tier_class: str = "params",
+        init: torch.Tensor | None = None,
+        timeout: float | None = None,
+    ) -> cf.Future:
+        """Adds shard `name` of `numel` elements, its home copy in tier `home` ("device", "cpu" or "nvme";
+        nvme shards go to the swap file of `tier_class`). Contents: `init` (cast like .to() if its dtype
+        differs) or zeros. The future resolves once the home copy holds them."""
+        self._check_open()
+        home = Tier(home)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        if name in self._shards:
+            raise ValueError(f"shard {name!r} is already registered")
+        numel = int(numel)
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        if init is not None and init.numel() != numel:
+            raise ValueError(f"init has {init.numel()} elements but numel is {numel}")
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        timeout = self.config.alloc_timeout if timeout is None else timeout
+        s = _Shard(name, numel, dtype, home, tier_class, nbytes, R.NVME if home is Tier.NVME else R(home.value))
+        if home is Tier.NVME:
+            swap = self._swap_file(tier_class)
+            slot_bytes = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+            # The initial bytes go out through a staging buffer, taken first so that a refusal leaves
+            # no swap slot behind: the shard starts as a working copy at CPU and its first move writes
+            # it home and drops it.
+            stg = self._alloc(s, ["cpu"], timeout)["cpu"] if init is not None else None
+            try:
+                if stg is not None:
+                    _host_copy(_view(stg, s), init.detach().cpu() if init.device.type != "cpu" else init.detach())
+                with self._lock:
+                    if self._nvme_used + slot_bytes > self.nvme_capacity:
+                        raise SwapSpaceError(
+                            28,  # ENOSPC
+                            f"shard {name!r} needs {slot_bytes} bytes of swap but the nvme budget of "
+                            f"{format_bytes(self.nvme_capacity)} has {self.nvme_capacity - self._nvme_used} bytes "
+                            "left; raise nvme_budget",
+                        )
+                    s.slot = swap.reserve(nbytes)
+                    s.swap = swap
+                    self._nvme_used += slot_bytes
+            except BaseException:
+                if stg is not None:
+                    stg.free()
+                raise
+            if stg is None:
+                with self._lock:
+                    self._shards[name] = s
+                return self._done(None)
+            s.residency, s.cpu_block, s.target = R.CPU, stg, Tier.CPU
+            with self._lock:
+                self._shards[name] = s
+            return self.release(name, writeback=True)
+        kind = "cpu" if home is Tier.CPU else "dev"
+        blk = self._alloc(s, [kind], timeout)[kind]
+        try:
+            t = _view(blk, s)
+            if init is None:
+                t.zero_()
+            elif t.device.type == "cpu" and init.device.type == "cpu":
+                _host_copy(t, init.detach())
+            else:
+                t.copy_(init.detach().reshape(-1))
+                self._sync(t)
+        except BaseException:
+            blk.free()
+            raise
+        s.home_block = blk
+        with self._lock:
+            self._shards[name] = s
+        return self._done(None)
+
+    def fetch(self, name: str, tier: str | Tier = "device", timeout: float | None = None) -> cf.Future:
+        """Future[Tensor]: the shard's bytes in `tier` (1-D, its dtype). A tier faster than home gets a
+        working copy (buffers taken from that tier's budget, waiting for space in this thread); the
+        home tier returns the home copy."""
+        s = self._get(name)
+        tier = Tier(tier)
+        if tier is Tier.NVME or tier.rank > s.home.rank:
+            raise ValueError(
+                f"fetch({name!r}, {tier.value!r}): can only fetch to the home tier ({s.home.value}) or a faster one"
+            )
+        timeout = self.config.alloc_timeout if timeout is None else timeout
+        plan = s.target
+        need = []
+        if tier is not s.home and plan is not tier:
+            if tier is Tier.CPU:
+                need = ["cpu"]
+            else:
+                need = ["dev", "cpu"] if (plan is None and s.home is Tier.NVME) else ["dev"]
+        new = self._alloc(s, need, timeout)
+        after = self._stream_point()
+        with self._lock:
+            if tier is not s.home:
+                s.target = tier
+            fut, kick = self._chain(s, lambda: self._do_fetch(s, tier, new, after), new)
+        kick()  # outside the lock: may run the move's first step (its I/O submission) right here
+        return fut
+
+    def writeback(self, name: str, timeout: float | None = None) -> cf.Future:
+        """Future[None]: copy the working copy to the home copy (no-op without a working copy)."""
+        s = self._get(name)
+        new = self._alloc(s, self._writeback_needs(s), self.config.alloc_timeout if timeout is None else timeout)
+        after = self._stream_point()
+        with self._lock:
+            fut, kick = self._chain(s, lambda: self._do_writeback(s, new, after), new)
+        kick()  # outside the lock: may run the move's first step (its I/O submission) right here
+        return fut
+
+    def release(self, name: str, writeback: bool = False, timeout: float | None = None) -> cf.Future:
+        """Future[None]: free the working copy (after writing it home when `writeback`); its buffer
+        returns to its tier's budget once every move of it has finished."""
+        s = self._get(name)
+        need = self._writeback_needs(s) if writeback else []
+        new = self._alloc(s, need, self.config.alloc_timeout if timeout is None else timeout)
+        after = self._stream_point()
+        with self._lock:
+            s.target = None
+            fut, kick = self._chain(s, lambda: self._do_release(s, writeback, new, after), new)
+        kick()  # outside the lock: may run the move's first step (its I/O submission) right here
+        return fut
+
+    def residency(self, name: str) -> Residency:
+        return self._get(name).residency
+
+    def info(self, name: str) -> ShardInfo:
+        s = self._get(name)
+        return ShardInfo(s.name, s.numel, s.dtype, s.home, s.tier_class, s.nbytes, s.residency)
+
+    def names(self) -> list[str]:
+        return list(self._shards)
+
+    def wait_all(self, timeout: float | None = None) -> None:
+        """Waits for every move asked for so far; raises the first failure among them."""
+        with self._lock:
+            futs = list(self._inflight)
+        done, pending = cf.wait(futs, timeout)  # the caller asked to drain the queues
+        if pending:
+            raise TimeoutError(f"{len(pending)} moves still in flight after {timeout}s")
+        for f in done:
+            if not f.cancelled() and f.exception() is not None:
+                raise f.exception()
+
+    def stats(self) -> dict:
+        """Bytes in use / peak / capacity per tier and bytes moved per direction."""
+        with self._lock:
+            moved = dict(self._moved)
+            inflight = len(self._inflight)
+            nvme_used = self._nvme_used
+        a, d = self._arena, self._dev
+        return {
+            "device": {"capacity": d.capacity, "bytes_in_use": d.bytes_in_use, "peak_bytes": d.peak_bytes},
+            "cpu": {"capacity": a.capacity, "bytes_in_use": a.bytes_in_use, "peak_bytes": a.peak_bytes,
+                    "locked": a.locked, "lock_kind": a.lock_kind},
+            "nvme": {"capacity": self.nvme_capacity, "bytes_in_use": nvme_used, "peak_bytes": nvme_used},
+            "moved": moved,
+            "shards": len(self._shards),
+            "in_flight": inflight,
+        }
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def swap_paths(self) -> list[str]:
+        return [f.path for f in self._swap.values()]
+
+    def close(self, cancel: bool = False) -> None:
+        """Waits for running moves (cancelling queued ones when `cancel`), joins the workers, frees the
+        arena and the device tier, closes the engine and removes the swap files and created directory.
+        Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._cancelling = cancel
+            futs = list(self._inflight)
+        if cancel:
+            for f in futs:
+                f.cancel()  # only moves that have not started; running ones finish below
+        cf.wait(futs)  # buffers are freed below: every move touching them must be over
+        self._teardown()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(cancel=exc_type is not None)
+
+    def __del__(self):
+        try:
+            self.close(cancel=True)
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ internals: bookkeeping
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("the store is closed")
+
+    def _get(self, name: str) -> _Shard:
+        self._check_open()
+        s = self._shards.get(name)
+        if s is None:
+            raise KeyError(f"no shard named {name!r} is registered")
+        return s
+
+    def _swap_file(self, tier_class: str) -> SwapFile:
+        if self._swapdir is None:
+            raise StoreError("shards with home 'nvme' need StoreConfig.nvme_path (the swap directory)")
+        with self._lock:
+            f = self._swap.get(tier_class)
+            if f is None:
+                f = self._swap[tier_class] = SwapFile(self._engine, self._swapdir, tier_class, self.config.rank)
+            return f
+
+    def _writeback_needs(self, s: _Shard) -> list[str]:
+        # A device working copy of an nvme shard goes home through a cpu staging buffer.
+        return ["cpu"] if (s.home is Tier.NVME and s.target is Tier.DEVICE) else []
+
+    def _alloc(self, s: _Shard, kinds: list[str], timeout: float | None) -> dict:
+        new: dict = {}
+        try:
+            for k in kinds:
+                pool = self._arena if k == "cpu" else self._dev
+                try:
+                    new[k] = pool.alloc(s.nbytes, timeout)  # may wait for a release to free space
+                except ArenaFullError as e:
+                    raise ArenaFullError(f"shard {s.name!r} ({format_bytes(s.nbytes)}): {e}") from None
+        except BaseException:
+            for b in new.values():
+                b.free()
+            raise
+        return new
+
+    def _done(self, value) -> cf.Future:
+        f: cf.Future = cf.Future()
+        f.set_result(value)
+        return f
+
+    def _chain(self, s: _Shard, make: Callable, new: dict):
+        """Queues a move as the shard's next; returns (future, kick), and the caller calls kick() once it
+        has released self._lock (called with it held).
+
+        A move is a generator (make() creates it): it runs until it has submitted an I/O and yields the
+        handle, or yields _TO_WORKER before work that must not run in the caller (a copy); a worker waits
+        for the handle and resumes it. When nothing of this shard is queued before it, kick() runs the
+        first step in the calling thread, so the I/O is in the engine's queue at once and a worker only
+        finishes it: the disk stays busy however slowly Python threads get the GIL."""
+        fut: cf.Future = cf.Future()
+        prev, s.last = s.last, fut
+        self._inflight.add(fut)
+        fut.add_done_callback(self._forget)
+
+        def failed(e: BaseException) -> None:
+            with self._lock:
+                if s.last is fut:  # nothing queued behind: the plan is where the bytes really are
+                    s.target = self._working_tier(s)
+            self._finish(fut, exc=e)
+
+        def drive(gen, pending) -> None:  # in a worker, to the end of the move
+            try:
+                while True:
+                    if pending is not _TO_WORKER:
+                        try:
+                            pending.wait()  # the move resumes only once its I/O is over
+                        except Exception:
+                            pass  # the move calls wait() again and handles the error where it can undo its state
+                    pending = gen.send(None)
+            except StopIteration as stop:
+                self._finish(fut, result=stop.value)
+            except BaseException as e:
+                failed(e)
+
+        def begin(in_worker: bool) -> None:  # the first step, up to the move's first wait
+            if self._cancelling:
+                fut.cancel()  # close(cancel=True): nothing new starts, even if queued behind a cancelled move
+            if not fut.set_running_or_notify_cancel():
+                self._drop_unused(new)
+                return
+            gen = make()
+            try:
+                pending = gen.send(None)
+            except StopIteration as stop:
+                self._finish(fut, result=stop.value)
+                return
+            except BaseException as e:
+                failed(e)
+                return
+            if in_worker:
+                drive(gen, pending)
+                return
+            try:
+                self._pool.submit(drive, gen, pending)
+            except RuntimeError as e:  # cannot happen while open (close waits for running moves); be safe
+                gen.close()
+                failed(StoreError(f"shard {s.name!r}: no worker to finish the move ({e})"))
+
+        def after_prev(_=None) -> None:
+            try:
+                self._pool.submit(begin, True)
+            except RuntimeError:  # pool shut down by close(): this move never runs
+                self._drop_unused(new)
+                self._finish(fut, exc=StoreError(f"shard {s.name!r}: the store closed before this move ran"))
+
+        if prev is None or prev.done():
+            return fut, (lambda: begin(False))
+        # moves of one shard run in the order they were asked for
+        return fut, (lambda: prev.add_done_callback(after_prev))
+
+    def _forget(self, fut: cf.Future) -> None:
+        with self._lock:
+            self._inflight.discard(fut)
+
+    @staticmethod
+    def _finish(fut: cf.Future, result=None, exc: BaseException | None = None) -> None:
+        if fut.cancelled():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    @staticmethod
+    def _drop_unused(new: dict) -> None:
+        for k, b in list(new.items()):
+            if b is not None and not b.freed:
+                b.free()
+            new[k] = None
+
+    def _working_tier(self, s: _Shard) -> Tier | None:
+        if s.home is not Tier.DEVICE and s.dev_block is not None:
+            return Tier.DEVICE
+        if s.home is Tier.NVME and s.cpu_block is not None:
+            return Tier.CPU
+        return None
+
+    def _transition(self, s: _Shard, frm: Residency, to: Residency) -> None:
+        with self._lock:
+            if s.residency is not frm or (frm, to) not in TRANSITIONS:
+                raise AssertionError(f"store bug: shard {s.name!r} move {frm.name}->{to.name} while {s.residency.name}")
+            s.residency = to
+
+    def _count(self, direction: str, nbytes: int) -> None:
+        with self._lock:
+            self._moved[direction] += nbytes
+
+    # ------------------------------------------------------------------ internals: data movement
+
+    def _sync(self, t: torch.Tensor) -> None:
+        if t.device.type == "cuda":
+            torch.cuda.current_stream(t.device).synchronize()  # the copy must be over before the buffer is used
+
+    def _stream_point(self):
+        """On CUDA, an event on the caller's current stream at the time of the request: the move's copy
+        waits for it, so it sees the caller's queued writes to a working copy, and a device buffer just
+        taken from the caching allocator is not written while kernels queued before the request may
+        still use its previous occupant. None without CUDA."""
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> None:
+        """dst <- src between host and device buffers; returns when the bytes have landed."""
+        if dst.device.type == "cpu" and src.device.type == "cpu":
+            _host_copy(dst, src)  # multi-threaded C++ copy (GIL released)
+            return
+        stream = getattr(self._cuda_streams, "s", None)
+        if stream is None:
+            stream = self._cuda_streams.s = torch.cuda.Stream(self.device)
+        if after is not None:
+            stream.wait_event(after)  # the caller's work queued before this request comes first
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        stream.synchronize()  # the future resolves (and a buffer may be freed) only after the copy is over
+
+    # Moves are generators (see _chain): `yield handle` submits an I/O and is resumed once it is over;
+    # `yield _TO_WORKER` hands the rest to a worker thread. Each undoes its residency on failure.
+
+    def _read(self, s: _Shard, blk):
+        if blk.reserved == 0:
+            return
+        h = self._engine.read(s.swap.file, s.slot, blk.padded())
+        yield h  # resumed once the read is over: the buffer is valid only then
+        try:
+            h.wait()  # already over; raises the read's error here, where the caller undoes its state
+        except OSError:
+            s.swap.check_intact(s.slot + blk.reserved)  # a file cut short says so (clearer than ENODATA)
+            raise
+        self._count("nvme->cpu", s.nbytes)
+
+    def _write(self, s: _Shard, blk):
+        if blk.reserved == 0:
+            return
+        h = self._engine.write(s.swap.file, s.slot, blk.padded())
+        yield h  # resumed once the write is over: the buffer may be reused or freed only then
+        h.wait()  # already over; raises the write's error here
+        self._count("cpu->nvme", s.nbytes)
+
+    def _nvme_to_cpu(self, s: _Shard, new: dict):
+        blk = new.get("cpu")
+        if blk is None:
+            raise StoreError(f"shard {s.name!r}: moved while this fetch was being queued; fetch again")
+        self._transition(s, R.NVME, R.READING)
+        try:
+            yield from self._read(s, blk)
+        except BaseException:
+            self._transition(s, R.READING, R.NVME)
+            raise
+        s.cpu_block, new["cpu"] = blk, None
+        self._transition(s, R.READING, R.CPU)
+
+    def _do_fetch(self, s: _Shard, tier: Tier, new: dict, after=None):
+        try:
+            st = s.residency
+            if tier is s.home:
+                return _view(s.home_block, s) if s.home is not Tier.NVME else None
+            if tier is Tier.CPU:  # home nvme
+                if st is R.CPU:
+                    return _view(s.cpu_block, s)
+                if st is R.NVME:
+                    yield from self._nvme_to_cpu(s, new)
+                    return _view(s.cpu_block, s)
+                blk = new.get("cpu")  # st is DEVICE: the working copy comes down to cpu
+                if blk is None:
+                    raise StoreError(f"shard {s.name!r}: moved while this fetch was being queued; fetch again")
+                yield _TO_WORKER  # copies run in a worker, never in the caller
+                self._transition(s, R.DEVICE, R.TO_CPU)
+                try:
+                    self._copy(_view(blk, s), _view(s.dev_block, s), after)
+                except BaseException:
+                    self._transition(s, R.TO_CPU, R.DEVICE)
+                    raise
+                s.cpu_block, new["cpu"] = blk, None
+                self._transition(s, R.TO_CPU, R.CPU)
+                self._count("device->cpu", s.nbytes)
+                dev, s.dev_block = s.dev_block, None
+                dev.free()
+                return _view(s.cpu_block, s)
+            # tier is DEVICE
+            if st is R.DEVICE:
+                return _view(s.dev_block, s)
+            dev = new.get("dev")
+            if dev is None:
+                raise StoreError(f"shard {s.name!r}: moved while this fetch was being queued; fetch again")
+            if st is R.NVME:
+                yield from self._nvme_to_cpu(s, new)
+            src = s.cpu_block if s.home is Tier.NVME else s.home_block
+            yield _TO_WORKER  # copies run in a worker, never in the caller
+            self._transition(s, R.CPU, R.TO_DEVICE)
+            try:
+                self._copy(_view(dev, s), _view(src, s), after)
+            except BaseException:
+                self._transition(s, R.TO_DEVICE, R.CPU)
+                raise
+            s.dev_block, new["dev"] = dev, None
+            self._transition(s, R.TO_DEVICE, R.DEVICE)
+            self._count("cpu->device", s.nbytes)
+            if s.home is Tier.NVME:  # the staging buffer has done its job
+                stg, s.cpu_block = s.cpu_block, None
+                stg.free()
+            return _view(s.dev_block, s)
+        finally:
+            self._drop_unused(new)
+
+    def _writeback_now(self, s: _Shard, new: dict, after=None):
+        st = s.residency
+        if s.home is Tier.DEVICE or st is R.NVME or (st is R.CPU and s.home is Tier.CPU):
+            return  # no working copy apart from the home copy
+        if st is R.CPU:  # home nvme, working copy in the staging buffer
+            self._transition(s, R.CPU, R.WRITING)
+            try:
+                yield from self._write(s, s.cpu_block)
+            finally:
+                self._transition(s, R.WRITING, R.CPU)
+            return
+        # st is DEVICE
+        yield _TO_WORKER  # copies run in a worker, never in the caller
+        if s.home is Tier.CPU:
+            self._transition(s, R.DEVICE, R.TO_CPU)
+            try:
+                self._copy(_view(s.home_block, s), _view(s.dev_block, s), after)
+                self._count("device->cpu", s.nbytes)
+            finally:
+                self._transition(s, R.TO_CPU, R.DEVICE)
+            return
+        stg = new.get("cpu")
+        if stg is None:
+            raise StoreError(f"shard {s.name!r}: moved while this writeback was being queued; write back again")
+        self._transition(s, R.DEVICE, R.TO_CPU)
+        try:
+            self._copy(_view(stg, s), _view(s.dev_block, s), after)
+            self._count("device->cpu", s.nbytes)
+        except BaseException:
+            self._transition(s, R.TO_CPU, R.DEVICE)
+            raise
+        self._transition(s, R.TO_CPU, R.WRITING)
+        try:
+            yield from self._write(s, stg)
+        finally:
+            self._transition(s, R.WRITING, R.DEVICE)
+
+    def _do_writeback(self, s: _Shard, new: dict, after=None):
+        try:
+            yield from self._writeback_now(s, new, after)
+        finally:
+            self._drop_unused(new)
+
+    def _do_release(self, s: _Shard, writeback: bool, new: dict, after=None):
+        try:
+            if writeback:
+                yield from self._writeback_now(s, new, after)  # a failure keeps the working copy: nothing is lost
+            st = s.residency
+            if st is R.CPU and s.home is Tier.NVME:
+                self._transition(s, R.CPU, R.NVME)
+                blk, s.cpu_block = s.cpu_block, None
+                blk.free()
+            elif st is R.DEVICE and s.home is not Tier.DEVICE:
+                self._transition(s, R.DEVICE, R.CPU if s.home is Tier.CPU else R.NVME)
+                blk, s.dev_block = s.dev_block, None
+                blk.free()
+        finally:
+            self._drop_unused(new)
+
+    def _teardown(self) -> None:
+        """Frees everything the store holds; each step runs even if an earlier one failed."""
+        steps = [
+            lambda: self._pool and self._pool.shutdown(wait=True),  # joins the move threads
+            *[(lambda f=f: f.close(remove=True)) for f in self._swap.values()],
+            lambda: self._engine and self._engine.close(),  # joins the aio workers
+            lambda: self._swapdir and self._swapdir.close(),
+            lambda: self._arena and self._arena.close(),
+            lambda: self._dev and self._dev.close(),
+        ]
+        self._closed = True
+        first: BaseException | None = None
+        for step in steps:
+            try:
+                step()
+            except BaseException as e:  # keep cleaning up; report the first failure
+                first = first or e
+        self._swap.clear()
+        if first is not None:
+            raise first

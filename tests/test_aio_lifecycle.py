@@ -1,0 +1,72 @@
+"""No thread, file descriptor or buffer outlives the engine, after many open/close cycles and after
+exceptions; the backend reported is the one asked for."""
+from __future__ import annotations
+
+import errno
+import threading
+import time
+
+import pytest
+import torch
+
+from _aio_support import BACKENDS, fd_count, random_bytes, thread_count
+from offload.store.aio import AioEngine, AioError, aio_backends, aligned_empty
+
+
+def _settle(count_fn, baseline: int, timeout: float = 5.0) -> int:
+    """io_uring's kernel helper threads (iou-wrk) exit asynchronously after the ring goes: poll a while."""
+    deadline = time.monotonic() + timeout
+    n = count_fn()
+    while n > baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+        n = count_fn()
+    return n
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_thread_or_fd_leak_after_many_cycles(backend, tmp_path):
+    data = random_bytes(256 * 1024, seed=1)
+    out = aligned_empty(256 * 1024)
+    base_threads, base_py, base_fds = thread_count(), threading.active_count(), fd_count()
+    for i in range(40):
+        with AioEngine(block_size="64KiB", queue_depth=4, workers=2, backend=backend) as eng:
+            assert eng.num_threads >= 1
+            with eng.open(tmp_path / f"c{i % 3}.bin", "w+") as f:
+                eng.write(f, 0, data).wait()
+                eng.read(f, 0, out).wait()
+            g = eng.open(tmp_path / "left-open.bin", "w+")  # closed by the engine
+            eng.write(g, 0, data)  # left in flight: close() must finish or cancel it
+        assert g.closed
+    assert torch.equal(out, data)
+    assert _settle(thread_count, base_threads) == base_threads
+    assert threading.active_count() == base_py
+    assert fd_count() == base_fds
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_leak_when_the_block_exits_by_exception(backend, tmp_path):
+    base_threads, base_fds = thread_count(), fd_count()
+    for _ in range(10):
+        with pytest.raises(AioError) as ei:
+            with AioEngine(block_size="64KiB", queue_depth=2, backend=backend) as eng:
+                f = eng.open(tmp_path / "x.bin", "w+")
+                eng.read(f, 0, aligned_empty(65536)).wait()  # empty file: end of file
+        assert ei.value.errno == errno.ENODATA
+        assert eng.closed and f.closed
+    assert _settle(thread_count, base_threads) == base_threads
+    assert fd_count() == base_fds
+
+
+def test_backend_reported_is_the_one_in_use():
+    states = aio_backends()
+    assert states["threads"] in ("usable",) or "unavailable" in states["threads"]
+    for backend in BACKENDS:
+        with AioEngine(queue_depth=6, workers=2, backend=backend) as eng:
+            assert eng.backend == backend
+            # io_uring: one thread per worker; threads/python: one thread per queue slot
+            assert eng.num_threads == (2 if backend == "io_uring" else 6)
+    with AioEngine(backend="auto") as eng:
+        expected = "io_uring" if states.get("io_uring") == "usable" else (
+            "threads" if states.get("threads") == "usable" else "python")
+        assert eng.backend == expected
+        assert (eng.fallback_reason == "") == (expected == "io_uring")

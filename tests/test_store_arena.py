@@ -1,0 +1,197 @@
+"""Pinned arena: exact 4096-aligned sub-allocation, coalescing, blocking, errors, locking, cleanup."""
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from offload.store.arena import ALIGN, ArenaFullError, PinnedArena
+
+
+def test_blocks_are_exact_aligned_and_disjoint():
+    with PinnedArena("1MiB", lock=False) as a:
+        sizes = [1, 4096, 5 * 4096 + 1, 100, 3000, 12345]
+        blocks = [a.alloc(n) for n in sizes]
+        for i, (b, n) in enumerate(zip(blocks, sizes)):
+            assert b.tensor.numel() == n and b.nbytes == n
+            assert b.offset % ALIGN == 0 and b.data_ptr() % ALIGN == 0 and b.tensor.data_ptr() == b.data_ptr()
+            b.tensor.fill_(i + 1)
+        for i, b in enumerate(blocks):
+            assert torch.all(b.tensor == i + 1)  # nobody else wrote into it
+        # exact rounding to 4096, not to a power of two: 5*4096+1 takes 6 pages, not 8
+        assert blocks[2].reserved == 6 * 4096
+        assert a.bytes_in_use == sum(-(-n // 4096) * 4096 for n in sizes) == 4096 * (1 + 1 + 6 + 1 + 1 + 4)
+        assert a.bytes_requested == sum(sizes)
+        assert a.peak_bytes == a.bytes_in_use
+        for b in blocks:
+            b.free()
+        assert a.bytes_in_use == 0 and a.peak_bytes == 4096 * 14 and a.largest_free() == a.capacity
+
+
+def test_view_dtype_and_bounds():
+    with PinnedArena(64 * 1024, lock=False) as a, a.alloc(4000) as b:
+        v = b.view(torch.bfloat16)
+        assert v.numel() == 2000 and v.data_ptr() == b.data_ptr()
+        assert b.view(torch.float32, 10).numel() == 10
+        with pytest.raises(ValueError, match="needs 4004 bytes; the block has 4000"):
+            b.view(torch.float32, 1001)
+
+
+def test_coalescing_makes_the_whole_arena_allocatable_again():
+    with PinnedArena(64 * 4096, lock=False) as a:
+        blocks = [a.alloc(4096) for _ in range(64)]
+        with pytest.raises(ArenaFullError, match="timed out"):
+            a.alloc(1, timeout=0)
+        order = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()
+        for i in order:
+            blocks[i].free()
+        assert a.stats()["largest_free"] == 64 * 4096
+        big = a.alloc(64 * 4096)
+        assert big.offset == 0
+        big.free()
+
+
+def test_request_that_can_never_fit_names_size_and_capacity():
+    with PinnedArena("1MiB", lock=False) as a:
+        with pytest.raises(ArenaFullError, match=r"1.00 MiB \(1048577 bytes\) can never fit in the arena's capacity of 1.00 MiB"):
+            a.alloc(1024 * 1024 + 1)
+        with pytest.raises(ValueError, match="nbytes must be >= 0"):
+            a.alloc(-1)
+
+
+def test_alloc_blocks_until_a_free_and_times_out_with_state():
+    with PinnedArena(8 * 4096, lock=False) as a:
+        held = a.alloc(6 * 4096)
+        t0 = time.monotonic()
+        with pytest.raises(ArenaFullError, match=r"timed out after 0.05s waiting for 16.00 KiB; 24.00 KiB of 32.00 KiB in use"):
+            a.alloc(4 * 4096, timeout=0.05)
+        assert time.monotonic() - t0 >= 0.05
+        got = []
+        th = threading.Thread(target=lambda: got.append(a.alloc(4 * 4096, timeout=10)))
+        th.start()
+        time.sleep(0.1)
+        assert not got  # still waiting: the range is taken
+        held.free()
+        th.join(10)
+        assert len(got) == 1 and got[0].reserved == 4 * 4096
+        got[0].free()
+
+
+def test_double_free_and_closed_arena():
+    a = PinnedArena(4 * 4096, lock=False)
+    b = a.alloc(10)
+    b.free()
+    with pytest.raises(RuntimeError, match="freed twice"):
+        b.free()
+    # a waiter is released with an error when the arena closes under it
+    hold = a.alloc(4 * 4096)
+    errs = []
+
+    def wait():
+        try:
+            a.alloc(4096)
+        except RuntimeError as e:
+            errs.append(str(e))
+
+    th = threading.Thread(target=wait)
+    th.start()
+    time.sleep(0.05)
+    a.close()
+    th.join(5)
+    assert not th.is_alive() and errs and "closed arena" in errs[0]
+    assert hold.freed
+
+
+def test_lock_reported_and_no_pin_memory_on_cpu_only():
+    a = PinnedArena(256 * 1024)  # lock="auto"
+    try:
+        if torch.cuda.is_available():
+            assert a.lock_kind in ("cuda", "none")
+        else:
+            assert a.lock_kind in ("mlock", "none")  # never CUDA registration, never pin_memory
+            if a.lock_kind == "none":
+                assert a.lock_error  # says why (RLIMIT_MEMLOCK or mlock errno)
+            else:
+                # the kernel reports the locked pages for this process
+                with open("/proc/self/status") as f:
+                    vmlck = next(int(l.split()[1]) for l in f if l.startswith("VmLck:"))
+                assert vmlck >= 256
+        assert a.stats()["locked"] == a.locked
+    finally:
+        a.close()
+    assert not a.locked
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the arena is registered, not mlock'ed")
+def test_lock_respects_rlimit_memlock():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, hard))
+    try:
+        a = PinnedArena("1MiB")  # auto: over the soft limit -> not locked, and says why
+        assert a.lock_kind == "none" and "RLIMIT_MEMLOCK is 64.00 KiB < arena 1.00 MiB" in a.lock_error
+        a.close()
+        small = PinnedArena(64 * 1024)
+        assert small.lock_kind == "mlock"
+        small.close()
+        try:
+            forced = PinnedArena("1MiB", lock=True)  # root / CAP_IPC_LOCK may exceed the soft limit
+        except OSError as e:
+            assert "could not page-lock the arena" in str(e)
+        else:
+            assert forced.lock_kind == "mlock"
+            forced.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
+
+
+def test_close_releases_the_allocation():
+    a = PinnedArena("4MiB", lock=False)
+    ref = weakref.ref(a._raw)
+    with a.alloc(1000) as b:
+        b.tensor.fill_(1)
+    a.close()
+    gc.collect()
+    assert ref() is None and a.bytes_in_use == 0
+    with pytest.raises(RuntimeError, match="closed arena"):
+        a.alloc(1)
+
+
+def test_zero_byte_block():
+    with PinnedArena(4096, lock=False) as a:
+        full = a.alloc(4096)
+        z = a.alloc(0, timeout=0)  # takes nothing, never waits
+        assert z.tensor.numel() == 0 and a.bytes_in_use == 4096
+        z.free()
+        full.free()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 40_000)), max_size=60))
+def test_random_alloc_free_matches_a_model(ops):
+    cap = 32 * 4096
+    with PinnedArena(cap, lock=False) as a:
+        live = []
+        for is_alloc, n in ops:
+            if is_alloc or not live:
+                try:
+                    b = a.alloc(n, timeout=0)
+                except ArenaFullError:
+                    need = -(-n // 4096) * 4096
+                    # only refused when no free range is large enough
+                    assert a.largest_free() < need
+                    continue
+                live.append(b)
+            else:
+                live.pop(n % len(live)).free()
+            spans = sorted((b.offset, b.offset + b.reserved) for b in live if b.reserved)
+            assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))  # disjoint
+            assert a.bytes_in_use == sum(b.reserved for b in live) <= cap
+            assert a.peak_bytes >= a.bytes_in_use
+        for b in live:
+            b.free()
+        assert a.largest_free() == cap and a.live_blocks == 0

@@ -1,0 +1,126 @@
+"""Faults of the NVMe tier: each gives a clear error, and nothing already stored is corrupted."""
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from offload.store import Residency, StoreConfig, SwapSpaceError, TieredStore
+from offload.store.aio import AioError
+
+from _aio_support import mounted
+
+
+def cfg(path, **kw):
+    base = dict(device_budget="4MiB", cpu_budget="4MiB", nvme_budget="64MiB", nvme_path=str(path))
+    base.update(kw)
+    return StoreConfig(**base)
+
+
+@pytest.mark.filterwarnings("ignore:offload aio.*O_DIRECT:RuntimeWarning")
+def test_full_filesystem_is_refused_at_registration(tmp_path):
+    with mounted(tmp_path / "mnt", "tmpfs", "size=256k") as mnt:
+        with TieredStore(cfg(os.path.join(mnt, "s"))) as st:  # tmpfs: O_DIRECT, or buffered with a warning
+            x = torch.randn(10_000)
+            st.register("ok", 10_000, init=x).result()
+            with pytest.raises(SwapSpaceError, match=r"registering needs 1003520 more bytes .* has \d+ bytes .* free"):
+                st.register("big", 250_000, torch.float32, home="nvme")
+            with pytest.raises(KeyError):
+                st.info("big")  # the failed shard is not half-registered
+            st.register("n", 10_000, home="nvme", init=x).result()
+            assert torch.equal(st.fetch("n", "cpu").result(), x)  # what was stored before is intact
+            assert torch.equal(st.fetch("ok", "device").result(), x)
+        assert os.listdir(mnt) == []
+
+
+def test_file_size_limit_in_a_child(tmp_path):
+    # RLIMIT_FSIZE makes fallocate past 1 MiB fail with EFBIG: registration says so, earlier shards survive.
+    code = textwrap.dedent(f"""
+        import resource, signal, os, torch
+        from offload.store import StoreConfig, TieredStore, SwapSpaceError
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # get EFBIG instead of being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        d = {str(tmp_path / 's')!r}
+        with TieredStore(StoreConfig(device_budget="4MiB", cpu_budget="4MiB", nvme_budget="64MiB", nvme_path=d)) as st:
+            x = torch.randn(100_000)
+            st.register("a", 100_000, home="nvme", init=x).result()
+            try:
+                st.register("b", 300_000, home="nvme")
+                raise SystemExit("no error")
+            except SwapSpaceError as e:
+                assert e.errno == 27 and "cannot grow to" in str(e) and "EFBIG" in str(e), str(e)
+            assert torch.equal(st.fetch("a", "cpu").result(), x)
+        assert not os.path.exists(d)
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_missing_parent_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"parent directory .*/no/such' does not exist"):
+        TieredStore(cfg(tmp_path / "no" / "such" / "swap"))
+
+
+def test_read_only_directory(tmp_path):
+    with mounted(tmp_path / "ro", "tmpfs", "ro,size=64k") as mnt:
+        with pytest.raises(OSError, match=r"is on a read-only filesystem") as ei:
+            TieredStore(cfg(mnt))
+        assert ei.value.errno == errno.EROFS
+        with pytest.raises(OSError, match=r"cannot create the swap directory: Read-only file system"):
+            TieredStore(cfg(os.path.join(mnt, "sub")))
+
+
+def test_path_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError, match="exists and is not a directory"):
+        TieredStore(cfg(tmp_path / "f"))
+
+
+def test_truncated_swap_file(tmp_path):
+    with TieredStore(cfg(tmp_path / "s")) as st:
+        a, b = torch.randn(5000), torch.randn(5000)
+        st.register("a", 5000, home="nvme", init=a).result()
+        st.register("b", 5000, home="nvme", init=b).result()
+        path = st.swap_paths()[0]
+        os.truncate(path, 20480 + 4096)  # cuts b's slot (20480..40960) short
+        with pytest.raises(OSError, match=r"is 24576 bytes but a shard's slot ends at 40960 .* truncated from outside") as ei:
+            st.fetch("b", "cpu").result()
+        assert ei.value.errno == errno.EIO
+        assert st.residency("b") is Residency.NVME  # the failed move went back where it started
+        assert st.stats()["cpu"]["bytes_in_use"] == 0  # and its staging buffer was returned
+        assert torch.equal(st.fetch("a", "cpu").result(), a)  # a is intact
+        # the shard stays usable: a new working copy written back restores the slot
+        st.register("c", 10, home="cpu").result()
+        assert st.fetch("c", "device").result().sum() == 0
+
+
+def test_symlink_planted_at_swap_path(tmp_path):
+    d = tmp_path / "s"
+    d.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 1000)
+    os.symlink(victim, d / "rank0-params.swap")
+    with TieredStore(cfg(d)) as st:
+        with pytest.raises(AioError, match=r"symbolic link.*O_NOFOLLOW") as ei:
+            st.register("x", 1000, home="nvme", init=torch.ones(1000))
+        assert ei.value.errno == errno.ELOOP
+        st.register("y", 1000, home="nvme", tier_class="optim", init=torch.ones(1000)).result()  # other files fine
+    assert victim.read_bytes() == b"precious" * 1000  # never followed, never truncated, never removed
+    assert os.path.islink(d / "rank0-params.swap")  # not ours: left alone
+    assert not os.path.exists(d / "rank0-optim.swap")  # ours: removed
+
+
+def test_swap_files_are_private(tmp_path):
+    with TieredStore(cfg(tmp_path / "s", rank=3)) as st:
+        st.register("x", 1000, home="nvme", tier_class="optim").result()
+        st.register("y", 1000, home="nvme", tier_class="params").result()
+        paths = sorted(st.swap_paths())
+        assert [os.path.basename(p) for p in paths] == ["rank3-optim.swap", "rank3-params.swap"]
+        assert oct(os.stat(tmp_path / "s").st_mode & 0o777) == "0o700"
+        for p in paths:
+            assert oct(os.stat(p).st_mode & 0o777) == "0o600"
+            assert os.stat(p).st_size == 4096  # preallocated to the slots it holds

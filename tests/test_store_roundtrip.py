@@ -1,0 +1,172 @@
+"""TieredStore round trips: random data through every tier and path, many moves in flight."""
+import concurrent.futures as cf
+
+import pytest
+import torch
+
+from offload.store import Residency, StoreConfig, StoreError, TieredStore
+from offload.store.residency import TRANSITIONS
+
+R = Residency
+
+
+def rand(numel, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, (numel,), dtype=torch.uint8, generator=g)
+    return torch.randn(numel, generator=g).to(dtype)
+
+
+def same(a, b):
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.fixture
+def store(tmp_path):
+    with TieredStore(StoreConfig(device_budget="32MiB", cpu_budget="32MiB", nvme_budget="256MiB",
+                                 nvme_path=str(tmp_path / "swap"), io_workers=8)) as st:
+        yield st
+
+
+# 1 byte .. a few MiB, odd sizes
+CASES = [(0, torch.float32), (1, torch.uint8), (3, torch.bfloat16), (1023, torch.float32), (4096, torch.bfloat16),
+         (4097, torch.float32), (65_537, torch.bfloat16), (1_048_579, torch.float32)]
+
+
+@pytest.mark.parametrize("home", ["nvme", "cpu", "device"])
+def test_round_trip_every_path(store, home):
+    data = {}
+    for i, (n, dt) in enumerate(CASES):
+        name = f"{home}-{i}"
+        data[name] = rand(n, dt, i)
+        store.register(name, n, dt, home=home, tier_class="params" if i % 2 else "optim", init=data[name]).result()
+        assert store.info(name).nbytes == n * data[name].element_size()
+    for name, x in data.items():
+        # home copy as registered
+        for tier in ["device", "cpu", "nvme"][: ["device", "cpu", "nvme"].index(home) + 1]:
+            if tier == "nvme":
+                continue
+            t = store.fetch(name, tier).result()
+            assert same(t, x), (name, tier)
+        if home != "device":
+            # modify the working copy on the device, write it home, drop it, fetch again from home
+            t = store.fetch(name, "device").result()
+            assert store.residency(name) is R.DEVICE
+            t.copy_(rand(x.numel(), x.dtype, 1000 + len(name)))
+            y = t.clone()
+            store.release(name, writeback=True).result()
+            assert store.residency(name) is (R.NVME if home == "nvme" else R.CPU)
+            back = store.fetch(name, "cpu").result()
+            assert same(back, y)
+            store.release(name).result()
+    s = store.stats()
+    if home == "nvme":
+        assert s["moved"]["nvme->cpu"] > 0 and s["moved"]["cpu->nvme"] > 0
+    if home != "device":
+        assert s["moved"]["cpu->device"] > 0 and s["moved"]["device->cpu"] > 0
+
+
+def test_nvme_shard_cpu_then_device_then_down(store):
+    x = rand(10_000, torch.float32, 7)
+    store.register("s", 10_000, torch.float32, home="nvme", init=x).result()
+    assert store.residency("s") is R.NVME
+    c = store.fetch("s", "cpu").result()
+    assert store.residency("s") is R.CPU and same(c, x)
+    c.add_(1)
+    d = store.fetch("s", "device").result()  # the working copy moves up, staging freed
+    assert store.residency("s") is R.DEVICE and same(d, x + 1)
+    d.add_(1)
+    c2 = store.fetch("s", "cpu").result()  # and back down, without touching the file
+    assert store.residency("s") is R.CPU and same(c2, (x + 1) + 1)
+    store.release("s").result()  # no writeback: the home copy is unchanged
+    assert same(store.fetch("s", "cpu").result(), x)
+    store.writeback("s").result()
+    store.release("s").result()
+
+
+def test_unwritten_nvme_and_cpu_shards_read_zeros(store):
+    store.register("z1", 5000, torch.bfloat16, home="nvme").result()
+    store.register("z2", 5000, torch.float32, home="cpu").result()
+    assert torch.count_nonzero(store.fetch("z1", "device").result()) == 0
+    assert torch.count_nonzero(store.fetch("z2", "device").result()) == 0
+
+
+def test_many_in_flight_interleaved_under_buffer_pressure(tmp_path):
+    # cpu budget for ~6 shards at a time; 120 shards fetched, modified, written back and released with
+    # many moves queued: buffers are recycled constantly, and any reuse during a move corrupts data.
+    n = 16_381  # odd: every slot has padding
+    with TieredStore(StoreConfig(device_budget="1MiB", cpu_budget=6 * 65_536, nvme_budget="64MiB",
+                                 nvme_path=str(tmp_path / "s"), io_workers=8, alloc_timeout=60)) as st:
+        ref = {}
+        for i in range(120):
+            ref[f"p{i}"] = rand(n, torch.float32, i)
+            st.register(f"p{i}", n, torch.float32, home="nvme", init=ref[f"p{i}"])
+        st.wait_all()
+        for rnd in range(2):
+            futs = {name: st.fetch(name, "cpu") for name in list(ref)[:4]}
+            for k, name in enumerate(ref):
+                t = futs.pop(name).result()
+                assert same(t, ref[name]), (rnd, name)
+                t.mul_(-1)
+                ref[name] = t.clone()
+                st.release(name, writeback=True)
+                nxt = list(ref)[k + 4] if k + 4 < len(ref) else None
+                if nxt:
+                    futs[nxt] = st.fetch(nxt, "cpu")  # a read queued while writes are in flight
+                assert st.stats()["cpu"]["bytes_in_use"] <= st.stats()["cpu"]["capacity"]
+            st.wait_all()
+        assert st.stats()["cpu"]["peak_bytes"] <= 6 * 65_536
+        for name, x in ref.items():
+            assert same(st.fetch(name, "device").result(), x)
+            st.release(name)
+        st.wait_all()
+
+
+def test_hundreds_of_concurrent_fetches(tmp_path):
+    with TieredStore(StoreConfig(device_budget="8MiB", cpu_budget="8MiB", nvme_budget="64MiB",
+                                 nvme_path=str(tmp_path / "s"), io_workers=8)) as st:
+        ref = {f"q{i}": rand(1000 + i, torch.bfloat16, i) for i in range(300)}
+        for name, x in ref.items():
+            st.register(name, x.numel(), x.dtype, home="nvme", init=x)
+        st.wait_all()
+        futs = {name: st.fetch(name, "device") for name in ref}  # 300 moves queued at once
+        for name, f in futs.items():
+            assert same(f.result(), ref[name])
+        cf.wait([st.release(n) for n in ref])
+        assert st.stats()["device"]["bytes_in_use"] == 0 and st.stats()["cpu"]["bytes_in_use"] == 0
+
+
+def test_api_errors(store):
+    store.register("a", 10, torch.float32, home="cpu").result()
+    with pytest.raises(ValueError, match="already registered"):
+        store.register("a", 10)
+    with pytest.raises(KeyError, match="no shard named 'nope'"):
+        store.fetch("nope", "cpu")
+    with pytest.raises(ValueError, match=r"can only fetch to the home tier \(cpu\) or a faster one"):
+        store.fetch("a", "nvme")
+    store.register("d", 10, torch.float32, home="device").result()
+    with pytest.raises(ValueError, match=r"home tier \(device\)"):
+        store.fetch("d", "cpu")
+    with pytest.raises(ValueError, match="init has 3 elements but numel is 10"):
+        store.register("b", 10, init=torch.ones(3))
+    with pytest.raises(ValueError, match="'device', 'cpu' or 'nvme'|is not a valid Tier"):
+        store.register("c", 10, home="gpu")
+
+
+def test_nvme_needs_a_path():
+    with TieredStore(StoreConfig(device_budget="1MiB", cpu_budget="1MiB")) as st:
+        with pytest.raises(StoreError, match="need StoreConfig.nvme_path"):
+            st.register("x", 10, home="nvme")
+
+
+def test_transitions_assert_their_preconditions(store):
+    store.register("x", 100, home="nvme").result()
+    s = store._shards["x"]
+    with pytest.raises(AssertionError, match="move CPU->NVME while NVME"):
+        store._transition(s, R.CPU, R.NVME)
+    with pytest.raises(AssertionError, match="move NVME->DEVICE while NVME"):  # not an allowed edge
+        store._transition(s, R.NVME, R.DEVICE)
+    assert store.residency("x") is R.NVME
+    # every in-flight state has a way back (a failed move returns where it started)
+    for mid in (R.READING, R.TO_DEVICE, R.TO_CPU, R.WRITING):
+        assert any(a is mid for a, _ in TRANSITIONS) and any(b is mid for _, b in TRANSITIONS)
