@@ -6,9 +6,9 @@ Stated overhead (CPU machine, where the device tier is host memory):
   + 6 x largest shard (one unit's master, exp_avg, exp_avg_sq, grad     ~18 MiB here
     and the zero-init of the moments, staged while the optimizer steps it)
   + 16 MiB (activations, autograd graph, allocator slack)
-Measured on the 2-core dev box: peak RSS - baseline = 34 MiB for a 20 MiB cpu budget and 97 MiB of states
+Measured on the 2-core dev box: peak RSS - baseline = 46 MiB for a 20 MiB cpu budget and 97 MiB of states
 (limit 20 + 37 = 57 MiB). The baseline is taken after a warm-up that loads torch's lazily imported
-machinery (~90 MiB any torch program pays), in a fresh subprocess so ru_maxrss covers only this run.
+machinery (~90 MiB any torch program pays), in a fresh subprocess; the peak is VmHWM reset at the baseline.
 """
 import json
 import os

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import Case, run_case, transformers_available  # noqa: E402
+from zero_common import Case, inblock_values_check, run_case, transformers_available  # noqa: E402
 
 TIERS = ("device", "cpu", "nvme")
 
@@ -75,3 +75,14 @@ def world2_results(tmp_path_factory):
 @pytest.mark.parametrize("case", grid(2), ids=lambda c: c.name)
 def test_parity_world2(case, world2_results):
     check(world2_results[case.name], case)
+
+
+def test_inblock_construction_world1():
+    r = inblock_values_check()
+    assert r["tensors"] >= 20 and r["max_abs_diff"] == 0.0, r
+
+
+def test_inblock_construction_same_values_on_every_rank(world2_results):
+    r = world2_results["inblock"]
+    assert "error" not in r, r.get("error")
+    assert r["tensors"] >= 20 and r["max_abs_diff"] == 0.0, r

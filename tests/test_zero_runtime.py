@@ -327,12 +327,15 @@ def test_auto_tiers_follow_budgets(tmp_path):
     with offload.init(_cfg(params="auto", optimizer="auto")) as rt:
         rt.wrap(TinyTransformer())
         assert (rt.params_tier, rt.optimizer_tier) == ("device", "cpu")
-    with offload.init(_cfg(params="auto", optimizer="auto", device_budget="40KiB", cpu_budget="8KiB",
+    with offload.init(_cfg(params="auto", optimizer="auto", device_budget="40KiB", cpu_budget="64KiB",
                            nvme_path=str(tmp_path))) as rt:
         rt.wrap(TinyTransformer())
         assert (rt.params_tier, rt.optimizer_tier) == ("nvme", "nvme")
     with offload.init(_cfg(params="cpu", optimizer="cpu", cpu_budget="8KiB")) as rt:
         with pytest.raises(MemoryError, match="cpu_budget"):
+            rt.wrap(TinyTransformer())
+    with offload.init(_cfg(params="nvme", optimizer="nvme", cpu_budget="16KiB", nvme_path=str(tmp_path))) as rt:
+        with pytest.raises(MemoryError, match=r"cpu_budget: stepping the largest unit stages .* \(\d+ bytes\)"):
             rt.wrap(TinyTransformer())
 
 

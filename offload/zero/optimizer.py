@@ -121,16 +121,15 @@ class ShardedAdamW(AdamW):
                 continue
             k = unit.key
             master_key = f"{k}.param" if fp32 else f"{k}.master"
-            master = storage.get(master_key)
-            if not storage.has(f"{k}.exp_avg"):
-                zeros = torch.zeros_like(master, dtype=torch.float32)
-                storage.put(f"{k}.exp_avg", zeros, rt.optimizer_tier)
-                storage.put(f"{k}.exp_avg_sq", zeros, rt.optimizer_tier)
-                del zeros
-            exp_avg = storage.get(f"{k}.exp_avg")
-            exp_avg_sq = storage.get(f"{k}.exp_avg_sq")
-            grad = storage.get(f"{k}.grad")
-            param = None if fp32 else storage.get(f"{k}.param")  # bf16 shard the kernel rewrites
+            if not storage.has(f"{k}.exp_avg"):  # moments start at zero, in the optimizer tier
+                for name in (f"{k}.exp_avg", f"{k}.exp_avg_sq"):
+                    storage.create(name, rt.optimizer_tier, "optim", numel=unit.layout.shard_numel,
+                                   dtype=torch.float32)
+            master = storage.acquire(master_key)
+            exp_avg = storage.acquire(f"{k}.exp_avg")
+            exp_avg_sq = storage.acquire(f"{k}.exp_avg_sq")
+            grad = storage.acquire(f"{k}.grad")
+            param = None if fp32 else storage.acquire(f"{k}.param")  # bf16 shard the kernel rewrites
             for piece, group, p in live:
                 if id(p) not in stepped_params:
                     stepped_params.add(id(p))
@@ -139,11 +138,12 @@ class ShardedAdamW(AdamW):
             for lo, hi, group, step in _runs(live, self.state):
                 step_flat(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
                           None if param is None else param[lo:hi], group, step, rt.grad_scale)
-            storage.put(master_key, master)
-            storage.put(f"{k}.exp_avg", exp_avg)
-            storage.put(f"{k}.exp_avg_sq", exp_avg_sq)
+            storage.release(master_key, master, dirty=True)
+            storage.release(f"{k}.exp_avg", exp_avg, dirty=True)
+            storage.release(f"{k}.exp_avg_sq", exp_avg_sq, dirty=True)
+            storage.release(f"{k}.grad", grad)
             if param is not None:
-                storage.put(f"{k}.param", param)
+                storage.release(f"{k}.param", param, dirty=True)
             del master, exp_avg, exp_avg_sq, grad, param
             if unit.state is UnitState.UNSHARDED:
                 unit.stale = True  # persistent units re-gather before their next use
@@ -164,9 +164,10 @@ class ShardedAdamW(AdamW):
                 index[id(p)] = i
         state = {}
         for unit, entries in self._unit_plan():
-            have = self.rt.storage.has(f"{unit.key}.exp_avg")
-            m = self.rt.storage.get(f"{unit.key}.exp_avg") if have else None
-            v = self.rt.storage.get(f"{unit.key}.exp_avg_sq") if have else None
+            storage = self.rt.storage
+            have = storage.has(f"{unit.key}.exp_avg")
+            m = storage.acquire(f"{unit.key}.exp_avg") if have else None
+            v = storage.acquire(f"{unit.key}.exp_avg_sq") if have else None
             for piece, group, p in entries:
                 st = self.state.get(p, {})
                 if "step" not in st:
@@ -177,6 +178,9 @@ class ShardedAdamW(AdamW):
                     "exp_avg_sq": v[piece.lo:piece.hi].clone(),
                     "shard_range": (piece.param_lo, piece.param_lo + piece.hi - piece.lo),
                 }
+            if have:
+                storage.release(f"{unit.key}.exp_avg", m)
+                storage.release(f"{unit.key}.exp_avg_sq", v)
         sd["state"] = state
         sd["world_size"] = self.rt.world_size
         return sd
@@ -203,19 +207,18 @@ class ShardedAdamW(AdamW):
                 continue
             k = unit.key
             if not storage.has(f"{k}.exp_avg"):
-                zeros = torch.zeros(unit.layout.shard_numel, dtype=torch.float32)
-                storage.put(f"{k}.exp_avg", zeros, self.rt.optimizer_tier)
-                storage.put(f"{k}.exp_avg_sq", zeros, self.rt.optimizer_tier)
-            m = storage.get(f"{k}.exp_avg")
-            v = storage.get(f"{k}.exp_avg_sq")
+                for name in (f"{k}.exp_avg", f"{k}.exp_avg_sq"):
+                    storage.create(name, self.rt.optimizer_tier, "optim", numel=unit.layout.shard_numel,
+                                   dtype=torch.float32)
+            m = storage.acquire(f"{k}.exp_avg")
+            v = storage.acquire(f"{k}.exp_avg_sq")
             for piece, p in touched:
                 st = saved_state[_index_of(by_index, p)]
                 m[piece.lo:piece.hi].copy_(st["exp_avg"])
                 v[piece.lo:piece.hi].copy_(st["exp_avg_sq"])
                 self.state[p]["step"] = int(st["step"])
-            storage.put(f"{k}.exp_avg", m)
-            storage.put(f"{k}.exp_avg_sq", v)
-
+            storage.release(f"{k}.exp_avg", m, dirty=True)
+            storage.release(f"{k}.exp_avg_sq", v, dirty=True)
 
 def _index_of(by_index, p):
     for i, q in by_index.items():

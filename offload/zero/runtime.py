@@ -49,6 +49,19 @@ def current() -> "Runtime | None":
     return _ACTIVE[-1] if _ACTIVE else None
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set: VmHWM (per address space, so it does not inherit the parent's peak
+    across fork+exec as ru_maxrss can), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _pin_mmap_threshold() -> None:
     """glibc raises its mmap threshold to the size of the largest block freed so far (up to 32 MiB), after
     which multi-MB staging buffers (nvme reads, gathered units) come from the heap and are kept there: RSS
@@ -125,7 +138,9 @@ class Runtime:
                 self.budgets["nvme"] = need
             run_dir = Path(cfg.nvme_path) / f"offload-{os.getpid()}-rank{self.group.rank}"
             run_dir.mkdir(parents=True, exist_ok=True)
-        self.storage = ShardStorage(self.device, self.budgets, run_dir)
+        self.storage = ShardStorage(self.device, self.budgets, run_dir, self.group.rank)
+        # the store resolved "auto" budgets (and rounded to pages): plan against what it enforces
+        self.budgets = {t: self.storage.capacity(t) for t in ("device", "cpu")} | {"nvme": self.budgets["nvme"]}
         _pin_mmap_threshold()
         # a module was built: the next forward may need to materialize it
         self._capture = ConstructionCapture(on_module=self._note_module).__enter__()
@@ -163,16 +178,21 @@ class Runtime:
             return comm.Group(dist.get_rank(), dist.get_world_size())
         return comm.Group(0, 1)
 
-    def _budget(self, field: str) -> int:
+    def _budget(self, field: str) -> int | None:
+        """A set budget in bytes; None for "auto" (the store resolves it), except that ranks sharing a host
+        split the host's share between them."""
         value = self.config.bytes_of(field)
         if value is not None:
             return value
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.group.world_size)))
-        if field == "device_budget" and self.device.type == "cuda":
-            return int(torch.cuda.get_device_properties(self.device).total_memory * 0.9)
+        if local <= 1 or (field == "device_budget" and self.device.type == "cuda"):
+            return None
+        from ..store import AUTO_FRACTION
+
         import psutil
 
-        return int(psutil.virtual_memory().available * 0.9 / max(1, local))
+        share = AUTO_FRACTION["cpu" if field == "cpu_budget" else "device_host"]
+        return int(psutil.virtual_memory().available * share / local)
 
     @property
     def rank(self) -> int:
@@ -244,9 +264,9 @@ class Runtime:
                 shard = full[lo:hi].clone()
                 del full
                 key = f"u{index}"
-                self.storage.put(f"{key}.param", shard.to(self.compute_dtype), self.params_tier)
+                self.storage.create(f"{key}.param", self.params_tier, "params", init=shard.to(self.compute_dtype))
                 if self.compute_dtype != torch.float32:
-                    self.storage.put(f"{key}.master", shard, self.optimizer_tier)
+                    self.storage.create(f"{key}.master", self.optimizer_tier, "optim", init=shard)
                 del shard
                 unit = ShardedUnit(self, index, spec.name, spec.module, layout)
                 for slot, (p, _, _) in zip(layout.slots, spec.params):
@@ -295,19 +315,29 @@ class Runtime:
         param_bytes = shard_elems * width
         opt_bytes = shard_elems * 4 * (3 + (1 if width != 4 else 0))  # exp_avg, exp_avg_sq, grad (+ master)
         biggest = max((l.padded_numel * width for l in layouts), default=0)
+        # host working set while the optimizer steps the largest unit: master (or fp32 param), exp_avg,
+        # exp_avg_sq, grad, and the bf16 param shard; nvme-homed ones are staged in the cpu arena
+        staging = max((l.shard_numel for l in layouts), default=0) * (16 + (width if width != 4 else 0))
+        cpu_free = self.budgets["cpu"] - self.storage.nbytes_in("cpu")
         if self.params_tier == "auto":
             if param_bytes + 2 * biggest <= self.budgets["device"] - self.storage.nbytes_in("device"):
                 self.params_tier = "device"
-            elif param_bytes <= (self.budgets["cpu"] - self.storage.nbytes_in("cpu")) // 2:
+            elif param_bytes + staging <= cpu_free:
                 self.params_tier = "cpu"
             else:
                 self.params_tier = self._nvme_or_fail("params", param_bytes)
         if self.optimizer_tier == "auto":
-            cpu_used = self.storage.nbytes_in("cpu") + (param_bytes if self.params_tier == "cpu" else 0)
-            if opt_bytes <= self.budgets["cpu"] - cpu_used:
+            cpu_used = param_bytes if self.params_tier == "cpu" else 0
+            if opt_bytes + cpu_used + staging <= cpu_free:
                 self.optimizer_tier = "cpu"
             else:
                 self.optimizer_tier = self._nvme_or_fail("optimizer", opt_bytes)
+        if "nvme" in (self.params_tier, self.optimizer_tier) and staging > cpu_free:
+            raise MemoryError(
+                f"offload.Config.cpu_budget: stepping the largest unit stages {format_size(staging)} ({staging} "
+                f"bytes) of nvme-homed state in host memory but only {format_size(cpu_free)} ({cpu_free} bytes) "
+                "of cpu_budget is free; raise cpu_budget or cut smaller units"
+            )
         nvme_need = (param_bytes if self.params_tier == "nvme" else 0) + \
                     (opt_bytes if self.optimizer_tier == "nvme" else 0)
         if nvme_need:
@@ -379,11 +409,12 @@ class Runtime:
         for unit in self.units:
             if not unit.has_grad:
                 continue
-            g = self.storage.get(f"{unit.key}.grad")
+            g = self.storage.acquire(f"{unit.key}.grad")
             for piece in unit.layout.pieces(self.rank):
                 if unit.layout.slots[piece.slot].requires_grad:
                     norms.append((unit.layout.slots[piece.slot].ordinal,
                                   torch.linalg.vector_norm(g[piece.lo:piece.hi], norm_type)))
+            self.storage.release(f"{unit.key}.grad", g)
             del g
         norms = [n for _, n in sorted(norms, key=lambda x: x[0])]  # model.parameters() order, as torch
         local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
@@ -430,9 +461,12 @@ class Runtime:
                 if not any(unit.module is x for x in m.modules()):
                     continue
                 key = "master" if self.compute_dtype != torch.float32 else "param"
-                shard = self.storage.get(f"{unit.key}.{key}").float()
+                held = self.storage.acquire(f"{unit.key}.{key}")
+                shard = held.float()  # a copy for bf16; fp32: the held tensor itself, gathered below
                 full = torch.empty(unit.layout.padded_numel, dtype=torch.float32)
                 comm.all_gather_into(self.group, full, shard)
+                self.storage.release(f"{unit.key}.{key}", held)
+                del held, shard
                 for slot in unit.layout.slots:
                     value = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
                     for mod, attr in slot.refs:
@@ -452,18 +486,18 @@ class Runtime:
         return sum(u.nbytes_full for u in root) + persistent + largest * 1
 
     def stats(self) -> dict:
-        s = self.storage.stats
+        s = self.storage.stats()
         return {
-            "nvme_read_bytes": s.nvme_read,
-            "nvme_written_bytes": s.nvme_written,
-            "host_to_device_bytes": s.host_to_device,
-            "device_to_host_bytes": s.device_to_host,
+            "nvme_read_bytes": s["nvme_read"],
+            "nvme_written_bytes": s["nvme_written"],
+            "host_to_device_bytes": s["host_to_device"],
+            "device_to_host_bytes": s["device_to_host"],
             "allgather_bytes": self.traffic["allgather"],
             "reduce_scatter_bytes": self.traffic["reduce_scatter"],
-            "peak_resident_bytes": dict(s.peak_resident),
+            "peak_resident_bytes": s["peak_resident"],
             "peak_gathered_bytes": self.peak_gathered_bytes,
             "gathered_bound_bytes": self.gathered_bound(),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": peak_rss_bytes(),
             "params_tier": self.params_tier,
             "optimizer_tier": self.optimizer_tier,
         }

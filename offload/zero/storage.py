@@ -1,190 +1,129 @@
-"""Where the runtime's shards live: named flat tensors with a home tier (device / cpu / nvme).
+"""The runtime's view of the tiered store (offload/store): a unit's shards by name, borrowed for one
+piece of work and given back.
 
-This is the runtime's narrow view of the tiered store: `put` (create or write back), `get` (bring to a
-device, aliasing the resident tensor when it already lives there), `delete`, byte accounting per tier and
-bytes moved. Memory tiers hold the tensor itself; the nvme tier holds one swap file per shard under the
-run directory and reads it into a fresh host tensor on `get` (the caller drops it after use, so nvme-homed
-state occupies host memory only while a unit is being worked on). Synchronous by design: every call
-returns when its bytes are where it says.
+    storage.create(name, tier, tier_class, init=t | numel=n, dtype=...)  # home copy in tier
+    t = storage.acquire(name)        # host tensor: the home copy (device/cpu homes on a CPU machine), or a
+                                     # working copy in the pinned arena (nvme homes; counts in cpu_budget)
+    ...use / update t in place...
+    storage.release(name, t, dirty)  # dirty: write the working copy home first; then drop it
+
+`acquire(name, compute=True)` gives the bytes on the compute device instead (the gather source). Every
+call waits for its move (the runtime is synchronous per unit; prefetch comes with the planner).
+Names: u<i>.param (compute dtype), u<i>.master, u<i>.exp_avg, u<i>.exp_avg_sq, u<i>.grad (fp32).
 """
 from __future__ import annotations
 
 import os
 import shutil
-import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..config import format_size
+from ..store import StoreConfig, TieredStore
+from ..store.residency import Tier
 
-MEMORY_TIERS = ("device", "cpu")
-
-
-@dataclass
-class _Entry:
-    tier: str
-    shape: tuple
-    dtype: torch.dtype
-    nbytes: int
-    tensor: torch.Tensor | None = None  # memory tiers
-    path: Path | None = None  # nvme tier
-
-
-@dataclass
-class StorageStats:
-    """Bytes moved, per direction (cumulative since the storage was created)."""
-
-    nvme_read: int = 0
-    nvme_written: int = 0
-    host_to_device: int = 0
-    device_to_host: int = 0
-    peak_resident: dict = field(default_factory=lambda: {"device": 0, "cpu": 0, "nvme": 0})
+ALLOC_TIMEOUT_S = 120.0  # a buffer that cannot be had in this long is a planning error: raise, never hang
 
 
 class ShardStorage:
-    """Named shards in tiers, within budgets. `device` is the compute device (CPU on a CPU machine)."""
-
-    def __init__(self, device: torch.device, budgets: dict[str, int | None], nvme_dir: Path | None):
+    def __init__(self, device: torch.device, budgets: dict, nvme_dir: Path | None, rank: int = 0):
         self.device = torch.device(device)
-        self.budgets = dict(budgets)
         self.nvme_dir = nvme_dir
-        self._entries: dict[str, _Entry] = {}
-        self.resident = {"device": 0, "cpu": 0, "nvme": 0}
-        self.stats = StorageStats()
-        self._lock = threading.Lock()
-        self.closed = False
+        cfg = StoreConfig(
+            device_budget=budgets["device"] if budgets["device"] is not None else "auto",
+            cpu_budget=budgets["cpu"] if budgets["cpu"] is not None else "auto",
+            nvme_budget=budgets["nvme"] if budgets.get("nvme") is not None else "auto",
+            nvme_path=str(nvme_dir) if nvme_dir is not None else None,
+            rank=rank,
+            device=str(self.device),
+            # page-locking only pays for DMA to a GPU; without one it would just pin RSS
+            lock_memory="auto" if self.device.type == "cuda" else False,
+            alloc_timeout=ALLOC_TIMEOUT_S,
+        )
+        self.store = TieredStore(cfg)
+        self._home: dict[str, Tier] = {}
+        self._private: dict[str, torch.Tensor] = {}  # host copies of device-homed shards (GPU only)
 
-    # ---- placement -------------------------------------------------------------------------
-    def _tier_device(self, tier: str) -> torch.device:
-        return self.device if tier == "device" else torch.device("cpu")
-
-    def _charge(self, tier: str, nbytes: int, name: str) -> None:
-        budget = self.budgets.get(tier)
-        if budget is not None and self.resident[tier] + nbytes > budget:
-            raise MemoryError(
-                f"offload: the {tier} tier cannot hold shard {name!r} ({format_size(nbytes)}): "
-                f"{format_size(self.resident[tier])} already resident of a {tier}_budget of {format_size(budget)}. "
-                f"Raise {tier}_budget or move this state to a lower tier (params=/optimizer= 'cpu' or 'nvme')."
-            )
-        self.resident[tier] += nbytes
-        self.stats.peak_resident[tier] = max(self.stats.peak_resident[tier], self.resident[tier])
-
-    def has(self, name: str) -> bool:
-        return name in self._entries
-
-    def tier_of(self, name: str) -> str:
-        return self._entries[name].tier
-
-    def put(self, name: str, tensor: torch.Tensor, tier: str | None = None) -> None:
-        """Create `name` in `tier` from `tensor` (copied), or write `tensor` back to an existing `name`.
-
-        Writing back the very tensor `get` returned for a memory tier is free (it is the resident copy).
-        """
-        self._check_open()
-        tensor = tensor.detach()
-        entry = self._entries.get(name)
-        if entry is None:
-            if tier is None:
-                raise KeyError(f"offload storage: {name!r} does not exist; give a tier to create it")
-            nbytes = tensor.numel() * tensor.element_size()
-            self._charge(tier, nbytes, name)
-            entry = _Entry(tier, tuple(tensor.shape), tensor.dtype, nbytes)
-            self._entries[name] = entry
-            if tier in MEMORY_TIERS:
-                entry.tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device=self._tier_device(tier))
-            else:
-                entry.path = self.nvme_dir / (name.replace("/", "_") + ".swp")
-        if tuple(tensor.shape) != entry.shape or tensor.dtype != entry.dtype:
-            raise ValueError(
-                f"offload storage: write of {tuple(tensor.shape)}/{tensor.dtype} into {name!r} "
-                f"which is {entry.shape}/{entry.dtype}"
-            )
-        if entry.tier in MEMORY_TIERS:
-            if tensor.data_ptr() != entry.tensor.data_ptr():
-                self._count_copy(tensor.device, entry.tensor.device, entry.nbytes)
-                entry.tensor.copy_(tensor)
-        else:
-            host = tensor.to("cpu") if tensor.device.type != "cpu" else tensor
-            if tensor.device.type != "cpu":
-                self.stats.device_to_host += entry.nbytes
-            _write_file(entry.path, host.contiguous())
-            self.stats.nvme_written += entry.nbytes
-
-    def get(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
-        """The shard on `device` (default: host). Memory tiers return the resident tensor itself when it
-        already lives on `device` (in-place updates need no write back); nvme reads a fresh host copy."""
-        self._check_open()
-        entry = self._entries[name]
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        if entry.tier in MEMORY_TIERS:
-            src = entry.tensor
-        else:
-            src = torch.empty(entry.shape, dtype=entry.dtype)
-            _read_file(entry.path, src)
-            self.stats.nvme_read += entry.nbytes
-        if src.device == device or (src.device.type == device.type == "cpu"):
-            return src
-        self._count_copy(src.device, device, entry.nbytes)
-        return src.to(device)
-
-    def delete(self, name: str) -> None:
-        entry = self._entries.pop(name, None)
-        if entry is None:
-            return
-        self.resident[entry.tier] -= entry.nbytes
-        entry.tensor = None
-        if entry.path is not None:
-            try:
-                entry.path.unlink()
-            except FileNotFoundError:
-                pass
+    # ---- budgets ----------------------------------------------------------------------------
+    def capacity(self, tier: str) -> int:
+        s = self.store.stats()
+        return s["nvme"]["capacity"] if tier == "nvme" else s[tier]["capacity"]
 
     def nbytes_in(self, tier: str) -> int:
-        return self.resident[tier]
+        return self.store.stats()[tier]["bytes_in_use"]
 
-    def _count_copy(self, src: torch.device, dst: torch.device, nbytes: int) -> None:
-        if src.type == "cpu" and dst.type != "cpu":
-            self.stats.host_to_device += nbytes
-        elif src.type != "cpu" and dst.type == "cpu":
-            self.stats.device_to_host += nbytes
+    # ---- shards -----------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return name in self._home
 
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("offload: the runtime's storage is closed (the offload.init block has exited)")
+    def tier_of(self, name: str) -> str:
+        return self._home[name].value
+
+    def create(self, name: str, tier: str, tier_class: str, init: torch.Tensor | None = None,
+               numel: int | None = None, dtype: torch.dtype | None = None) -> None:
+        """Register `name` with its home copy in `tier`: `init`'s values, or zeros of numel/dtype."""
+        if init is not None:
+            init = init.detach().reshape(-1).contiguous()
+            numel, dtype = init.numel(), init.dtype
+        try:
+            self.store.register(name, numel, dtype, home=tier, tier_class=tier_class, init=init).result()
+        except MemoryError as exc:
+            raise MemoryError(f"offload: shard {name!r} ({format_size(numel * dtype.itemsize)}) does not fit its "
+                              f"{tier} tier: {exc}") from exc
+        self._home[name] = Tier(tier)
+
+    def _where(self, name: str, compute: bool) -> Tier:
+        home = self._home[name]
+        if compute and self.device.type != "cpu":
+            return Tier.DEVICE
+        # on the host: nvme homes get a working copy in the arena; memory homes lend their home copy
+        return Tier.CPU if home is Tier.NVME else home
+
+    def acquire(self, name: str, compute: bool = False) -> torch.Tensor:
+        where = self._where(name, compute)
+        t = self.store.fetch(name, where).result()  # the bytes must be there before the caller reads them
+        if not compute and t.device.type != "cpu":  # device-homed state stepped by the CPU optimizer
+            host = t.to("cpu")
+            self._private[name] = t
+            return host
+        return t
+
+    def release(self, name: str, tensor: torch.Tensor | None = None, dirty: bool = False,
+                compute: bool = False) -> None:
+        where = self._where(name, compute)
+        if name in self._private:
+            home = self._private.pop(name)
+            if dirty:
+                home.copy_(tensor)
+            return
+        if where is self._home[name]:
+            return  # the home copy itself: in-place updates are already home
+        # dropping (and first writing home) the working copy; waited so its arena range is free again
+        self.store.release(name, writeback=dirty).result()
+
+    # ---- lifetime / stats -------------------------------------------------------------------
+    def stats(self) -> dict:
+        s = self.store.stats()
+        return {
+            "nvme_read": s["moved"]["nvme->cpu"],
+            "nvme_written": s["moved"]["cpu->nvme"],
+            "host_to_device": s["moved"]["cpu->device"],
+            "device_to_host": s["moved"]["device->cpu"],
+            "peak_resident": {t: s[t]["peak_bytes"] for t in ("device", "cpu", "nvme")},
+        }
 
     def close(self) -> None:
-        """Drop every shard and remove the swap files (and the run directory this storage owns)."""
-        for name in list(self._entries):
-            self.delete(name)
+        """Close the store (joins its threads, frees the arena, removes swap files) and the run directory."""
+        self.store.close()
+        self._home.clear()
+        self._private.clear()
         if self.nvme_dir is not None and self.nvme_dir.exists():
             shutil.rmtree(self.nvme_dir, ignore_errors=True)
-        self.closed = True
 
-
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(-1).view(torch.uint8).numpy())
-
-
-def _write_file(path: Path, t: torch.Tensor) -> None:
-    try:
-        with open(path, "wb", buffering=0) as f:
-            f.write(_as_bytes(t))
-    except OSError as exc:
-        raise OSError(exc.errno, f"offload: writing swap file {path} ({t.numel() * t.element_size()} bytes) failed: "
-                      f"{exc.strerror}") from exc
-
-
-def _read_file(path: Path, out: torch.Tensor) -> None:
-    want = out.numel() * out.element_size()
-    try:
-        with open(path, "rb", buffering=0) as f:
-            got = f.readinto(_as_bytes(out))
-    except OSError as exc:
-        raise OSError(exc.errno, f"offload: reading swap file {path} failed: {exc.strerror}") from exc
-    if got != want:
-        raise OSError(f"offload: short read of swap file {path}: {got} of {want} bytes")
+    @property
+    def closed(self) -> bool:
+        return self.store.closed
 
 
 def check_nvme_path(path: str | os.PathLike, need_bytes: int | None, what: str) -> None:

@@ -84,8 +84,10 @@ class ShardedUnit:
         if self.state is UnitState.SHARDED:
             self.flat.untyped_storage().resize_(self.nbytes_full)
             self.rt._account_gathered(self.nbytes_full)
-        shard = self.rt.storage.get(f"{self.key}.param", self.rt.device)
+        shard = self.rt.storage.acquire(f"{self.key}.param", compute=True)
         comm.all_gather_into(self.rt.group, _alias(self.flat), shard)
+        self.rt.storage.release(f"{self.key}.param", shard, compute=True)
+        del shard
         self.rt.traffic["allgather"] += self.nbytes_full
         self.stale = False
         self._install(self.views)
@@ -149,13 +151,17 @@ class ShardedUnit:
         self.rt.traffic["reduce_scatter"] += full_grad.numel() * 4
         shard = shard.to("cpu")
         name = f"{self.key}.grad"
-        if self.has_grad:
-            acc = self.rt.storage.get(name)
-            acc.add_(shard)
-            self.rt.storage.put(name, acc)
+        storage = self.rt.storage
+        if not storage.has(name):  # first gradient of this unit: its shard is created in the optimizer tier
+            storage.create(name, self.rt.optimizer_tier, "grads", init=shard)
         else:
-            self.rt.storage.put(name, shard, self.rt.optimizer_tier)
-            self.has_grad = True
+            acc = storage.acquire(name)
+            if self.has_grad:
+                acc.add_(shard)
+            else:  # zero_grad ran since: overwrite
+                acc.copy_(shard)
+            storage.release(name, acc, dirty=True)
+        self.has_grad = True
 
     def flush_local_grad(self) -> None:
         """Reduce what no_sync accumulated (called when a step needs gradients no backward has reduced)."""
@@ -164,8 +170,7 @@ class ShardedUnit:
             self.reduce(g)
 
     def zero_grad(self) -> None:
-        self.rt.storage.delete(f"{self.key}.grad")
-        self.has_grad = False
+        self.has_grad = False  # the grad shard stays registered; the next reduce overwrites it
         self.local_grad = None
         self.used.zero_()
 
