@@ -35,6 +35,7 @@ def grid(world):
         cases += [
             Case(world=world, model="llama", params="cpu", optimizer="nvme"),
             Case(world=world, model="llama", dtype="bf16", accum=4, params="nvme", optimizer="cpu"),
+            Case(world=world, model="llama-ckpt", params="nvme", optimizer="cpu"),  # HF activation checkpointing
         ]
     return cases
 

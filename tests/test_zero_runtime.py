@@ -251,6 +251,18 @@ def test_optimizer_state_dict_resumes_exactly(tmp_path):
         assert torch.equal(value, resumed[name]), name
 
 
+def test_model_to_moves_buffers_and_leaves_placeholders():
+    model = TinyTransformer()
+    with offload.init(_cfg()) as rt:
+        rt.wrap(model)
+        before = rt.full_state_dict(model)
+        assert model.to("cpu") is model and model.float() is model  # no "cannot copy out of meta" error
+        assert all(p.device.type == "meta" for p in model.parameters())
+        assert model.layers[0].gain.device.type == "cpu"
+        _train(model, rt, steps=1)
+        assert not torch.equal(before["layers.0.mlp.0.weight"], rt.full_state_dict(model)["layers.0.mlp.0.weight"])
+
+
 def test_unused_parameters_are_not_stepped():
     """torch.optim.AdamW skips params whose grad is None (no decay, no moment update): so must we."""
     model = TinyTransformer()

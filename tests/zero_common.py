@@ -89,11 +89,20 @@ def make_model(kind: str) -> nn.Module:
         return TinyTransformer()
     if kind == "llama":
         return make_llama()
+    if kind.startswith("llama-ckpt"):  # HF's own activation checkpointing around every decoder layer
+        model = make_llama()
+        kwargs = {"use_reentrant": kind.endswith("reentrant")}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.config.use_cache = False
+        return model
     raise ValueError(kind)
 
 
 def compute_loss(model, ids, kind):
-    if kind == "llama":
+    if kind.startswith("llama"):
         return model(input_ids=ids, labels=ids).loss.float()
     logits = model(ids)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids.reshape(-1))

@@ -26,6 +26,7 @@ import math
 import os
 import resource
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -47,6 +48,18 @@ _ACTIVE: list["Runtime"] = []
 def current() -> "Runtime | None":
     """The innermost open runtime (None outside any offload.init block)."""
     return _ACTIVE[-1] if _ACTIVE else None
+
+
+def _apply_to_buffers_only(module: nn.Module, fn, recurse: bool = True):
+    """Module._apply for a wrapped model: the runtime places and casts parameters (Config.compute_dtype,
+    the compute device), so .to()/.cuda()/.float() reach only the buffers; parameters stay placeholders."""
+    if recurse:
+        for child in module.children():
+            child._apply(fn)
+    for key, buf in module._buffers.items():
+        if buf is not None:
+            module._buffers[key] = fn(buf)
+    return module
 
 
 def peak_rss_bytes() -> int:
@@ -295,6 +308,8 @@ class Runtime:
             if buf.device != self.device or buf.dtype != dtype:
                 mod_name, _, attr = name.rpartition(".")
                 model.get_submodule(mod_name)._buffers[attr] = buf.to(self.device, dtype)
+        for m in model.modules():  # model.to()/.cuda()/.float() must not touch the runtime's placeholders
+            m._apply = types.MethodType(_apply_to_buffers_only, m)
         model._offload_runtime = self
         self.models.append(model)
         return model
