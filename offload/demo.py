@@ -100,7 +100,9 @@ def run_demo(args: argparse.Namespace) -> int:
             first = last = None
             for step in range(1, args.steps + 1):
                 t0 = time.perf_counter()
-                ids, targets = make_batch(step, args.batch, args.seq, args.vocab, rt.device)
+                # each rank its own samples (torchrun --nproc_per_node N -m offload.cli demo)
+                ids, targets = make_batch(step * rt.world_size + rt.rank, args.batch, args.seq, args.vocab,
+                                          rt.device)
                 logits = model(ids)
                 loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), targets.reshape(-1))
                 loss.backward()
@@ -119,7 +121,7 @@ def run_demo(args: argparse.Namespace) -> int:
             owned_dir.cleanup()
     if rt.rank == 0:
         print(f"loss {first:.4f} -> {last:.4f} (ln(vocab) = {math.log(args.vocab):.4f})")
-        print("bytes moved:")
+        print("bytes moved" + (" (rank 0)" if rt.world_size > 1 else "") + ":")
         rows = [
             ("nvme -> host (read)", stats["nvme_read_bytes"]),
             ("host -> nvme (written)", stats["nvme_written_bytes"]),
