@@ -72,7 +72,6 @@ def make_batch(step: int, batch: int, seq: int, vocab: int, device):
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    import torch
     import torch.nn.functional as F
 
     import offload

@@ -10,7 +10,6 @@ import contextlib
 import copy
 import dataclasses
 import math
-import os
 
 import torch
 import torch.distributed as dist

@@ -257,7 +257,6 @@ class Runtime:
         layouts = [FlatLayout(s.params, self.world_size) for s in specs]
         self._plan(specs, layouts)
         meta = is_meta_model(model)
-        width = self.compute_dtype.itemsize
         persist = parse_size(cfg.persist_threshold, "persist_threshold")
         base = len(self.units)
         ordinal = {id(p): i + self._ordinal_base for i, p in enumerate(model.parameters())}
