@@ -35,9 +35,10 @@ def all_gather_into(group: Group, out: torch.Tensor, shard: torch.Tensor) -> Non
 
 
 def reduce_scatter_mean(group: Group, full: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of the element-wise mean of `full` over ranks (fp32, new tensor)."""
+    """This rank's shard of the element-wise mean of `full` over ranks. One rank: `full` itself (callers
+    pass a gradient they own and only read the result)."""
     if not group.distributed:
-        return full.clone()
+        return full
     out = torch.empty(full.numel() // group.world_size, dtype=full.dtype, device=full.device)
     _reduce_scatter(out, full.contiguous(), op=dist.ReduceOp.SUM, group=group.pg)
     out.div_(group.world_size)

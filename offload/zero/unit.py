@@ -47,10 +47,14 @@ class ShardedUnit:
         self.placeholders: list[nn.Parameter] = []
         self.views: list[torch.Tensor] = []
         with torch.enable_grad():  # views keep their autograd link to `flat` even when built under no_grad
-            frozen_base = self.flat.detach()
+            # One split for all slots: its backward concatenates the slots' grads into the flat grad in one
+            # pass (per-slot slicing would materialize a zero-filled full-size grad for every parameter).
+            sizes = [s.numel for s in layout.slots] + [layout.padded_numel - layout.numel]
+            pieces = self.flat.split(sizes)
+            frozen = self.flat.detach().split(sizes)
             for slot in layout.slots:
-                base = self.flat if slot.requires_grad else frozen_base
-                view = base[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                base = pieces if slot.requires_grad else frozen
+                view = base[slot.index].view(slot.shape)
                 if slot.requires_grad:
                     view.register_hook(self._used_hook(slot.index))
                 self.views.append(view)
