@@ -22,13 +22,15 @@ OFFLOAD_AVX2 inline __m256 load8(const void* base, int64_t i) {
   if constexpr (D == DType::kF16) return _mm256_cvtph_ps(h);
 }
 
-// Integer round-to-nearest-even, NaN -> 0x7FC0 (as the scalar path and torch's .to(bfloat16)).
+// Integer round-to-nearest-even (as torch's .to(bfloat16)); NaN -> truncated quiet NaN, as the
+// scalar path.
 OFFLOAD_AVX2 inline __m128i ps_to_bf16(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
+  r = _mm256_blendv_epi8(r, qnan, nan);
   // Lanes hold values <= 0xFFFF, so the unsigned-saturating pack is a plain narrowing.
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
@@ -59,7 +61,7 @@ enum class Out { kNone, kF32, kBF16, kF16 };
 
 template <DType G, DType M, Out O>
 struct Kernel {
-  __m256 gs, w, b2, c2, decay, nss, bc2s, eps;
+  __m256 gs, w, b2, c2, decay, step, eps_hat;
   bool lerp_lo;
 
   OFFLOAD_AVX2 explicit Kernel(const Consts& c) {
@@ -68,9 +70,8 @@ struct Kernel {
     b2 = _mm256_set1_ps(c.b2);
     c2 = _mm256_set1_ps(c.c2);
     decay = _mm256_set1_ps(c.decay);
-    nss = _mm256_set1_ps(c.nss);
-    bc2s = _mm256_set1_ps(c.bc2s);
-    eps = _mm256_set1_ps(c.eps);
+    step = _mm256_set1_ps(c.step);
+    eps_hat = _mm256_set1_ps(c.eps_hat);
     lerp_lo = c.lerp_lo;
   }
 
@@ -84,8 +85,8 @@ struct Kernel {
     const __m256 d = _mm256_sub_ps(g, m);
     m = _mm256_fmadd_ps(w, d, lerp_lo ? m : g);
     v = _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, _mm256_mul_ps(v, b2));
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2s), eps);
-    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(nss, m), denom));
+    const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(v), eps_hat);
+    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(step, m), denom));
     store8<M>(exp_avg, i, m, false);
     store8<M>(exp_avg_sq, i, v, false);
     _mm256_storeu_ps(master + i, p);

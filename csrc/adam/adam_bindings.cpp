@@ -5,8 +5,10 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "adam/adam_kernel.h"
+#include "adam/adam_membw.h"
 #include "common/registry.h"
 
 namespace offload {
@@ -100,10 +102,22 @@ void adamw_step_py(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::T
   }
   // In-place writes behind autograd's back: bump the version counters as torch's in-place ops do,
   // so a stale saved tensor is detected rather than silently used.
-  master.unsafeGetTensorImpl()->bump_version();
-  exp_avg.unsafeGetTensorImpl()->bump_version();
-  exp_avg_sq.unsafeGetTensorImpl()->bump_version();
-  if (b.out) out->unsafeGetTensorImpl()->bump_version();
+  // (Inference tensors have no version counter.)
+  for (const at::Tensor* t : {&master, &exp_avg, &exp_avg_sq, b.out ? &*out : nullptr})
+    if (t && !t->is_inference()) t->unsafeGetTensorImpl()->bump_version();
+}
+
+// Benchmark helpers: contiguous fp32 CPU tensors of equal size, else ValueError.
+std::vector<float*> membw_args(const char* op, std::initializer_list<std::pair<const char*, at::Tensor*>> ts) {
+  std::vector<float*> ptrs;
+  const int64_t n = ts.begin()->second->numel();
+  for (auto& [name, t] : ts) {
+    if (t->scalar_type() != at::kFloat || !t->device().is_cpu() || !t->is_contiguous() || t->numel() != n)
+      throw std::invalid_argument(std::string("offload.") + op + ": " + name +
+                                  " must be a contiguous float32 CPU tensor with " + std::to_string(n) + " elements");
+    ptrs.push_back(t->data_ptr<float>());
+  }
+  return ptrs;
 }
 
 }  // namespace
@@ -117,6 +131,42 @@ void register_adam(py::module_& m) {
   m.def("adam_nontemporal_out", &adam::nontemporal_out, "Whether the AdamW kernel streams `out` (bypassing cache)");
   m.def("adam_set_nontemporal_out", &adam::set_nontemporal_out, py::arg("on"),
         "Benchmark knob: stream (non-temporal) stores for the AdamW `out` buffer");
+  m.def("adam_hw_bf16_available", &adam::hw_bf16_available, "Whether the CPU has VCVTNEPS2BF16 (AVX512_BF16)");
+  m.def("adam_set_hw_bf16", &adam::set_hw_bf16, py::arg("on"),
+        "Test knob: let the AVX-512 AdamW path use the hardware bf16 convert (default on)");
+  m.def(
+      "membw_copy_",
+      [](at::Tensor dst, at::Tensor src) {
+        auto p = membw_args("membw_copy_", {{"dst", &dst}, {"src", &src}});
+        py::gil_scoped_release nogil;  // memory-bound loop on raw pointers
+        membw::copy(p[0], p[1], dst.numel());
+      },
+      py::arg("dst"), py::arg("src"), "Roofline helper: dst = src on the kernel pool");
+  m.def(
+      "membw_triad_",
+      [](at::Tensor a, at::Tensor b, at::Tensor c, double s) {
+        auto p = membw_args("membw_triad_", {{"a", &a}, {"b", &b}, {"c", &c}});
+        py::gil_scoped_release nogil;  // memory-bound loop on raw pointers
+        membw::triad(p[0], p[1], p[2], static_cast<float>(s), a.numel());
+      },
+      py::arg("a"), py::arg("b"), py::arg("c"), py::arg("s"), "Roofline helper: a = b + s*c on the kernel pool");
+  m.def(
+      "membw_axpy_",
+      [](at::Tensor a, at::Tensor b, double s) {
+        auto p = membw_args("membw_axpy_", {{"a", &a}, {"b", &b}});
+        py::gil_scoped_release nogil;  // memory-bound loop on raw pointers
+        membw::axpy(p[0], p[1], static_cast<float>(s), a.numel());
+      },
+      py::arg("a"), py::arg("b"), py::arg("s"), "Roofline helper: a += s*b on the kernel pool");
+  m.def(
+      "membw_adam_shaped_",
+      [](at::Tensor a, at::Tensor b, at::Tensor c, at::Tensor d, double s) {
+        auto p = membw_args("membw_adam_shaped_", {{"a", &a}, {"b", &b}, {"c", &c}, {"d", &d}});
+        py::gil_scoped_release nogil;  // memory-bound loop on raw pointers
+        membw::adam_shaped(p[0], p[1], p[2], p[3], static_cast<float>(s), a.numel());
+      },
+      py::arg("a"), py::arg("b"), py::arg("c"), py::arg("d"), py::arg("s"),
+      "Roofline helper: a, b, c += s*d on the kernel pool (the fp32 Adam step's traffic, 28 B/elem)");
 }
 
 }  // namespace offload

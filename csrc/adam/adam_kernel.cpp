@@ -29,11 +29,12 @@ inline float bf16_to_f32(uint16_t h) {
 }
 
 // Integer round-to-nearest-even, keeps denormals (VCVTNEPS2BF16 would flush them, torch does not).
-// NaN becomes the canonical quiet NaN 0x7FC0, as c10::BFloat16 does.
+// NaN stays NaN: truncated and made quiet (sign and top payload bits kept), which is what
+// VCVTNEPS2BF16 does, so the AVX-512 path may use that instruction for vectors without denormals.
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return 0x7FC0;
+  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x0040u);
   u += 0x7FFFu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
@@ -77,9 +78,8 @@ Consts make_consts(const Hyper& h) {
   c.b2 = static_cast<float>(h.beta2);
   c.c2 = static_cast<float>(1.0 - h.beta2);
   c.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
-  c.nss = static_cast<float>(-(h.lr / bc1));
-  c.bc2s = static_cast<float>(std::sqrt(bc2));
-  c.eps = static_cast<float>(h.eps);
+  c.step = static_cast<float>(-h.lr * std::sqrt(bc2) / bc1);
+  c.eps_hat = static_cast<float>(h.eps * std::sqrt(bc2));
   return c;
 }
 
@@ -94,8 +94,8 @@ void adamw_chunk_scalar(const Buffers& b, const Consts& c, int64_t begin, int64_
     const float d = g - m;
     m = c.lerp_lo ? std::fma(c.w1, d, m) : std::fma(c.w1m1, d, g);
     v = std::fma(c.c2 * g, g, v * c.b2);
-    const float denom = std::sqrt(v) / c.bc2s + c.eps;
-    p = p + (c.nss * m) / denom;
+    const float denom = std::sqrt(v) + c.eps_hat;
+    p = p + (c.step * m) / denom;
     // Moments stored in bf16 are rounded after the update; the update itself used fp32 values.
     store_from_f32(b.exp_avg, b.moment_dtype, i, m);
     store_from_f32(b.exp_avg_sq, b.moment_dtype, i, v);
@@ -103,6 +103,11 @@ void adamw_chunk_scalar(const Buffers& b, const Consts& c, int64_t begin, int64_
     if (b.out) store_from_f32(b.out, b.out_dtype, i, p);
   }
 }
+
+#if !defined(__x86_64__)
+bool hw_bf16_available() { return false; }
+void set_hw_bf16(bool) {}
+#endif
 
 bool nontemporal_out() { return g_nt_out.load(std::memory_order_relaxed); }
 void set_nontemporal_out(bool on) { g_nt_out.store(on); }

@@ -5,15 +5,19 @@
 // param rounded to bf16/fp16 into `out` (round-to-nearest-even, bit-equal to torch's `.to(dtype)`),
 // so no separate cast pass and no fp32 grad buffer is needed.
 //
-// The arithmetic is torch.optim.AdamW's (single-tensor path), operation by operation and with the
-// same fused multiply-adds, so fp32 results agree with torch to the last bit in almost every lane:
+// The arithmetic is torch.optim.AdamW's. The moments follow torch's single-tensor path operation by
+// operation (same fused multiply-adds), so they match torch bit for bit; the param update folds
+// the bias correction of v into the scalars, which saves one division per element (the divider is
+// the kernel's only slow unit) and moves the param by at most a few ulps of its update from torch's:
 //   g  = grad * grad_scale
 //   p  = p * (1 - lr*wd)                          decoupled weight decay
 //   m  = lerp(m, g, 1 - beta1)                    torch's lerp: fma(w, g - m, m) for w < 0.5
 //   v  = fma((1 - beta2) * g, g, v * beta2)
-//   p  = p + (-lr/bc1 * m) / (sqrt(v)/sqrt(bc2) + eps)
-// Every ISA path computes exactly these roundings, so the paths agree bit for bit with each other,
-// and each element's result does not depend on the chunking, so every thread count agrees too.
+//   p  = p + (step * m) / (sqrt(v) + eps_hat)     step = -lr*sqrt(bc2)/bc1, eps_hat = eps*sqrt(bc2)
+//      (= p - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps), torch's form)
+// Every ISA path computes exactly these roundings (IEEE sqrt and division, explicit FMAs), so the
+// paths agree bit for bit with each other, and each element's result does not depend on the
+// chunking, so every thread count agrees too.
 #pragma once
 
 #include <cstdint>
@@ -51,9 +55,8 @@ struct Consts {
   float b2;       // beta2
   float c2;       // 1 - beta2
   float decay;    // 1 - lr * weight_decay
-  float nss;      // -lr / (1 - beta1^step)
-  float bc2s;     // sqrt(1 - beta2^step)
-  float eps;
+  float step;     // -lr * sqrt(bc2) / bc1, bc_i = 1 - beta_i^step
+  float eps_hat;  // eps * sqrt(bc2)
 };
 
 Consts make_consts(const Hyper& h);
@@ -70,6 +73,12 @@ void adamw_chunk_avx512(const Buffers& b, const Consts& c, int64_t begin, int64_
 // so skipping the read-for-ownership saves its bytes. On by default; a knob for the benchmark.
 bool nontemporal_out();
 void set_nontemporal_out(bool on);
+
+// The AVX-512 path rounds to bf16 with VCVTNEPS2BF16 where the CPU has AVX512_BF16 (integer
+// rounding otherwise, or for vectors holding denormals). Off: always the integer rounding, so a
+// test can check both on one machine. Returns whether the CPU has the instruction at all.
+bool hw_bf16_available();
+void set_hw_bf16(bool on);
 
 }  // namespace adam
 }  // namespace offload

@@ -12,6 +12,8 @@ Moments may be bf16 (opt-in): they are widened to fp32, updated, and rounded bac
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import _ext
@@ -60,17 +62,17 @@ def _check_reference_args(master, grad, exp_avg, exp_avg_sq, out, lr, beta1, bet
     def bad(msg: str):
         raise ValueError(f"offload.ops.adamw_step_: {msg}")
 
-    if not (lr >= 0 and lr != float("inf")):
+    if not (math.isfinite(lr) and lr >= 0):
         bad(f"lr must be finite and >= 0, got {lr}")
     if not 0 <= beta1 < 1:
         bad(f"beta1 must be in [0, 1), got {beta1}")
     if not 0 <= beta2 < 1:
         bad(f"beta2 must be in [0, 1), got {beta2}")
-    if not (eps >= 0 and eps != float("inf")):
+    if not (math.isfinite(eps) and eps >= 0):
         bad(f"eps must be finite and >= 0, got {eps}")
-    if not (weight_decay >= 0 and weight_decay != float("inf")):
+    if not (math.isfinite(weight_decay) and weight_decay >= 0):
         bad(f"weight_decay must be finite and >= 0, got {weight_decay}")
-    if not torch.isfinite(torch.tensor(float(grad_scale))):
+    if not math.isfinite(grad_scale):
         bad(f"grad_scale must be finite, got {grad_scale}")
     if int(step) < 1:
         bad(f"step must be >= 1 (the count after this update), got {step}")

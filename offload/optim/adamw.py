@@ -70,8 +70,9 @@ class AdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) on CPU tensors with the fused offload kernel.
 
     Same arguments and defaults as torch.optim.AdamW (lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-    weight_decay=1e-2, maximize=False); `amsgrad=True` is rejected; `moments_dtype` (float32 by
-    default, bfloat16 opt-in) sets the dtype of both moments per param group.
+    weight_decay=1e-2, maximize=False; foreach/fused accepted and ignored); amsgrad, capturable and
+    differentiable are rejected; `moments_dtype` (float32 by default, bfloat16 opt-in) sets the
+    dtype of both moments per param group.
     """
 
     def __new__(cls, params=None, *args, **kwargs):
@@ -98,11 +99,20 @@ class AdamW(torch.optim.Optimizer):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         moments_dtype: torch.dtype = torch.float32,
     ):
         params = self.__dict__.pop("_offload_params", params)
+        # foreach/fused are accepted for drop-in compatibility: this optimizer is always one fused pass.
+        del foreach, fused
         if amsgrad:
             raise ValueError("offload.AdamW: amsgrad=True is not supported; use torch.optim.AdamW for AMSGrad")
+        if capturable or differentiable:
+            raise ValueError("offload.AdamW: capturable=True / differentiable=True are not supported (CPU kernel, "
+                             "no autograd through the step)")
         _check_hyper(lr, betas, eps, weight_decay, moments_dtype)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
                         maximize=maximize, moments_dtype=moments_dtype)

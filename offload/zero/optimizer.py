@@ -52,11 +52,13 @@ class ShardedAdamW(AdamW):
     """AdamW for parameters owned by an offload runtime (placeholders from `model.parameters()`)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, moments_dtype=torch.float32):
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 moments_dtype=torch.float32):
         params = self.__dict__.pop("_offload_params", params)
         params = _placeholders(list(params))
-        if amsgrad:
-            raise ValueError("offload.AdamW: amsgrad=True is not supported")
+        del foreach, fused  # accepted like offload.AdamW: always one fused pass per shard range
+        if amsgrad or capturable or differentiable:
+            raise ValueError("offload.AdamW: amsgrad / capturable / differentiable are not supported")
         _check_hyper(lr, betas, eps, weight_decay, moments_dtype)
         if moments_dtype != torch.float32:
             raise ValueError("offload.AdamW: sharded parameters keep fp32 moments (moments_dtype=torch.float32)")
