@@ -54,6 +54,24 @@ def test_request_that_can_never_fit(tmp_path):
         assert st.stats()["nvme"]["bytes_in_use"] == 81920  # the failed registration took nothing
 
 
+def test_home_buffers_count_as_held_for_good(tmp_path):
+    with TieredStore(StoreConfig(device_budget="64KiB", cpu_budget="64KiB", nvme_budget="1MiB",
+                                 nvme_path=str(tmp_path / "s"), alloc_timeout=30)) as st:
+        st.register("h1", 4000, torch.float32, home="cpu").result()  # 16 KiB each, for good
+        st.register("h2", 4000, torch.float32, home="cpu").result()
+        st.register("n", 4000, torch.float32, home="nvme").result()
+        st.fetch("n", "cpu").result()  # 16 KiB more: fits beside the home buffers
+        st.release("n").result()
+        # a 36 KiB home shard cannot fit beside them: refused at once, not after the 30 s timeout
+        with pytest.raises(ArenaFullError, match=r"shard 'h3' .* can never fit in the cpu budget of 64.00 KiB: "
+                                                 r"home shards hold 32.00 KiB of it for good"):
+            st.register("h3", 9000, torch.float32, home="cpu")
+        st.register("big", 5000, torch.float32, home="nvme").result()
+        st.register("h4", 4000, torch.float32, home="cpu").result()  # 16 KiB still fits
+        with pytest.raises(ArenaFullError, match=r"shard 'big' .* home shards hold 48.00 KiB"):
+            st.fetch("big", "cpu")  # a 20 KiB working copy > the 16 KiB left
+
+
 def test_fetch_blocks_until_a_release_and_times_out(tmp_path):
     with TieredStore(StoreConfig(device_budget="64KiB", cpu_budget="64KiB", nvme_budget="1MiB",
                                  nvme_path=str(tmp_path / "s"))) as st:

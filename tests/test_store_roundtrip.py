@@ -170,3 +170,54 @@ def test_transitions_assert_their_preconditions(store):
     # every in-flight state has a way back (a failed move returns where it started)
     for mid in (R.READING, R.TO_DEVICE, R.TO_CPU, R.WRITING):
         assert any(a is mid for a, _ in TRANSITIONS) and any(b is mid for _, b in TRANSITIONS)
+
+
+def test_threads_on_disjoint_shards_under_tight_budgets(tmp_path):
+    # 4 threads, each fetching / modifying / writing back / releasing its own shards at random, with
+    # budgets for about 3 buffers per tier: they block on each other's releases and must never see
+    # another shard's bytes.
+    import random
+    import threading
+
+    n = 20_000  # 80 KB fp32
+    errors = []
+    # 4 home-cpu shards hold 4 buffers for good; the rest of the cpu budget is ~3 working buffers
+    with TieredStore(StoreConfig(device_budget=3 * 81_920, cpu_budget=7 * 81_920 + 65_536, nvme_budget="16MiB",
+                                 nvme_path=str(tmp_path / "s"), alloc_timeout=60)) as st:
+        ref = {}
+        for t in range(4):
+            for i in range(6):
+                name = f"t{t}-{i}"
+                ref[name] = rand(n, torch.float32, 100 * t + i)
+                st.register(name, n, torch.float32, home="nvme" if i else "cpu", init=ref[name])
+        st.wait_all()
+
+        def worker(t):
+            rng = random.Random(t)
+            try:
+                for step in range(40):
+                    name = f"t{t}-{rng.randrange(6)}"
+                    tier = rng.choice(["cpu", "device"]) if st.info(name).home.value == "nvme" else "device"
+                    x = st.fetch(name, tier).result()
+                    assert same(x, ref[name]), (name, step)
+                    if rng.random() < 0.5:
+                        x.add_(1.0)
+                        ref[name] = x.clone()
+                        st.release(name, writeback=True)
+                    else:
+                        st.release(name)
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        ths = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(120)
+        assert not errors, errors[0]
+        st.wait_all()
+        s = st.stats()
+        assert s["cpu"]["peak_bytes"] <= s["cpu"]["capacity"] and s["device"]["peak_bytes"] <= s["device"]["capacity"]
+        for name, x in ref.items():  # every change was written home
+            assert same(st.fetch(name, "cpu").result(), x)
+            st.release(name)

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <chrono>
 #include <stdexcept>
+#include <system_error>
 
 namespace offload {
 namespace aio {
@@ -169,15 +170,21 @@ Engine::Engine(const std::string& backend, uint64_t block_size, int queue_depth,
     }
   }
 
-  if (backend_ == Backend::kUring) {
-    int n = static_cast<int>(rings_.size());
-    for (int i = 0; i < n; ++i) {
-      unsigned share = static_cast<unsigned>(queue_depth / n + (i < queue_depth % n ? 1 : 0));
-      UringRing* r = rings_[i];
-      threads_.emplace_back([this, r, share] { uring_worker_loop(queue_, r, share); });
+  try {
+    if (backend_ == Backend::kUring) {
+      int n = static_cast<int>(rings_.size());
+      for (int i = 0; i < n; ++i) {
+        unsigned share = static_cast<unsigned>(queue_depth / n + (i < queue_depth % n ? 1 : 0));
+        UringRing* r = rings_[i];
+        threads_.emplace_back([this, r, share] { uring_worker_loop(queue_, r, share); });
+      }
+    } else {
+      for (int i = 0; i < queue_depth; ++i) threads_.emplace_back([this] { threads_worker_loop(queue_); });
     }
-  } else {
-    for (int i = 0; i < queue_depth; ++i) threads_.emplace_back([this] { threads_worker_loop(queue_); });
+  } catch (const std::system_error& e) {
+    // Out of threads: stop the ones already running so the half-built engine leaves nothing behind.
+    close();
+    throw std::runtime_error(std::string("offload aio: cannot start worker threads: ") + e.what());
   }
 }
 

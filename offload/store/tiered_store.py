@@ -134,6 +134,7 @@ class TieredStore:
         self._shards: dict[str, _Shard] = {}
         self._inflight: set[cf.Future] = set()
         self._moved = {"nvme->cpu": 0, "cpu->nvme": 0, "cpu->device": 0, "device->cpu": 0}
+        self._home_bytes = {"cpu": 0, "dev": 0}  # budget held for good by home buffers (4096-rounded)
         self._swap: dict[str, SwapFile] = {}
         self._swapdir: SwapDir | None = None
         self._engine = None
@@ -222,7 +223,7 @@ class TieredStore:
                 self._shards[name] = s
             return self.release(name, writeback=True)
         kind = "cpu" if home is Tier.CPU else "dev"
-        blk = self._alloc(s, [kind], timeout)[kind]
+        blk = self._alloc(s, [kind], timeout, home=True)[kind]
         try:
             t = _view(blk, s)
             if init is None:
@@ -234,6 +235,8 @@ class TieredStore:
                 self._sync(t)
         except BaseException:
             blk.free()
+            with self._lock:
+                self._home_bytes[kind] -= -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
             raise
         s.home_block = blk
         with self._lock:
@@ -389,15 +392,35 @@ class TieredStore:
         # A device working copy of an nvme shard goes home through a cpu staging buffer.
         return ["cpu"] if (s.home is Tier.NVME and s.target is Tier.DEVICE) else []
 
-    def _alloc(self, s: _Shard, kinds: list[str], timeout: float | None) -> dict:
+    def _alloc(self, s: _Shard, kinds: list[str], timeout: float | None, home: bool = False) -> dict:
+        """Buffers for shard s from the "cpu" / "dev" tiers, waiting for space (home: the shard's permanent
+        home buffer). A request larger than what the tier's home buffers leave free can never be served:
+        it raises at once instead of waiting."""
         new: dict = {}
         try:
             for k in kinds:
                 pool = self._arena if k == "cpu" else self._dev
+                size = -(-s.nbytes // SLOT_ALIGN) * SLOT_ALIGN
+                with self._lock:
+                    held = self._home_bytes[k]
+                    if size <= pool.capacity and size > pool.capacity - held:
+                        tier = "cpu" if k == "cpu" else "device"
+                        raise ArenaFullError(
+                            f"shard {s.name!r} ({format_bytes(s.nbytes)}): can never fit in the {tier} budget of "
+                            f"{format_bytes(pool.capacity)}: home shards hold {format_bytes(held)} of it for good; "
+                            f"raise {tier}_budget or give fewer shards a {tier} home"
+                        )
+                    if home:
+                        self._home_bytes[k] += size
                 try:
                     new[k] = pool.alloc(s.nbytes, timeout)  # may wait for a release to free space
-                except ArenaFullError as e:
-                    raise ArenaFullError(f"shard {s.name!r} ({format_bytes(s.nbytes)}): {e}") from None
+                except BaseException as e:
+                    if home:
+                        with self._lock:
+                            self._home_bytes[k] -= size
+                    if isinstance(e, ArenaFullError):
+                        raise ArenaFullError(f"shard {s.name!r} ({format_bytes(s.nbytes)}): {e}") from None
+                    raise
         except BaseException:
             for b in new.values():
                 b.free()
