@@ -1,11 +1,19 @@
 """offload: heterogeneous-memory offload runtime for PyTorch training."""
 __version__ = "0.1.0"
 
+# Public names resolve lazily: `import offload` (the CLI's --version) must not pay for importing torch.
+_LAZY = {
+    "AdamW": ("offload.optim", "AdamW"),
+    "Config": ("offload.config", "Config"),
+    "init": ("offload.zero.runtime", "init"),
+    "Runtime": ("offload.zero.runtime", "Runtime"),
+}
+
 
 def __getattr__(name: str):
-    # Lazy: `import offload` (the CLI's --version) must not pay for importing torch.
-    if name == "AdamW":
-        from .optim import AdamW
+    if name in _LAZY:
+        import importlib
 
-        return AdamW
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'offload' has no attribute {name!r}")

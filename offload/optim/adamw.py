@@ -75,6 +75,20 @@ class AdamW(torch.optim.Optimizer):
     dtype of both moments per param group.
     """
 
+    def __new__(cls, params=None, *args, **kwargs):
+        # Parameters owned by an offload runtime (the placeholders of sharded units, or a model built inside
+        # `offload.init` and not used yet) are stepped shard by shard where their states live: such an
+        # AdamW is an offload.zero.ShardedAdamW (a subclass). The params iterable is read once here and
+        # handed to __init__ through `_offload_params`.
+        if cls is not AdamW or params is None:
+            return super().__new__(cls)
+        from ..zero.optimizer import ShardedAdamW, wants_sharded
+
+        params = list(params)
+        inst = super().__new__(ShardedAdamW if wants_sharded(params) else cls)
+        inst._offload_params = params
+        return inst
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -91,6 +105,7 @@ class AdamW(torch.optim.Optimizer):
         fused: bool | None = None,
         moments_dtype: torch.dtype = torch.float32,
     ):
+        params = self.__dict__.pop("_offload_params", params)
         # foreach/fused are accepted for drop-in compatibility: this optimizer is always one fused pass.
         del foreach, fused
         if amsgrad:

@@ -1,0 +1,255 @@
+"""The typed configuration of an offload run (`offload.Config`).
+
+Sizes are strings with units ("60GiB", "512MB") or plain byte counts; tiers are "device", "cpu", "nvme"
+or "auto" (the runtime picks the fastest tier whose budget holds the state, at wrap time).
+`Config.from_deepspeed` imports a DeepSpeed `zero_optimization` section and says which keys it ignores.
+Every error names the field and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+TIERS = ("device", "cpu", "nvme", "auto")
+COMPUTE_DTYPES = ("fp32", "bf16")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: str | int | float, field: str = "size") -> int:
+    """Bytes from "60GiB" / "1.5GB" / "4096" / 4096. Raises ValueError naming `field`."""
+    if isinstance(value, bool):
+        raise ValueError(f"offload.Config.{field}: expected a size like '60GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"offload.Config.{field}: size must be >= 0, got {value!r}")
+        return int(value)
+    match = _SIZE_RE.match(str(value))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise ValueError(
+            f"offload.Config.{field}: cannot parse size {value!r}; write a number with a unit such as "
+            "'512MiB', '60GiB', '1.5GB' or a byte count"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_size(nbytes: int | float) -> str:
+    """Human-readable size with binary units (for messages)."""
+    n = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+@dataclasses.dataclass
+class Config:
+    """Where every class of training state lives and how the model is cut into units.
+
+    params / optimizer: home tier of the parameter shards (compute dtype) and of the optimizer states
+      (fp32 master when compute is bf16, exp_avg, exp_avg_sq, and the gradient shards the step consumes).
+    nvme_path: directory for swap files (required when a tier is "nvme"); must exist and be writable.
+    device_budget / cpu_budget: byte budgets ("auto": 90% of GPU memory, or of available host RAM on a CPU
+      machine where the device tier is a region of host memory). nvme_budget: optional space to reserve;
+      `init` fails at once when the filesystem has less free.
+    compute_dtype: "fp32" (like plain PyTorch) or "bf16" (params gathered and computed in bf16; the master
+      copy stays fp32).
+    unit_classes: module classes (types or class names) whose instances become units. Empty (default): each
+      element of a ModuleList of repeated, same-class blocks is a unit (HF decoder layers,
+      nn.TransformerEncoderLayer stacks), everything else the root unit.
+    unit_min_bytes: alternative policy: greedily make a unit of every submodule holding at least this many
+      parameter bytes (compute dtype), children first. Exclusive with unit_classes.
+    persist_threshold: units whose gathered size is at most this many bytes stay gathered (never resharded).
+    seed: seeds the unit-by-unit materialization of models built inside `offload.init` (same on all ranks).
+    """
+
+    params: str = "auto"
+    optimizer: str = "auto"
+    nvme_path: str | None = None
+    device_budget: str | int = "auto"
+    cpu_budget: str | int = "auto"
+    nvme_budget: str | int | None = None
+    compute_dtype: str = "fp32"
+    unit_classes: tuple = ()
+    unit_min_bytes: str | int | None = None
+    persist_threshold: str | int = 0
+    seed: int = 0
+    # Keys of an imported DeepSpeed config that have no effect here (filled by from_deepspeed).
+    deepspeed_ignored: tuple = dataclasses.field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("params", "optimizer"):
+            tier = getattr(self, name)
+            if tier not in TIERS:
+                raise ValueError(f"offload.Config.{name}: unknown tier {tier!r}; choose one of {TIERS}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"offload.Config.compute_dtype: {self.compute_dtype!r} is not supported; "
+                f"choose one of {COMPUTE_DTYPES}"
+            )
+        if "nvme" in (self.params, self.optimizer) and not self.nvme_path:
+            which = "params" if self.params == "nvme" else "optimizer"
+            raise ValueError(f"offload.Config.nvme_path: required because {which}='nvme'; give a directory")
+        for name in ("device_budget", "cpu_budget"):
+            value = getattr(self, name)
+            if value != "auto":
+                parse_size(value, name)
+        if self.nvme_budget is not None:
+            parse_size(self.nvme_budget, "nvme_budget")
+        parse_size(self.persist_threshold, "persist_threshold")
+        if isinstance(self.unit_classes, (str, type)):
+            self.unit_classes = (self.unit_classes,)
+        self.unit_classes = tuple(self.unit_classes)
+        for cls in self.unit_classes:
+            if not isinstance(cls, (str, type)):
+                raise ValueError(f"offload.Config.unit_classes: {cls!r} is neither a class nor a class name")
+        if self.unit_min_bytes is not None:
+            parse_size(self.unit_min_bytes, "unit_min_bytes")
+            if self.unit_classes:
+                raise ValueError(
+                    "offload.Config.unit_min_bytes: contradicts unit_classes; give one unit policy, not both"
+                )
+        if not isinstance(self.seed, int):
+            raise ValueError(f"offload.Config.seed: expected an int, got {self.seed!r}")
+
+    # ---- resolved values -------------------------------------------------------------------
+    def bytes_of(self, name: str) -> int | None:
+        """A size field in bytes (None for unset / "auto")."""
+        value = getattr(self, name)
+        if value is None or value == "auto":
+            return None
+        return parse_size(value, name)
+
+    @property
+    def torch_compute_dtype(self):
+        import torch
+
+        return torch.bfloat16 if self.compute_dtype == "bf16" else torch.float32
+
+    # ---- DeepSpeed import ------------------------------------------------------------------
+    @classmethod
+    def from_deepspeed(cls, config: Mapping[str, Any] | str | os.PathLike, **overrides: Any) -> "Config":
+        """A Config from a DeepSpeed config (a dict, or a path to JSON) or its `zero_optimization` section.
+
+        Mapped: stage (must be 3), offload_param.{device,nvme_path}, offload_optimizer.{device,nvme_path},
+        stage3_param_persistence_threshold, top-level bf16.enabled. Known DeepSpeed keys with no meaning here
+        are listed in `cfg.deepspeed_ignored` and in one warning; unknown keys and contradictions raise
+        ValueError naming the key. `overrides` are Config fields applied last (e.g. cpu_budget).
+        """
+        if not isinstance(config, Mapping):
+            path = Path(config)
+            try:
+                config = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ValueError(f"offload.Config.from_deepspeed: cannot read DeepSpeed config {path}: {exc}")
+        return _from_deepspeed(cls, dict(config), overrides)
+
+
+_DS_TIER = {"none": "device", None: "device", "cpu": "cpu", "nvme": "nvme"}
+# zero_optimization keys that shape DeepSpeed's own bucketing/scheduling; the offload runtime plans these
+# itself, so they are accepted and reported as ignored.
+_DS_ZERO_IGNORED = {
+    "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
+    "allgather_bucket_size", "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+    "stage3_prefetch_bucket_size", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "round_robin_gradients", "elastic_checkpoint",
+    "load_from_fp32_weights", "ignore_unused_parameters", "legacy_stage1", "zero_hpz_partition_size",
+    "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "memory_efficient_linear",
+    "stage3_module_granularity_threshold", "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory",
+    "use_multi_rank_bucket_allreduce", "log_trace_cache_warnings",
+}
+_DS_OFFLOAD_IGNORED = {"pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "ratio", "fast_init", "pipeline",
+                       "pipeline_read", "pipeline_write"}
+_DS_TOP_IGNORED = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
+    "scheduler", "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "aio", "zero_allow_untested_optimizer",
+    "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "comms_logger", "prescale_gradients",
+    "gradient_predivide_factor", "communication_data_type", "dump_state", "amp", "data_types",
+    "checkpoint", "memory_breakdown", "zero_force_ds_cpu_optimizer",
+}
+
+
+def _from_deepspeed(cls, ds: dict, overrides: dict) -> Config:
+    ignored: list[str] = []
+    if "zero_optimization" in ds:
+        zero = dict(ds["zero_optimization"] or {})
+        top = {k: v for k, v in ds.items() if k != "zero_optimization"}
+    else:  # the section itself
+        zero, top = ds, {}
+    fields: dict[str, Any] = {}
+    for key, value in top.items():
+        if key == "bf16":
+            if (value or {}).get("enabled", False):
+                fields["compute_dtype"] = "bf16"
+        elif key == "fp16":
+            if (value or {}).get("enabled", False):
+                raise ValueError("from_deepspeed: fp16.enabled=true is not supported; use bf16 or fp32")
+        elif key in _DS_TOP_IGNORED:
+            ignored.append(key)
+        else:
+            raise ValueError(f"from_deepspeed: unknown DeepSpeed config key {key!r}")
+    stage = zero.pop("stage", 3)
+    if stage != 3:
+        raise ValueError(f"from_deepspeed: zero_optimization.stage={stage!r}; offload implements stage 3 only")
+    nvme_paths: dict[str, str] = {}
+    for section, field in (("offload_param", "params"), ("offload_optimizer", "optimizer")):
+        sub = zero.pop(section, None)
+        if sub is None:
+            fields[field] = "device"
+            continue
+        sub = dict(sub)
+        device = sub.pop("device", "none")
+        if device not in _DS_TIER:
+            raise ValueError(
+                f"from_deepspeed: zero_optimization.{section}.device={device!r}; expected none, cpu or nvme"
+            )
+        fields[field] = _DS_TIER[device]
+        if "nvme_path" in sub:
+            path = sub.pop("nvme_path")
+            if path is not None:
+                nvme_paths[section] = str(path)
+        for key in list(sub):
+            if key in _DS_OFFLOAD_IGNORED:
+                ignored.append(f"zero_optimization.{section}.{key}")
+            else:
+                raise ValueError(f"from_deepspeed: unknown key zero_optimization.{section}.{key}")
+    if len(set(nvme_paths.values())) > 1:
+        raise ValueError(
+            "from_deepspeed: offload_param.nvme_path and offload_optimizer.nvme_path differ "
+            f"({nvme_paths}); offload uses one nvme_path"
+        )
+    if nvme_paths:
+        fields["nvme_path"] = next(iter(nvme_paths.values()))
+    if "stage3_param_persistence_threshold" in zero:
+        # DeepSpeed counts elements; offload counts bytes of the gathered unit (compute dtype).
+        elements = int(zero.pop("stage3_param_persistence_threshold"))
+        width = 2 if fields.get("compute_dtype") == "bf16" else 4
+        fields["persist_threshold"] = elements * width
+    for key in list(zero):
+        if key in _DS_ZERO_IGNORED:
+            ignored.append(f"zero_optimization.{key}")
+        else:
+            raise ValueError(f"from_deepspeed: unknown key zero_optimization.{key}")
+    fields.update(overrides)
+    cfg = cls(**fields)
+    cfg.deepspeed_ignored = tuple(ignored)
+    if ignored:
+        warnings.warn(
+            "offload.Config.from_deepspeed: these DeepSpeed keys have no effect in offload (it plans buckets, "
+            "prefetch and pinning itself): " + ", ".join(ignored),
+            UserWarning,
+            stacklevel=2,
+        )
+    return cfg

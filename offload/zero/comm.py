@@ -1,0 +1,57 @@
+"""Free-function collectives over the data-parallel group (torch.distributed; gloo on CPU, NCCL on GPU).
+
+World size 1 needs no process group: every function degrades to a local copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+# torch >= 2.12 names them *_single (the *_tensor spellings warn); older releases only have *_tensor.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class Group:
+    rank: int = 0
+    world_size: int = 1
+    pg: object | None = None  # None: the default group
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def all_gather_into(group: Group, out: torch.Tensor, shard: torch.Tensor) -> None:
+    """out (world_size * shard.numel()) <- every rank's shard, in rank order."""
+    if not group.distributed:
+        out.copy_(shard)
+        return
+    _all_gather(out, shard.contiguous(), group=group.pg)
+
+
+def reduce_scatter_mean(group: Group, full: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of the element-wise mean of `full` over ranks. One rank: `full` itself (callers
+    pass a gradient they own and only read the result)."""
+    if not group.distributed:
+        return full
+    out = torch.empty(full.numel() // group.world_size, dtype=full.dtype, device=full.device)
+    _reduce_scatter(out, full.contiguous(), op=dist.ReduceOp.SUM, group=group.pg)
+    out.div_(group.world_size)
+    return out
+
+
+def all_reduce_(group: Group, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    if group.distributed:
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], group=group.pg)
+    return t
+
+
+def broadcast_(group: Group, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+    if group.distributed:
+        dist.broadcast(t, src=src, group=group.pg)
+    return t

@@ -1,0 +1,87 @@
+"""Forward and backward hooks that move a unit between SHARDED and UNSHARDED around its computation.
+
+forward pre-hook   gather the unit; route its grad-requiring inputs through `_PostBackward`
+forward hook       register the pre-backward hook on its outputs; free the gathered parameter
+pre-backward       (first gradient reaching any output) gather again for backward
+_PostBackward      (gradient reaching the unit's inputs, i.e. its backward is done) free it again
+final callback     (end of the backward pass) free whatever is still gathered, e.g. units whose inputs
+                   need no gradient (the root), so nothing leaks into the next step
+Gradients are reduced by the flat parameter's post-accumulate-grad hook (unit.py).
+Inside backward (activation checkpointing re-running a unit's forward) the forward hooks do nothing: the
+unit is already gathered for its backward and must stay so.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .unit import ShardedUnit
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the unit's inputs whose backward runs once gradients w.r.t. those inputs exist."""
+
+    @staticmethod
+    def forward(ctx, unit, *inputs):
+        ctx.unit = unit
+        return inputs if len(inputs) != 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.reshard()
+        return (None,) + grads
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(tree)
+    found = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if not found and hasattr(tree, "values"):  # ModelOutput-like mappings pytree does not know
+        for value in tree.values():
+            found.extend(_tensors(value))
+    return found
+
+
+def install(unit: ShardedUnit) -> list:
+    rt = unit.rt
+
+    def pre_forward(module, args, kwargs):
+        unit.check_alive()
+        if in_backward():
+            unit.unshard()
+            return None
+        unit.unshard()
+        if not torch.is_grad_enabled():
+            return None
+        leaves, spec = tree_flatten((args, kwargs))
+        idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not idx:
+            return None
+        outs = _PostBackward.apply(unit, *[leaves[i] for i in idx])
+        if len(idx) == 1:
+            outs = (outs,)
+        for i, t in zip(idx, outs):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def post_forward(module, args, kwargs, output):
+        if in_backward():
+            return None
+        if torch.is_grad_enabled():
+            outs = [t for t in _tensors(output) if t.requires_grad]
+            if outs:
+                torch.autograd.graph.register_multi_grad_hook(outs, pre_backward, mode="any")
+        unit.reshard()
+        return None
+
+    def pre_backward(grad):
+        rt._on_backward_start()
+        unit.unshard()
+
+    return [
+        unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True),
+        unit.module.register_forward_hook(post_forward, with_kwargs=True),
+    ]

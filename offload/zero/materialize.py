@@ -1,0 +1,164 @@
+"""Building a model inside `offload.init` without ever holding it whole.
+
+Choice: while the block is open, `nn.Module.register_parameter` is patched so every parameter a module
+registers is replaced by a meta tensor of the same shape, dtype and requires_grad (buffers stay real:
+they are small and often computed in __init__, e.g. rotary frequencies). Construction therefore costs at
+most one real parameter at a time. Models are also recorded as they are created (`nn.Module.__init__`),
+so the runtime can find the outermost ones later.
+
+When the model is first used (its first forward, `offload.AdamW(model.parameters())`, or `rt.wrap`),
+units are materialized one at a time: real tensors for the unit's parameters, initialized by
+  1. the root's `_init_weights(module)` for Hugging Face PreTrainedModels (their own init scheme), else
+  2. `module.reset_parameters()` (every torch.nn layer has one), else
+  3. the value the parameter had when it was registered, kept for modules without reset_parameters
+     (custom modules; costs their parameters' bytes while the block is open),
+under `torch.manual_seed(config.seed + unit index)` in a forked RNG: every rank computes the same values
+(so each can keep its own shard) and the user's RNG stream is untouched. A parameter shared by several
+modules is initialized by the first module that holds it, as in eager construction where the last
+assignment (the tie) keeps the first module's tensor. The values therefore differ from an eager build
+with the same global seed; `rt.wrap(model)` keeps an existing model's values exactly.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.nn as nn
+
+_STAGED_ATTR = "_offload_initial_value"
+
+
+class ConstructionCapture:
+    """Context that turns parameter registration into meta placeholders and records created modules."""
+
+    def __init__(self, on_module=None):
+        self.modules: list[weakref.ref] = []
+        self.on_module = on_module  # called after each module is built
+        self._orig_register = None
+        self._orig_init = None
+
+    def __enter__(self):
+        capture = self
+        orig_register = nn.Module.register_parameter
+        orig_init = nn.Module.__init__
+        self._orig_register, self._orig_init = orig_register, orig_init
+
+        def register_parameter(module, name, param):
+            if param is not None and param.device.type != "meta" and not getattr(param, "_offload_keep", False):
+                meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+                if not hasattr(type(module), "reset_parameters"):
+                    # no way to re-create this value later: keep it (rule 3 in the module docstring)
+                    setattr(meta, _STAGED_ATTR, param.detach().clone())
+                param = meta
+            orig_register(module, name, param)
+
+        def module_init(module, *args, **kwargs):
+            orig_init(module, *args, **kwargs)
+            capture.modules.append(weakref.ref(module))
+            if capture.on_module is not None:
+                capture.on_module()
+
+        nn.Module.register_parameter = register_parameter
+        nn.Module.__init__ = module_init
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+    def stop(self) -> None:
+        if self._orig_register is not None:
+            nn.Module.register_parameter = self._orig_register
+            nn.Module.__init__ = self._orig_init
+            self._orig_register = self._orig_init = None
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Real parameters again (for the runtime's own work inside the block)."""
+        if self._orig_register is None:
+            yield
+            return
+        patched = (nn.Module.register_parameter, nn.Module.__init__)
+        nn.Module.register_parameter, nn.Module.__init__ = self._orig_register, self._orig_init
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter, nn.Module.__init__ = patched
+
+    def roots_holding(self, params) -> list[nn.Module]:
+        """Outermost recorded modules that hold any of `params` (meta parameters built in the block)."""
+        wanted = {id(p) for p in params}
+        alive = [m for m in (r() for r in self.modules) if m is not None]
+        children = set()
+        for m in alive:
+            for c in m.modules():
+                if c is not m:
+                    children.add(id(c))
+        roots = [m for m in alive if id(m) not in children]
+        return [m for m in roots if any(id(p) in wanted for p in m.parameters())]
+
+
+def is_meta_model(module: nn.Module) -> bool:
+    return any(p.device.type == "meta" and not hasattr(p, "_offload_unit") for p in module.parameters())
+
+
+def materialize_unit(root: nn.Module, params: list, seed: int) -> list[torch.Tensor]:
+    """Real, initialized values (host, fp32 or the parameter's dtype) for a unit's parameters.
+
+    params: [(meta parameter, [(module, attr)], fqn)]. The modules temporarily hold real parameters while
+    their init runs; the caller replaces them with placeholders right after.
+    """
+    real: dict[int, torch.Tensor] = {}
+    owners: dict[int, nn.Module] = {}  # first module holding each parameter initializes it
+    modules: list[nn.Module] = []
+    for p, refs, _ in params:
+        t = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+        real[id(p)] = t
+        for module, attr in refs:
+            if module not in modules:
+                modules.append(module)
+        owners[id(p)] = refs[0][0]
+    saved = {}
+    for p, refs, _ in params:
+        for module, attr in refs:
+            saved[(id(module), attr)] = module._parameters[attr]
+            module._parameters[attr] = real[id(p)]
+    hf_init = getattr(root, "_init_weights", None)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                for module in modules:
+                    mine = {id(v) for v in module._parameters.values() if v is not None}
+                    # parameters this module shares but does not own keep their owner's value
+                    keep = {pid: real[pid].detach().clone() for pid in real
+                            if id(real[pid]) in mine and owners[pid] is not module}
+                    _init_module(root, module, hf_init)
+                    for pid, value in keep.items():
+                        real[pid].data.copy_(value)
+        for p, refs, fqn in params:
+            staged = getattr(p, _STAGED_ATTR, None)
+            owner = owners[id(p)]
+            if hf_init is None and not hasattr(type(owner), "reset_parameters"):
+                if staged is None:
+                    raise RuntimeError(
+                        f"offload: cannot initialize parameter {fqn!r} of {type(owner).__name__} built inside "
+                        "offload.init: the module has no reset_parameters() and its value was not kept. Give the "
+                        "module a reset_parameters(), or build the model outside the block and call rt.wrap(model)."
+                    )
+                real[id(p)].data.copy_(staged)
+    finally:
+        for p, refs, _ in params:
+            for module, attr in refs:
+                module._parameters[attr] = saved[(id(module), attr)]
+    return [real[id(p)].detach() for p, _, _ in params]
+
+
+def _init_module(root: nn.Module, module: nn.Module, hf_init) -> None:
+    if hf_init is not None:
+        hf_init(module)
+        return
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()

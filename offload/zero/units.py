@@ -1,0 +1,117 @@
+"""Unit discovery: which modules become units, and which parameters each unit owns.
+
+Policies (offload.Config):
+- default: every element of a ModuleList whose elements are >= 2 blocks of one class holding parameters
+  (HF decoder layers, nn.TransformerEncoderLayer stacks); the outermost such lists win.
+- unit_classes: every instance of the named classes (outermost wins, no nesting).
+- unit_min_bytes: post-order, every submodule whose not-yet-claimed parameters reach the threshold.
+Everything else belongs to the root unit (the wrapped model). A parameter reachable from two units (a
+weight shared between blocks, or between a block and the root) is owned by the root, so it is gathered
+for the whole forward and backward and every user sees the same storage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from ..config import Config, parse_size
+
+
+@dataclass
+class UnitSpec:
+    name: str  # qualified module name ("" for the root)
+    module: nn.Module
+    params: list  # [(param, [(module, attr)], fqn)] owned by this unit, in first-seen order
+
+
+def _matches(module: nn.Module, classes: tuple) -> bool:
+    for cls in classes:
+        if isinstance(cls, type) and isinstance(module, cls):
+            return True
+        if isinstance(cls, str) and type(module).__name__ == cls:
+            return True
+    return False
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def choose_unit_modules(root: nn.Module, cfg: Config) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of the non-root units, in module order."""
+    chosen: list[tuple[str, nn.Module]] = []
+    taken: set[int] = set()
+
+    def inside_taken(name: str) -> bool:
+        return any(name == t or name.startswith(t + ".") for t, _ in chosen)
+
+    if cfg.unit_min_bytes is not None:
+        threshold = parse_size(cfg.unit_min_bytes, "unit_min_bytes")
+        width = cfg.torch_compute_dtype.itemsize
+        claimed: set[int] = set()
+        picked: list[tuple[str, nn.Module]] = []
+
+        def visit(name: str, module: nn.Module) -> None:
+            for child_name, child in module.named_children():
+                visit(f"{name}.{child_name}" if name else child_name, child)
+            if module is root:
+                return
+            free = [p for p in module.parameters() if id(p) not in claimed]
+            if sum(p.numel() for p in free) * width >= threshold and free:
+                picked.append((name, module))
+                claimed.update(id(p) for p in free)
+
+        visit("", root)
+        order = {id(m): i for i, (_, m) in enumerate(root.named_modules())}
+        return sorted(picked, key=lambda nm: order[id(nm[1])])
+
+    for name, module in root.named_modules():
+        if module is root or inside_taken(name) or id(module) in taken:
+            continue
+        if cfg.unit_classes:
+            if _matches(module, cfg.unit_classes) and _has_params(module):
+                chosen.append((name, module))
+                taken.add(id(module))
+        elif isinstance(module, nn.ModuleList):
+            kids = list(module)
+            if len(kids) >= 2 and len({type(k) for k in kids}) == 1 and all(_has_params(k) for k in kids):
+                for i, kid in enumerate(kids):
+                    if id(kid) not in taken:
+                        chosen.append((f"{name}.{i}" if name else str(i), kid))
+                        taken.add(id(kid))
+    return chosen
+
+
+def discover_units(root: nn.Module, cfg: Config) -> list[UnitSpec]:
+    """Units with the parameters each owns; index 0 is the root unit."""
+    blocks = choose_unit_modules(root, cfg)
+    block_prefixes = [(n, i + 1) for i, (n, _) in enumerate(blocks)]
+    specs = [UnitSpec("", root, [])] + [UnitSpec(n, m, []) for n, m in blocks]
+
+    def owner_of(module_name: str) -> int:
+        best, best_len = 0, -1
+        for prefix, idx in block_prefixes:
+            if (module_name == prefix or module_name.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = idx, len(prefix)
+        return best
+
+    seen: dict[int, tuple] = {}  # id(param) -> (param, refs, fqn, owners)
+    order: list[int] = []
+    for mod_name, module in root.named_modules(remove_duplicate=False):
+        for pname, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            key = id(p)
+            if key not in seen:
+                seen[key] = (p, [], f"{mod_name}.{pname}" if mod_name else pname, set())
+                order.append(key)
+            entry = seen[key]
+            if (module, pname) not in [(m, n) for m, n in entry[1]]:
+                entry[1].append((module, pname))
+            entry[3].add(owner_of(mod_name))
+    for key in order:
+        p, refs, fqn, owners = seen[key]
+        owner = next(iter(owners)) if len(owners) == 1 else 0
+        specs[owner].params.append((p, refs, fqn))
+    return specs

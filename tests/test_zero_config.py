@@ -1,0 +1,104 @@
+"""offload.Config: sizes, validation errors that name the field, and the DeepSpeed import."""
+import json
+import warnings
+
+import pytest
+
+from offload.config import Config, format_size, parse_size
+
+
+def test_parse_size_units():
+    assert parse_size("60GiB") == 60 * 1024**3
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("512 MiB") == 512 * 1024**2
+    assert parse_size("4096") == 4096
+    assert parse_size(123) == 123
+    assert format_size(3 * 1024**3) == "3.00 GiB"
+    for bad in ("12 parsecs", "GiB", "-1", True):
+        with pytest.raises(ValueError, match="device_budget"):
+            parse_size(bad, "device_budget")
+
+
+def test_defaults_and_dtypes():
+    cfg = Config()
+    assert (cfg.params, cfg.optimizer, cfg.compute_dtype) == ("auto", "auto", "fp32")
+    import torch
+
+    assert Config(compute_dtype="bf16").torch_compute_dtype is torch.bfloat16
+    assert Config(device_budget="1KiB").bytes_of("device_budget") == 1024
+    assert Config().bytes_of("cpu_budget") is None
+
+
+@pytest.mark.parametrize("fields, field", [
+    (dict(params="gpu"), "params"),
+    (dict(optimizer="disk"), "optimizer"),
+    (dict(compute_dtype="fp16"), "compute_dtype"),
+    (dict(params="nvme"), "nvme_path"),
+    (dict(optimizer="nvme"), "nvme_path"),
+    (dict(cpu_budget="lots"), "cpu_budget"),
+    (dict(nvme_budget="x"), "nvme_budget"),
+    (dict(unit_classes=("Block",), unit_min_bytes="1MiB"), "unit_min_bytes"),
+    (dict(unit_classes=(3,)), "unit_classes"),
+])
+def test_invalid_fields_are_named(fields, field):
+    with pytest.raises(ValueError, match=field):
+        Config(**fields)
+
+
+def test_unknown_field_is_named():
+    with pytest.raises(TypeError, match="param_tier"):
+        Config(param_tier="cpu")
+
+
+DS = {
+    "train_micro_batch_size_per_gpu": 4,
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_param": {"device": "nvme", "nvme_path": "/mnt/nvme", "pin_memory": True, "buffer_count": 5},
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "stage3_param_persistence_threshold": 1000,
+        "stage3_max_live_parameters": 1e9,
+        "overlap_comm": True,
+    },
+}
+
+
+def test_from_deepspeed_maps_and_reports_ignored(tmp_path):
+    with pytest.warns(UserWarning, match="stage3_max_live_parameters"):
+        cfg = Config.from_deepspeed(DS)
+    assert (cfg.params, cfg.optimizer, cfg.nvme_path, cfg.compute_dtype) == ("nvme", "cpu", "/mnt/nvme", "bf16")
+    assert cfg.persist_threshold == 2000  # 1000 bf16 elements
+    assert "zero_optimization.overlap_comm" in cfg.deepspeed_ignored
+    assert "zero_optimization.offload_param.buffer_count" in cfg.deepspeed_ignored
+    assert "train_micro_batch_size_per_gpu" in cfg.deepspeed_ignored
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(DS))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert Config.from_deepspeed(path, cpu_budget="1GiB").cpu_budget == "1GiB"
+        section = Config.from_deepspeed(DS["zero_optimization"])  # the section alone
+    assert section.compute_dtype == "fp32" and section.params == "nvme"
+    plain = Config.from_deepspeed({"zero_optimization": {"stage": 3}})
+    assert (plain.params, plain.optimizer, plain.deepspeed_ignored) == ("device", "device", ())
+
+
+@pytest.mark.parametrize("ds, key", [
+    ({"zero_optimization": {"stage": 2}}, "stage"),
+    ({"zero_optimization": {"stage": 3, "stage3_bogus": 1}}, "stage3_bogus"),
+    ({"zero_optimization": {"offload_param": {"device": "tape"}}}, "offload_param.device"),
+    ({"zero_optimization": {"offload_param": {"device": "cpu", "color": 1}}}, "offload_param.color"),
+    ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/a"},
+                            "offload_optimizer": {"device": "nvme", "nvme_path": "/b"}}}, "nvme_path"),
+    ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "nvme_path"),
+    ({"fp16": {"enabled": True}}, "fp16"),
+    ({"not_a_deepspeed_key": 1}, "not_a_deepspeed_key"),
+])
+def test_from_deepspeed_errors_name_the_key(ds, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        Config.from_deepspeed(ds)
+
+
+def test_from_deepspeed_unreadable_path(tmp_path):
+    with pytest.raises(ValueError, match="cannot read"):
+        Config.from_deepspeed(tmp_path / "missing.json")

@@ -1,0 +1,361 @@
+"""offload.init behaviour: construction inside the block, unit discovery, gathered-memory bound, state
+transitions, persistence, optimizer state dict, leaving the block, and the errors that must come early."""
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+import offload.zero
+from offload.zero.state import UnitState
+from offload.zero.units import choose_unit_modules
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero_common import DIM, SEQ, VOCAB, TinyTransformer, compute_loss, make_llama, transformers_available  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _cfg(**kw):
+    kw.setdefault("params", "cpu")
+    kw.setdefault("optimizer", "cpu")
+    kw.setdefault("device_budget", "64MiB")
+    kw.setdefault("cpu_budget", "256MiB")
+    return offload.Config(**kw)
+
+
+def _ids(n=2, seed=0):
+    return torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _train(model, rt, steps=3, lr=1e-2):
+    opt = offload.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for s in range(steps):
+        loss = compute_loss(model, _ids(seed=s), "tiny")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return opt, losses
+
+
+# ---- construction inside the block -------------------------------------------------------------
+def test_build_inside_block_is_meta_until_used_then_materialized_per_unit():
+    with offload.init(_cfg(seed=7)) as rt:
+        model = TinyTransformer()
+        # nothing real was kept: every parameter is a meta placeholder until the model is first used
+        assert all(p.device.type == "meta" for p in model.parameters())
+        assert model.head.weight is model.emb.weight  # ties survive construction
+        assert model.layers[0].gain.device.type == "cpu"  # buffers are real
+        params_before = list(model.parameters())
+        opt = offload.AdamW(model.parameters(), lr=1e-2)  # first use: materialize + shard
+        assert isinstance(opt, offload.zero.ShardedAdamW) and isinstance(opt, offload.AdamW)
+        assert [u.name for u in rt.units] == ["", "layers.0", "layers.1"]
+        assert list(model.parameters()) == params_before  # same objects: now the units' placeholders
+        sd = rt.full_state_dict(model)
+        assert torch.equal(sd["head.weight"], sd["emb.weight"])
+        assert torch.equal(sd["layers.0.ln1.weight"], torch.ones(DIM))  # LayerNorm.reset_parameters
+        bound = 1 / (DIM ** 0.5)  # nn.Linear's kaiming-uniform bound, fan_in = DIM
+        assert sd["layers.0.attn.proj.weight"].abs().max() <= bound
+        assert 0.5 < sd["emb.weight"].std() < 1.5  # nn.Embedding: N(0, 1)
+        assert not model.frozen.weight.requires_grad
+        loss = compute_loss(model, _ids(), "tiny")
+        loss.backward()
+        opt.step()
+    # same seed, fresh build: the same values (what lets every rank materialize its own shard)
+    with offload.init(_cfg(seed=7)) as rt2:
+        again = TinyTransformer()
+        rt2.materialize_pending()
+        sd2 = rt2.full_state_dict(again)
+    with offload.init(_cfg(seed=8)) as rt3:
+        other = TinyTransformer()
+        rt3.materialize_pending()
+        sd3 = rt3.full_state_dict(other)
+    fresh = _fresh_values(7)
+    for name in ("emb.weight", "layers.1.mlp.0.weight", "layers.0.attn.qkv.weight"):
+        assert torch.equal(sd[name], sd2[name]) and torch.equal(sd2[name], fresh[name])
+        assert not torch.equal(sd2[name], sd3[name])
+
+
+def _fresh_values(seed):
+    with offload.init(_cfg(seed=seed)) as rt:
+        m = TinyTransformer()
+        m(_ids())  # the first forward materializes too
+        return rt.full_state_dict(m)
+
+
+def test_first_forward_materializes_and_training_reduces_loss():
+    with offload.init(_cfg()):
+        model = TinyTransformer()
+        losses = []
+        opt = None
+        for s in range(8):
+            loss = compute_loss(model, _ids(seed=0), "tiny")
+            if opt is None:
+                opt = offload.AdamW(model.parameters(), lr=3e-2)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0] * 0.7, losses
+
+
+@pytest.mark.skipif(not transformers_available(), reason="transformers not installed (pip install offload[hf])")
+def test_hf_llama_built_inside_block_uses_hf_init():
+    with offload.init(_cfg(seed=3)) as rt:
+        model = make_llama()
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        assert [u.name for u in rt.units][1:] == ["model.layers.0", "model.layers.1"]
+        sd = rt.full_state_dict(model)
+        std = model.config.initializer_range
+        w = sd["model.layers.0.mlp.up_proj.weight"]
+        assert abs(w.std().item() - std) < 0.3 * std  # HF _init_weights: N(0, initializer_range)
+        assert torch.equal(sd["model.norm.weight"], torch.ones_like(sd["model.norm.weight"]))
+        assert torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"])
+        ids = _ids(seed=1)
+        first = None
+        for _ in range(5):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            first = first if first is not None else loss.item()
+        assert loss.item() < first
+
+
+# ---- unit discovery ----------------------------------------------------------------------------
+def test_unit_policies():
+    m = TinyTransformer()
+    assert [n for n, _ in choose_unit_modules(m, offload.Config())] == ["layers.0", "layers.1"]
+    assert [n for n, _ in choose_unit_modules(m, offload.Config(unit_classes=("Attention",)))] == [
+        "layers.0.attn", "layers.1.attn"]
+    # children first: attention (4*D*D + D params) and each MLP Linear (4*D*D + ...) reach 4*D*D on their
+    # own, before the MLP (8*D*D) or the block (~13*D*D) is considered
+    by_size = [n for n, _ in choose_unit_modules(m, offload.Config(unit_min_bytes=4 * 4 * DIM * DIM))]
+    assert by_size == [f"layers.{i}.{x}" for i in (0, 1) for x in ("attn", "mlp.0", "mlp.2")]
+    by_size = [n for n, _ in choose_unit_modules(m, offload.Config(unit_min_bytes=10 * 4 * DIM * DIM))]
+    assert by_size == ["layers.0", "layers.1"]
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(DIM, 2, 32, batch_first=True), 3,
+                                enable_nested_tensor=False)
+    assert [n for n, _ in choose_unit_modules(enc, offload.Config())] == ["layers.0", "layers.1", "layers.2"]
+
+
+def test_transformer_encoder_stack_parity():
+    torch.manual_seed(0)
+    # bias=False: a key bias has zero gradient in exact arithmetic and Adam turns its rounding noise into
+    # lr-sized steps, which no two summation orders reproduce
+    ref = nn.TransformerEncoder(nn.TransformerEncoderLayer(DIM, 2, 32, dropout=0.0, batch_first=True, bias=False),
+                                3, enable_nested_tensor=False)
+    model = copy.deepcopy(ref)
+    x = torch.randn(4, SEQ, DIM, generator=torch.Generator().manual_seed(1))
+    target = torch.randn(4, SEQ, DIM, generator=torch.Generator().manual_seed(2))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with offload.init(_cfg()) as rt:
+        rt.wrap(model)
+        assert [u.name for u in rt.units] == ["layers.0", "layers.1", "layers.2"]  # no root params: no root unit
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(4):
+            for m, o in ((model, opt), (ref, ropt)):
+                (m(x) - target).square().mean().backward()  # (not m(x)**2: LayerNorm makes it ~constant)
+                o.step()
+                o.zero_grad()
+        sd = rt.full_state_dict(model)
+    for name, p in ref.named_parameters():
+        assert (sd[name] - p.detach()).norm() <= 1e-5 * p.detach().norm(), name
+
+
+# ---- states, memory bound, persistence ---------------------------------------------------------
+def test_states_and_gathered_bound_during_forward_and_backward():
+    model = TinyTransformer(layers=4)
+    seen = []
+    with offload.init(_cfg()) as rt:
+        rt.wrap(model)
+        blocks = rt.units[1:]
+
+        def observe(*_):
+            seen.append(sum(u.state is UnitState.UNSHARDED for u in blocks))
+
+        for m in model.modules():
+            m.register_forward_hook(lambda *a: observe())
+        for layer in model.layers:  # observe in backward too: a hook on each block's input gradient
+            layer.register_full_backward_pre_hook(lambda *a: observe())
+        assert all(u.state is UnitState.SHARDED for u in rt.units)
+        assert all(p.device.type == "meta" for p in model.parameters())
+        loss = compute_loss(model, _ids(), "tiny")
+        assert all(u.state is UnitState.SHARDED for u in rt.units)  # freed after forward
+        loss.backward()
+        assert all(u.state is UnitState.SHARDED for u in rt.units)  # and after backward
+        assert seen and max(seen) == 1  # never two blocks gathered at once
+        root, largest = rt.units[0].nbytes_full, max(u.nbytes_full for u in blocks)
+        assert rt.gathered_bound() == root + largest
+        assert rt.peak_gathered_bytes == root + largest  # the bound is reached, not loose
+        assert rt.gathered_bytes == 0
+
+
+def test_persistent_units_stay_gathered_and_track_updates():
+    torch.manual_seed(0)
+    ref = TinyTransformer()
+    model = copy.deepcopy(ref)
+    with offload.init(_cfg(persist_threshold="1MiB")) as rt:
+        rt.wrap(model)
+        assert all(u.persistent and u.state is UnitState.UNSHARDED for u in rt.units)
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        for s in range(3):
+            for m, o in ((model, opt), (ref, ropt)):
+                loss = compute_loss(m, _ids(seed=s), "tiny")
+                loss.backward()
+                o.step()
+                o.zero_grad()
+            torch.testing.assert_close(compute_loss(model, _ids(seed=9), "tiny"),
+                                       compute_loss(ref, _ids(seed=9), "tiny"), rtol=1e-5, atol=0)
+        assert rt.gathered_bytes == sum(u.nbytes_full for u in rt.units)
+
+
+def test_optimizer_state_dict_resumes_exactly(tmp_path):
+    torch.manual_seed(0)
+    base = TinyTransformer()
+    start = copy.deepcopy(base.state_dict())
+
+    def run(steps, load=None):
+        model = TinyTransformer()
+        model.load_state_dict(load[0] if load else start)
+        with offload.init(_cfg(optimizer="nvme", nvme_path=str(tmp_path))) as rt:
+            rt.wrap(model)
+            opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            if load:
+                opt.load_state_dict(load[1])
+            for s in steps:
+                compute_loss(model, _ids(seed=s), "tiny").backward()
+                rt.clip_grad_norm_(0.5)
+                opt.step()
+                opt.zero_grad()
+            return rt.full_state_dict(model), opt.state_dict()
+
+    straight, _ = run(range(5))
+    mid_params, mid_opt = run(range(3))
+    assert all(isinstance(v["exp_avg"], torch.Tensor) for v in mid_opt["state"].values())
+    assert {v["step"].item() for v in mid_opt["state"].values()} == {3.0}
+    resumed, _ = run(range(3, 5), load=({k: v for k, v in mid_params.items()}, mid_opt))
+    for name, value in straight.items():
+        assert torch.equal(value, resumed[name]), name
+
+
+def test_model_to_moves_buffers_and_leaves_placeholders():
+    model = TinyTransformer()
+    with offload.init(_cfg()) as rt:
+        rt.wrap(model)
+        before = rt.full_state_dict(model)
+        assert model.to("cpu") is model and model.float() is model  # no "cannot copy out of meta" error
+        assert all(p.device.type == "meta" for p in model.parameters())
+        assert model.layers[0].gain.device.type == "cpu"
+        _train(model, rt, steps=1)
+        assert not torch.equal(before["layers.0.mlp.0.weight"], rt.full_state_dict(model)["layers.0.mlp.0.weight"])
+
+
+def test_unused_parameters_are_not_stepped():
+    """torch.optim.AdamW skips params whose grad is None (no decay, no moment update): so must we."""
+    model = TinyTransformer()
+    with offload.init(_cfg()) as rt:
+        rt.wrap(model)
+        before = rt.full_state_dict(model)
+        _train(model, rt, steps=2)
+        after = rt.full_state_dict(model)
+    assert torch.equal(before["layers.0.unused.weight"], after["layers.0.unused.weight"])
+    assert torch.equal(before["frozen.weight"], after["frozen.weight"])
+    assert not torch.equal(before["layers.0.mlp.0.weight"], after["layers.0.mlp.0.weight"])
+
+
+# ---- leaving the block -------------------------------------------------------------------------
+def test_leaving_frees_everything_and_use_after_raises(tmp_path):
+    model = TinyTransformer()
+    with offload.init(_cfg(params="nvme", optimizer="nvme", nvme_path=str(tmp_path))) as rt:
+        rt.wrap(model)
+        opt, _ = _train(model, rt, steps=1)
+        run_dir = rt.storage.nvme_dir
+        assert any(run_dir.iterdir())  # swap files exist while open
+    assert not run_dir.exists()  # swap files and the run directory are gone
+    assert list(tmp_path.iterdir()) == []
+    assert all(u.state is UnitState.FREED for u in rt.units)
+    assert rt.gathered_bytes == 0
+    assert nn.Module.register_parameter.__qualname__ == "Module.register_parameter"  # patch undone
+    with pytest.raises(RuntimeError, match="exited"):
+        model(_ids())
+    with pytest.raises(RuntimeError, match="exited"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="exited"):
+        rt.wrap(TinyTransformer())
+    # outside the block, modules are built as usual (real parameters)
+    assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+# ---- errors that come before any training ------------------------------------------------------
+def test_unit_larger_than_device_budget_is_named():
+    model = TinyTransformer()
+    block = sum(p.numel() for p in model.layers[0].parameters()) * 4
+    with offload.init(_cfg(device_budget=block - 1)) as rt:
+        with pytest.raises(MemoryError, match=r"unit 1 \(layers\.0, Block\) needs .* \(\d+ bytes\).*device_budget"):
+            rt.wrap(model)
+
+
+def test_nvme_path_missing_fails_at_init(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nvme_path.*does not exist"):
+        offload.init(_cfg(params="nvme", nvme_path=str(tmp_path / "nope"))).__enter__()
+
+
+def test_nvme_path_read_only_fails_at_init(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        writable = os.access(ro, os.W_OK)  # root ignores the mode bits
+        path = "/proc/self" if writable else str(ro)  # procfs: no new files, even for root
+        with pytest.raises(PermissionError, match="nvme_path.*not writable"):
+            offload.init(_cfg(optimizer="nvme", nvme_path=path)).__enter__()
+    finally:
+        ro.chmod(0o700)
+
+
+def test_nvme_path_too_small_fails_with_numbers(tmp_path):
+    with pytest.raises(OSError, match=r"has .* \(\d+ bytes\) free but nvme_budget needs .* \(\d+ bytes\)"):
+        offload.init(_cfg(params="nvme", nvme_path=str(tmp_path), nvme_budget="1000TiB")).__enter__()
+    model = TinyTransformer()
+    with offload.init(_cfg(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), nvme_budget="4KiB")) as rt:
+        with pytest.raises(OSError, match=r"need .* \(\d+ bytes\).*nvme_budget is 4.00 KiB \(4096 bytes\)"):
+            rt.wrap(model)
+
+
+def test_auto_tiers_follow_budgets(tmp_path):
+    with offload.init(_cfg(params="auto", optimizer="auto")) as rt:
+        rt.wrap(TinyTransformer())
+        assert (rt.params_tier, rt.optimizer_tier) == ("device", "cpu")
+    with offload.init(_cfg(params="auto", optimizer="auto", device_budget="40KiB", cpu_budget="64KiB",
+                           nvme_path=str(tmp_path))) as rt:
+        rt.wrap(TinyTransformer())
+        assert (rt.params_tier, rt.optimizer_tier) == ("nvme", "nvme")
+    with offload.init(_cfg(params="cpu", optimizer="cpu", cpu_budget="8KiB")) as rt:
+        with pytest.raises(MemoryError, match="cpu_budget"):
+            rt.wrap(TinyTransformer())
+    with offload.init(_cfg(params="nvme", optimizer="nvme", cpu_budget="16KiB", nvme_path=str(tmp_path))) as rt:
+        with pytest.raises(MemoryError, match=r"cpu_budget: stepping the largest unit stages .* \(\d+ bytes\)"):
+            rt.wrap(TinyTransformer())
+
+
+def test_optimizer_rejects_foreign_params():
+    plain = nn.Linear(2, 2)  # built outside: real, not the runtime's
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(TinyTransformer())
+        with pytest.raises(ValueError, match="not owned by an offload runtime"):
+            offload.zero.ShardedAdamW(list(model.parameters()) + list(plain.parameters()))
+    # plain parameters outside any runtime keep the plain fused optimizer
+    assert type(offload.AdamW(nn.Linear(2, 2).parameters())) is offload.AdamW

@@ -1,0 +1,321 @@
+"""Shared by tests/test_zero_*.py and the multi-rank worker: tiny models, a plain-PyTorch reference
+training loop, the same loop through offload.init, and the per-step comparison.
+
+Compared at every step: the loss (averaged over ranks) and every parameter (gathered fp32 values) against
+the reference, as the relative error ||a - b|| / ||b|| per tensor.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+VOCAB, DIM, SEQ, MICRO = 32, 16, 8, 2  # MICRO: samples per rank per micro-batch
+
+
+class Attention(nn.Module):
+    def __init__(self, d, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d, bias=False)  # a key bias has no gradient in theory: Adam amplifies noise
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, d, ckpt_mlp=False):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.unused = nn.Linear(d, d)  # an unused branch: never called, so never gets a gradient
+        self.register_buffer("gain", torch.linspace(0.9, 1.1, d))  # a buffer used in forward
+        self.ckpt_mlp = ckpt_mlp
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        h = self.ln2(x)
+        h = checkpoint(self.mlp, h, use_reentrant=False) if self.ckpt_mlp else self.mlp(h)
+        return (x + h) * self.gain
+
+
+class TinyTransformer(nn.Module):
+    """Tied embeddings, a frozen layer, a buffer, an unused branch, activation checkpointing (inside block
+    0's MLP, and around the whole of block 1)."""
+
+    def __init__(self, vocab=VOCAB, d=DIM, layers=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.frozen = nn.Linear(d, d)
+        self.frozen.requires_grad_(False)
+        self.layers = nn.ModuleList([Block(d, ckpt_mlp=(i == 0)) for i in range(layers)])
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + 0.5 * self.frozen(h)
+        for i, layer in enumerate(self.layers):
+            h = checkpoint(layer, h, use_reentrant=False) if i == 1 else layer(h)
+        return self.head(self.ln_f(h))
+
+
+def make_llama(tie=True):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM * 2, intermediate_size=DIM * 4, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=tie, attn_implementation="eager")
+    return LlamaForCausalLM(cfg)
+
+
+def make_model(kind: str) -> nn.Module:
+    if kind == "tiny":
+        return TinyTransformer()
+    if kind == "llama":
+        return make_llama()
+    if kind.startswith("llama-ckpt"):  # HF's own activation checkpointing around every decoder layer
+        model = make_llama()
+        kwargs = {"use_reentrant": kind.endswith("reentrant")}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.config.use_cache = False
+        return model
+    raise ValueError(kind)
+
+
+def compute_loss(model, ids, kind):
+    if kind.startswith("llama"):
+        return model(input_ids=ids, labels=ids).loss.float()
+    logits = model(ids)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids.reshape(-1))
+
+
+def param_groups(named):
+    """Two groups as in most fine-tuning scripts: weight decay on matrices, none on vectors."""
+    named = [(n, p) for n, p in named if p.requires_grad]
+    return [
+        {"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+@dataclasses.dataclass
+class Case:
+    params: str = "cpu"
+    optimizer: str = "cpu"
+    world: int = 1
+    accum: int = 1
+    dtype: str = "fp32"
+    model: str = "tiny"
+    no_sync: bool = True  # accumulate locally under rt.no_sync(), reduce once (else reduce every micro-batch)
+    steps: int = 10
+    clip: float = 0.5
+    lr: float = 3e-3
+
+    @property
+    def name(self) -> str:
+        sync = "nosync" if self.no_sync else "reduce-each"
+        return (f"{self.model}-{self.dtype}-p_{self.params}-o_{self.optimizer}-w{self.world}-acc{self.accum}"
+                f"{'-' + sync if self.accum > 1 else ''}{'-noclip' if self.clip >= 1e9 else ''}")
+
+
+def _rank_world():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _data(case: Case) -> torch.Tensor:
+    g = torch.Generator().manual_seed(99)
+    return torch.randint(0, VOCAB, (case.steps, case.accum, case.world * MICRO, SEQ), generator=g)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    denom = b.float().norm().item()
+    diff = (a.float() - b.float()).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def reference_run(case: Case, model: nn.Module, data: torch.Tensor):
+    """Plain PyTorch. fp32: full-batch micro-batches, torch.optim.AdamW. bf16: a bf16 model whose grads go to
+    fp32 master params (stepped by plain offload.AdamW, see below), with the same per-rank split and the
+    same fp32 reduction order as the runtime, i.e. the same casts."""
+    losses, snaps, norms = [], [], []
+    W, A = case.world, case.accum
+    if case.dtype == "fp32":
+        opt = torch.optim.AdamW(param_groups(model.named_parameters()), lr=case.lr)
+        for s in range(case.steps):
+            total = 0.0
+            for k in range(A):
+                loss = compute_loss(model, data[s, k], case.model) / A
+                loss.backward()
+                total += loss.item()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], case.clip)))
+            opt.step()
+            opt.zero_grad()
+            losses.append(total)
+            snaps.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        return losses, snaps, norms
+    master = {n: nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()}  # fp32 init values
+    model = model.to(torch.bfloat16)
+    named = [(n, p) for n, p in model.named_parameters()]
+    # The fp32 master steps with offload.AdamW (plain, unsharded: the fused kernel, itself tested against
+    # torch.optim.AdamW in test_adam*): a 1-ulp difference in a master value can flip its bf16 copy, and
+    # over 10 steps Adam grows such flips far past any tolerance that would still catch a runtime bug.
+    import offload
+
+    opt = offload.AdamW(param_groups(list(master.items())), lr=case.lr)
+    trainable = [n for n, p in named if p.requires_grad]
+    for s in range(case.steps):
+        total = 0.0
+        acc = {n: None for n in trainable}  # the reduced fp32 grad shard (all shards: world-size free)
+        local = [{n: None for n in trainable} for _ in range(W)]
+        for k in range(A):
+            per_rank = []
+            for r in range(W):
+                loss = compute_loss(model, data[s, k, r * MICRO:(r + 1) * MICRO], case.model) / A
+                loss.backward()
+                total += loss.item() / W
+                per_rank.append({n: p.grad.float() for n, p in named if p.grad is not None})
+                model.zero_grad(set_to_none=True)
+            if case.no_sync and k < A - 1:
+                for r in range(W):
+                    for n, g in per_rank[r].items():
+                        local[r][n] = g.clone() if local[r][n] is None else local[r][n].add_(g)
+                continue
+            for r in range(W):  # fold what no_sync kept, as the runtime does
+                for n, g in per_rank[r].items():
+                    if local[r][n] is not None:
+                        per_rank[r][n] = local[r][n].add_(g)
+                        local[r][n] = None
+            for n in per_rank[0]:
+                red = per_rank[0][n].clone()
+                for r in range(1, W):
+                    red += per_rank[r][n]
+                red /= W
+                acc[n] = red if acc[n] is None else acc[n].add_(red)
+        for n in trainable:
+            master[n].grad = acc[n]
+        norms.append(float(torch.nn.utils.clip_grad_norm_([master[n] for n in trainable], case.clip)))
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for n, p in named:
+                p.copy_(master[n])
+        losses.append(total)
+        snaps.append({n: master[n].detach().clone() for n in master})
+    return losses, snaps, norms
+
+
+def offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str):
+    import offload
+
+    rank, world = _rank_world()
+    assert world == case.world, (world, case.world)
+    cfg = offload.Config(params=case.params, optimizer=case.optimizer, compute_dtype=case.dtype,
+                         nvme_path=nvme_dir if "nvme" in (case.params, case.optimizer) else None,
+                         device_budget="256MiB", cpu_budget="256MiB")
+    losses, snaps, norms = [], [], []
+    A = case.accum
+    with offload.init(cfg) as rt:
+        rt.wrap(model)
+        opt = offload.AdamW(param_groups(model.named_parameters()), lr=case.lr)
+        for s in range(case.steps):
+            total = torch.zeros(())
+            for k in range(A):
+                ctx = rt.no_sync() if (case.no_sync and k < A - 1) else contextlib.nullcontext()
+                with ctx:
+                    loss = compute_loss(model, data[s, k, rank * MICRO:(rank + 1) * MICRO], case.model) / A
+                    loss.backward()
+                total += loss.detach()
+            norms.append(float(rt.clip_grad_norm_(case.clip)))
+            opt.step()
+            opt.zero_grad()
+            if world > 1:
+                dist.all_reduce(total)
+            losses.append(total.item() / world)
+            snaps.append(rt.full_state_dict(model))
+        stats = rt.stats()
+    return losses, snaps, norms, stats
+
+
+def run_case(case: Case, nvme_dir: str) -> dict:
+    """Both loops from the same init and data; the worst relative errors over all steps and tensors."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: extra intra-op threads only contend for the CI's 2 cores
+    try:
+        return _run_case(case, nvme_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_case(case: Case, nvme_dir: str) -> dict:
+    torch.manual_seed(1234)
+    ref = make_model(case.model)
+    model = copy.deepcopy(ref)
+    data = _data(case)
+    r_losses, r_snaps, r_norms = reference_run(case, ref, data)
+    o_losses, o_snaps, o_norms, stats = offload_run(case, model, data, nvme_dir)
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(o_losses, r_losses))
+    norm_err = max(abs(a - b) / abs(b) for a, b in zip(o_norms, r_norms))
+    param_err, worst = 0.0, ""
+    for o, r in zip(o_snaps, r_snaps):
+        for name, value in r.items():
+            e = _rel(o[name], value)
+            if e > param_err or math.isnan(e):
+                param_err, worst = e, name
+    moved = r_snaps[-1]
+    init_change = max(_rel(moved[n], o_snaps[0][n]) for n in moved)  # training really moved the params
+    return {"case": case.name, "steps": len(o_losses), "loss_err": loss_err, "param_err": param_err,
+            "norm_err": norm_err, "worst_param": worst, "first_loss": r_losses[0], "last_loss": r_losses[-1],
+            "moved": init_change, "nvme_read": stats["nvme_read_bytes"], "nvme_written": stats["nvme_written_bytes"],
+            "peak_gathered": stats["peak_gathered_bytes"], "gathered_bound": stats["gathered_bound_bytes"]}
+
+
+def transformers_available() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def inblock_values_check(seed: int = 5) -> dict:
+    """Build TinyTransformer inside offload.init (every rank materializes each unit itself, seeded) and
+    compare the gathered values with a local, runtime-free materialization of the same units: equal only
+    if every rank computed the same full values before keeping its shard."""
+    import offload
+    from offload.zero.materialize import ConstructionCapture, materialize_unit
+    from offload.zero.units import discover_units
+
+    with ConstructionCapture():
+        local = TinyTransformer()
+    expected = {}
+    for index, spec in enumerate(s for s in discover_units(local, offload.Config()) if s.params):
+        for (p, refs, fqn), value in zip(spec.params, materialize_unit(local, spec.params, seed + index)):
+            expected[fqn] = value
+    with offload.init(offload.Config(params="cpu", optimizer="cpu", seed=seed, cpu_budget="64MiB",
+                                     device_budget="64MiB")) as rt:
+        model = TinyTransformer()
+        rt.materialize_pending()
+        got = rt.full_state_dict(model)
+    worst = max((got[k] - v).abs().max().item() for k, v in expected.items())
+    return {"case": "inblock", "max_abs_diff": worst, "tensors": len(expected)}
