@@ -10,48 +10,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
+from .store.sizes import format_bytes
+from .store.sizes import parse_size as _parse_size
+
 TIERS = ("device", "cpu", "nvme", "auto")
 COMPUTE_DTYPES = ("fp32", "bf16")
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
 def parse_size(value: str | int | float, field: str = "size") -> int:
     """Bytes from "60GiB" / "1.5GB" / "4096" / 4096. Raises ValueError naming `field`."""
-    if isinstance(value, bool):
-        raise ValueError(f"offload.Config.{field}: expected a size like '60GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"offload.Config.{field}: size must be >= 0, got {value!r}")
-        return int(value)
-    match = _SIZE_RE.match(str(value))
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in _UNITS:
-        raise ValueError(
-            f"offload.Config.{field}: cannot parse size {value!r}; write a number with a unit such as "
-            "'512MiB', '60GiB', '1.5GB' or a byte count"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
+    return _parse_size(value, f"offload.Config.{field}")
 
 
 def format_size(nbytes: int | float) -> str:
     """Human-readable size with binary units (for messages)."""
-    n = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+    return format_bytes(nbytes)
 
 
 @dataclasses.dataclass

@@ -3,7 +3,6 @@ offset (checked with plain os.pread), and what is read back equals what was writ
 from __future__ import annotations
 
 import gc
-import os
 import random
 import weakref
 

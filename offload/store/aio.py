@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno as _errno
 import os
-import re
 import shutil
 import threading
 import warnings
@@ -29,26 +28,10 @@ from typing import Iterable, Sequence
 import torch
 
 from .. import _ext
+from .sizes import parse_size
 
 __all__ = ["AioEngine", "AioFile", "AioHandle", "AioError", "AioTimeoutError", "aio_backends", "aligned_empty",
            "parse_size"]
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_size(value: int | str, what: str = "size") -> int:
-    """Bytes from 4096, "4096", "128KiB", "1MiB", "1.5GB" (binary *iB, decimal kB/MB/GB; K/M/G as given)."""
-    if isinstance(value, bool):
-        raise TypeError(f"offload aio: {what} must be a byte count or a string like '1MiB', got {value!r}")
-    if isinstance(value, int):
-        return value
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise ValueError(f"offload aio: cannot read {what}={value!r}; use bytes or a unit like '128KiB', '1MiB', '4GiB'")
-    return int(float(m.group(1)) * _UNITS[unit])
-
 
 def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, alignment: int = 4096) -> torch.Tensor:
     """A 1-D CPU tensor of `numel` elements whose data starts on an `alignment`-byte boundary (for O_DIRECT

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 
 __all__ = ["parse_size", "format_bytes"]
+# The one size parser of the package: config.py and the aio engine use it too, so "512M" means the
+# same number of bytes in every setting.
 
 _UNITS = {
     "": 1, "B": 1,
@@ -24,10 +26,10 @@ def parse_size(value: int | str, what: str = "size") -> int:
     """Bytes in `value`; `what` names the setting in the error message."""
     if isinstance(value, bool):
         raise ValueError(f"{what} must be a size like '60GiB' or a byte count, got {value!r}")
-    if isinstance(value, int):
+    if isinstance(value, (int, float)):
         if value < 0:
             raise ValueError(f"{what} must be >= 0 bytes, got {value}")
-        return value
+        return int(value)
     m = _RE.match(str(value))
     unit = m.group(2).upper() if m else None
     if not m or unit not in _UNITS:

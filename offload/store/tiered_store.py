@@ -41,7 +41,6 @@ Without a GPU, the device tier is a budgeted region of host memory and its tenso
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
