@@ -5,6 +5,8 @@ Environment:
   OFFLOAD_BUILD_DIR    where the JIT build is cached (default ~/.cache/offload/ext/<torch version>)
   OFFLOAD_DISABLE_EXT  "1": never load the extension (tests the plain-torch fallback)
   OFFLOAD_NO_URING     "1": build without io_uring even when liburing is installed
+  OFFLOAD_NUM_THREADS  kernel threads at load time (default: usable cores)
+  OFFLOAD_ISA          SIMD path at load time: avx512 | avx2 | scalar | auto (default)
 """
 from __future__ import annotations
 
@@ -57,6 +59,26 @@ def _load():
     )
 
 
+def _apply_env_settings(mod):
+    # A bad value is the user's setting, not a missing compiler: raise, naming the variable.
+    threads = os.environ.get("OFFLOAD_NUM_THREADS")
+    if threads:
+        if not threads.isdigit():
+            raise _SettingError(f"OFFLOAD_NUM_THREADS must be a whole number >= 0, got {threads!r}")
+        mod.set_num_threads(int(threads))
+    isa = os.environ.get("OFFLOAD_ISA")
+    if isa:
+        try:
+            mod.set_isa(isa)
+        except ValueError as exc:
+            raise _SettingError(f"OFFLOAD_ISA: {exc}") from None
+    return mod
+
+
+class _SettingError(ValueError):
+    pass
+
+
 def get():
     """The extension module, or None when it cannot be built (the reason is in `error()`)."""
     global _module, _error, _loaded
@@ -65,7 +87,9 @@ def get():
     with _lock:
         if not _loaded:
             try:
-                _module = _load()
+                _module = _apply_env_settings(_load())
+            except _SettingError:
+                raise
             except Exception as exc:  # no compiler, missing headers, disabled: fall back, never crash
                 _error = f"{type(exc).__name__}: {exc}".strip()
                 _module = None

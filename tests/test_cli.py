@@ -89,3 +89,39 @@ def test_every_source_is_built_and_names_are_unique():
     names = [Path(s).name for s in spec.sources]
     assert len(names) == len(set(names))
     assert any(n == "module.cpp" for n in names)
+
+
+def _in_child(code, **env):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **env}, timeout=300)
+
+
+def test_thread_and_isa_settings_from_the_environment():
+    out = _in_child("import offload.ops as o; print(o.num_threads(), o.active_isa())",
+                    OFFLOAD_NUM_THREADS="3", OFFLOAD_ISA="scalar")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["3", "scalar"]
+
+
+def test_bad_thread_setting_names_the_variable():
+    out = _in_child("import offload.ops as o; o.num_threads()", OFFLOAD_NUM_THREADS="many")
+    assert out.returncode != 0
+    assert "OFFLOAD_NUM_THREADS must be a whole number" in out.stderr
+    out = _in_child("import offload.ops as o; o.num_threads()", OFFLOAD_ISA="sse9")
+    assert out.returncode != 0
+    assert "OFFLOAD_ISA" in out.stderr and "isa must be" in out.stderr
+
+
+def test_python_settings_change_the_kernels():
+    import offload.ops as ops
+
+    before = ops.num_threads()
+    try:
+        ops.set_num_threads(1)
+        assert ops.num_threads() == 1
+        ops.set_isa("avx2" if _ext.require().best_isa() != "scalar" else "scalar")
+        assert ops.active_isa() in ("avx2", "scalar")
+    finally:
+        ops.set_num_threads(before)
+        ops.set_isa("auto")
+    assert ops.active_isa() == _ext.require().best_isa()

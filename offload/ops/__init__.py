@@ -2,3 +2,4 @@
 used by the tests and as the fallback when the extension cannot be built."""
 from .adam import *  # noqa: F401,F403
 from .copy import *  # noqa: F401,F403
+from .threads import *  # noqa: F401,F403
