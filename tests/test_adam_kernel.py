@@ -1,5 +1,5 @@
 """The fused AdamW kernel (offload.ops.adamw_step_) against torch.optim.AdamW and its plain-torch
-reference: every ISA path, grad dtypes, bf16/fp16 out, bf16 moments, thread counts, bad inputs."""
+reference: every ISA path, grad dtypes, bf16/fp16 out, bf16 moments, thread counts, NaN bits, bad inputs."""
 from __future__ import annotations
 
 import os
@@ -191,13 +191,71 @@ def test_out_cast_is_bitwise_torch_for_all_finite_values(isa, out_dtype):
     assert torch.equal(out.view(torch.int16), expect.view(torch.int16))
 
 
+# fp32 NaN bit patterns: +NaN, -NaN, signaling with payloads (both signs), quiet with payloads, all ones.
+NAN_BITS = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF812345, 0x7FA12345, 0x7FC0ABCD, 0xFFFFFFFF, 0x7FFFFFFF]
+
+
+def _nans(k):
+    """k fp32 NaNs cycling through NAN_BITS."""
+    bits = torch.tensor(NAN_BITS, dtype=torch.int64).to(torch.int32)
+    return bits[torch.arange(k) % len(NAN_BITS)].view(torch.float32)
+
+
+def _with_nans(n, seed):
+    """n random params with the NaN patterns sprinkled in: whole NaN vectors, NaNs beside normals and
+    denormals in one vector (the hardware bf16 convert's fallback), and NaNs in the last partial vector."""
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen)
+    master[1::97] = 1e-39  # denormals, some sharing a vector with a NaN
+    idx = torch.cat([torch.arange(0, 16), torch.randint(0, n, (n // 50,), generator=gen), torch.arange(n - 5, n)])
+    master[idx] = _nans(idx.numel())
+    return master
+
+
 @needs_ext
-def test_nan_param_gives_nan_out():
-    master = torch.tensor([float("nan")] * 20)
-    out = torch.empty(20, dtype=torch.bfloat16)
-    adamw_step_(master, torch.zeros(20), torch.zeros(20), torch.zeros(20), lr=0.0, beta1=0.9, beta2=0.999,
-                eps=1e-8, weight_decay=0.0, step=1, out=out)
-    assert torch.isnan(out.float()).all()
+@pytest.mark.parametrize("isa", PATHS, indirect=True)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_nan_params_give_torch_bits_in_out(isa, out_dtype, threads):
+    # A NaN master must come out as master.to(dtype) writes it (bf16: 0xFFFF for every NaN; fp16: quiet,
+    # sign and payload kept), on every path and thread count. 70_005 elements: three chunks, a tail.
+    n = 70_005
+    for t in (1, 3):
+        threads(t)
+        master = _with_nans(n, seed=t)
+        out = torch.empty(n, dtype=out_dtype)
+        m, v = torch.zeros(n), torch.zeros(n)
+        grad = torch.randn(n, generator=torch.Generator().manual_seed(5))
+        for step in (1, 2):
+            adamw_step_(master, grad, m, v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                        step=step, out=out)
+            nan = torch.isnan(master)
+            assert nan.sum() >= n // 60  # the NaNs stay NaN (the check below is not vacuous)
+            want = master.to(out_dtype).view(torch.int16)
+            got = out.view(torch.int16)
+            diff = (got != want).nonzero().flatten()
+            assert diff.numel() == 0, (
+                f"{isa}, {t} threads, step {step}: {diff.numel()} differ, first master "
+                f"{hex(master.view(torch.int32)[diff[0]].item() & 0xFFFFFFFF)} -> ours "
+                f"{hex(got[diff[0]].item() & 0xFFFF)}, torch {hex(want[diff[0]].item() & 0xFFFF)}")
+            if out_dtype == torch.bfloat16:
+                assert (got[nan] == -1).all()  # 0xFFFF, what torch writes for any NaN
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", PATHS, indirect=True)
+def test_nan_grads_give_torch_bits_in_bf16_moments(isa):
+    # NaN grads make NaN moments; stored as bf16 they must be what torch's copy_ writes (the reference
+    # rounds its fp32 moments with copy_): 0xFFFF, whatever NaN the arithmetic produced.
+    n = 4097
+    p0 = torch.randn(n)
+    grads = _grads(n, torch.float32, 2, seed=9)
+    for g in grads:
+        g[3::41] = _nans(g[3::41].numel())
+    got = _run_kernel(adamw_step_, p0, grads, HYPERS[0], torch.bfloat16, torch.bfloat16)
+    ref = _run_kernel(adamw_step_reference, p0, grads, HYPERS[0], torch.bfloat16, torch.bfloat16)
+    for a, b in zip(got[1:], ref[1:]):
+        assert torch.isnan(a.float()).sum() >= n // 41
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 @needs_ext

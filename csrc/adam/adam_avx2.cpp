@@ -8,6 +8,8 @@
 
 #include <cstring>
 
+#include "common/bf16.h"
+
 #define OFFLOAD_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 namespace offload {
@@ -22,15 +24,14 @@ OFFLOAD_AVX2 inline __m256 load8(const void* base, int64_t i) {
   if constexpr (D == DType::kF16) return _mm256_cvtph_ps(h);
 }
 
-// Integer round-to-nearest-even (as torch's .to(bfloat16)); NaN -> truncated quiet NaN, as the
-// scalar path.
+// Integer round-to-nearest-even, every NaN -> 0xFFFF (kBf16NaN): the scalar path's bits
+// (common/bf16.h), which are torch's .to(torch.bfloat16).
 OFFLOAD_AVX2 inline __m128i ps_to_bf16(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
-  r = _mm256_blendv_epi8(r, qnan, nan);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(kBf16NaN), nan);
   // Lanes hold values <= 0xFFFF, so the unsigned-saturating pack is a plain narrowing.
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }

@@ -3,11 +3,10 @@
 
 #include <atomic>
 #include <cmath>
-#include <cstring>
 
-#include <c10/util/Half.h>
-
+#include "common/bf16.h"
 #include "common/cpu_isa.h"
+#include "common/fp16.h"
 #include "common/thread_pool.h"
 
 namespace offload {
@@ -21,37 +20,23 @@ constexpr int64_t kGrain = 1 << 15;
 
 std::atomic<bool> g_nt_out{true};
 
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// Integer round-to-nearest-even, keeps denormals (VCVTNEPS2BF16 would flush them, torch does not).
-// NaN stays NaN: truncated and made quiet (sign and top payload bits kept), which is what
-// VCVTNEPS2BF16 does, so the AVX-512 path may use that instruction for vectors without denormals.
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+// Conversions are common/bf16.h and common/fp16.h, the copy kernels' own: round-to-nearest-even,
+// denormals kept, bf16 NaN -> 0xFFFF and fp16 NaN -> quiet with sign and payload kept, i.e. what
+// torch's .to(dtype) writes. The vector paths produce the same bits.
 
 inline float load_as_f32(const void* p, DType d, int64_t i) {
   switch (d) {
     case DType::kF32: return static_cast<const float*>(p)[i];
-    case DType::kBF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    default: return static_cast<float>(static_cast<const c10::Half*>(p)[i]);
+    case DType::kBF16: return bf16_bits_to_f32(static_cast<const uint16_t*>(p)[i]);
+    default: return f16_bits_to_f32(static_cast<const uint16_t*>(p)[i]);
   }
 }
 
 inline void store_from_f32(void* p, DType d, int64_t i, float x) {
   switch (d) {
     case DType::kF32: static_cast<float*>(p)[i] = x; break;
-    case DType::kBF16: static_cast<uint16_t*>(p)[i] = f32_to_bf16(x); break;
-    default: static_cast<c10::Half*>(p)[i] = c10::Half(x); break;  // IEEE round-to-nearest-even
+    case DType::kBF16: static_cast<uint16_t*>(p)[i] = f32_to_bf16_bits(x); break;
+    default: static_cast<uint16_t*>(p)[i] = f32_to_f16_bits(x); break;
   }
 }
 

@@ -2,8 +2,9 @@
 //
 // Per element it reads the fp32 master, the two moments (fp32, or bf16 when opted in) and the grad
 // (fp32 / bf16 / fp16), and writes master and moments back in place plus, optionally, the updated
-// param rounded to bf16/fp16 into `out` (round-to-nearest-even, bit-equal to torch's `.to(dtype)`),
-// so no separate cast pass and no fp32 grad buffer is needed.
+// param rounded to bf16/fp16 into `out` (round-to-nearest-even, bit-equal to torch's `.to(dtype)`,
+// denormals and NaNs included: a bf16 NaN is 0xFFFF, an fp16 NaN keeps its sign and payload), so no
+// separate cast pass and no fp32 grad buffer is needed.
 //
 // The arithmetic is torch.optim.AdamW's. The moments follow torch's single-tensor path operation by
 // operation (same fused multiply-adds), so they match torch bit for bit; the param update folds
@@ -75,8 +76,9 @@ bool nontemporal_out();
 void set_nontemporal_out(bool on);
 
 // The AVX-512 path rounds to bf16 with VCVTNEPS2BF16 where the CPU has AVX512_BF16 (integer
-// rounding otherwise, or for vectors holding denormals). Off: always the integer rounding, so a
-// test can check both on one machine. Returns whether the CPU has the instruction at all.
+// rounding otherwise, or for vectors holding denormals or NaNs, which that instruction would write
+// differently from torch). Off: always the integer rounding, so a test can check both on one machine.
+// Returns whether the CPU has the instruction at all.
 bool hw_bf16_available();
 void set_hw_bf16(bool on);
 

@@ -8,7 +8,9 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "common/bf16.h"
 #include "common/cpu_isa.h"
+#include "common/fp16.h"
 #include "common/thread_pool.h"
 
 #if defined(__x86_64__)
@@ -19,80 +21,20 @@ namespace offload {
 namespace copy {
 namespace {
 
-inline uint32_t f32_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-inline float bits_f32(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // ---------------------------------------------------------------- scalar reference
-
-inline uint16_t f32_to_bf16_scalar(float f) {
-  uint32_t u = f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffffu;  // any NaN -> 0xFFFF, as torch writes it
-  // Adding 0x7FFF plus the lowest kept bit rounds to nearest, ties to even, on the raw bits; the carry
-  // walks into the exponent correctly (max finite rounds up to inf), and denormals need no special case.
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline float bf16_to_f32_scalar(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
-
-inline uint16_t f32_to_f16_scalar(float f) {
-  const uint32_t u = f32_bits(f);
-  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
-  const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return sign | 0x7e00u | static_cast<uint16_t>((a >> 13) & 0x3ffu);  // quiet NaN, payload kept
-  if (a >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to inf (and inf stays inf)
-  if (a >= 0x38800000u) {                        // result is a normal half (>= 2^-14)
-    uint32_t r = a - (112u << 23);                // rebias the exponent 127 -> 15
-    r += 0xfffu + ((r >> 13) & 1u);               // round to nearest even at bit 13; carry may bump exponent
-    return sign | static_cast<uint16_t>(r >> 13);
-  }
-  if (a < 0x33000000u) return sign;  // below 2^-25: rounds to zero (2^-25 itself is a tie, to even = 0)
-  // Half subnormal: value / 2^-24 rounded to nearest even. m is the 24-bit significand.
-  const uint32_t e = a >> 23;                      // 102 .. 112
-  const uint32_t m = (a & 0x7fffffu) | 0x800000u;
-  const uint32_t shift = 126u - e;                 // 14 .. 24
-  uint32_t q = m >> shift;
-  const uint32_t rem = m & ((1u << shift) - 1u);
-  const uint32_t half = 1u << (shift - 1u);
-  if (rem > half || (rem == half && (q & 1u))) ++q;  // may reach 0x400: the smallest normal, as it should
-  return sign | static_cast<uint16_t>(q);
-}
-
-inline float f16_to_f32_scalar(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t e = (h >> 10) & 0x1fu;
-  uint32_t m = h & 0x3ffu;
-  if (e == 0x1f) return bits_f32(sign | 0x7f800000u | (m ? (0x400000u | (m << 13)) : 0u));  // inf / quiet NaN
-  if (e != 0) return bits_f32(sign | ((e + 112u) << 23) | (m << 13));
-  if (m == 0) return bits_f32(sign);
-  // Subnormal half: normalize (exact in fp32).
-  uint32_t exp = 113u;
-  while (!(m & 0x400u)) {
-    m <<= 1;
-    --exp;
-  }
-  return bits_f32(sign | (exp << 23) | ((m & 0x3ffu) << 13));
-}
+// The per-element conversions live in common/bf16.h and common/fp16.h (shared with the AdamW kernel).
 
 void f32_to_bf16_ref(const float* s, uint16_t* d, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16_scalar(s[i]);
+  for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16_bits(s[i]);
 }
 void bf16_to_f32_ref(const uint16_t* s, float* d, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) d[i] = bf16_to_f32_scalar(s[i]);
+  for (int64_t i = 0; i < n; ++i) d[i] = bf16_bits_to_f32(s[i]);
 }
 void f32_to_f16_ref(const float* s, uint16_t* d, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) d[i] = f32_to_f16_scalar(s[i]);
+  for (int64_t i = 0; i < n; ++i) d[i] = f32_to_f16_bits(s[i]);
 }
 void f16_to_f32_ref(const uint16_t* s, float* d, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) d[i] = f16_to_f32_scalar(s[i]);
+  for (int64_t i = 0; i < n; ++i) d[i] = f16_bits_to_f32(s[i]);
 }
 
 #if defined(__x86_64__)
@@ -135,7 +77,7 @@ __attribute__((target("avx2"))) inline __m256i bf16_round_avx2(__m256 x) {
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
   const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0xffff), _mm256_castps_si256(nan));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(kBf16NaN), _mm256_castps_si256(nan));
 }
 
 template <bool NT>
@@ -214,7 +156,7 @@ __attribute__((target("avx512f,avx512bw"))) inline void st512(void* p, __m512i v
 
 template <bool NT>
 __attribute__((target("avx512f,avx512bw"))) void f32_to_bf16_avx512(const float* s, uint16_t* d, int64_t n) {
-  const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), nanv = _mm512_set1_epi32(0xffff);
+  const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), nanv = _mm512_set1_epi32(kBf16NaN);
   int64_t i = NT ? head_until_aligned(s, d, n, 32, f32_to_bf16_ref) : 0;
   for (; i + 16 <= n; i += 16) {
     const __m512 x = _mm512_loadu_ps(s + i);
