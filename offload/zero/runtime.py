@@ -62,6 +62,11 @@ def _apply_to_buffers_only(module: nn.Module, fn, recurse: bool = True):
     return module
 
 
+def _zero_grad_wrapped(module: nn.Module, set_to_none: bool = True) -> None:
+    """Module.zero_grad for a wrapped model: clears the runtime's gradients of this module's parameters."""
+    module._offload_runtime_ref.zero_grad_params(module.parameters(), set_to_none)
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set: VmHWM (per address space, so it does not inherit the parent's peak
     across fork+exec as ru_maxrss can), else ru_maxrss."""
@@ -309,6 +314,9 @@ class Runtime:
                 model.get_submodule(mod_name)._buffers[attr] = buf.to(self.device, dtype)
         for m in model.modules():  # model.to()/.cuda()/.float() must not touch the runtime's placeholders
             m._apply = types.MethodType(_apply_to_buffers_only, m)
+            # the gradients live in the runtime's shards, not in the placeholders' .grad
+            m.zero_grad = types.MethodType(_zero_grad_wrapped, m)
+            m._offload_runtime_ref = self
         model._offload_runtime = self
         self.models.append(model)
         return model
@@ -442,10 +450,24 @@ class Runtime:
         self.grad_scale = float(coef)
         return total
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every unit's gradient (set_to_none=False: keep zero gradients, as torch)."""
         for unit in self.units:
-            unit.zero_grad()
+            unit.zero_grad(None, set_to_none)
         self.grad_scale = 1.0
+
+    def zero_grad_params(self, params, set_to_none: bool = True) -> None:
+        """Clear the gradients of `params` only (placeholders, or a gathered unit's views): what
+        `module.zero_grad()` and `opt.zero_grad()` do for the parameters they hold."""
+        by_unit: dict[int, tuple] = {}
+        for p in params:
+            p = getattr(p, "_offload_placeholder", p)
+            unit = getattr(p, "_offload_unit", None)
+            if unit is None or unit.rt is not self:
+                continue
+            by_unit.setdefault(id(unit), (unit, set()))[1].add(p._offload_slot)
+        for unit, slots in by_unit.values():
+            unit.zero_grad(slots, set_to_none)
 
     def sync_used(self) -> None:
         """OR the per-parameter 'received a gradient' flags over ranks (params with none are not stepped)."""

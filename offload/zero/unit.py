@@ -173,10 +173,33 @@ class ShardedUnit:
             g, self.local_grad = self.local_grad, None
             self.reduce(g)
 
-    def zero_grad(self) -> None:
-        self.has_grad = False  # the grad shard stays registered; the next reduce overwrites it
-        self.local_grad = None
-        self.used.zero_()
+    def zero_grad(self, slots=None, set_to_none: bool = True) -> None:
+        """Clear the gradients of `slots` (slot indices; None: all). set_to_none (torch's default) makes them
+        "no gradient": not stepped until a backward reaches them again. set_to_none=False keeps them as zero
+        gradients, which torch.optim.AdamW still steps (decay and moment updates)."""
+        if slots is None or len(set(slots)) == len(self.layout.slots):
+            if set_to_none:
+                self.has_grad = False  # the grad shard stays registered; the next reduce overwrites it
+                self.local_grad = None
+                self.used.zero_()
+                return
+            slots = range(len(self.layout.slots))
+        slots = set(slots)
+        if self.local_grad is not None:
+            for s in slots:
+                slot = self.layout.slots[s]
+                self.local_grad[slot.offset:slot.offset + slot.numel].zero_()
+        if self.has_grad:  # other slots keep their gradient: zero these ranges of the stored shard
+            name = f"{self.key}.grad"
+            g = self.rt.storage.acquire(name)
+            for piece in self.layout.pieces(self.rt.rank):
+                if piece.slot in slots:
+                    g[piece.lo:piece.hi].zero_()
+            self.rt.storage.release(name, g, dirty=True)
+            del g
+        if set_to_none:
+            for s in slots:
+                self.used[s] = False
 
     def describe(self) -> str:
         return f"{self.label}: {self.layout.numel} params, {format_size(self.nbytes_full)} gathered"
