@@ -78,3 +78,30 @@ def test_submodule_zero_grad_clears_only_its_parameters():
                 m.frozen.zero_grad()
         got = rt.full_state_dict()
     assert _worst(got, ref) < 1e-5
+
+
+def test_two_optimizers_share_the_clip_and_zero_only_their_own_grads():
+    torch.manual_seed(0)
+    base = TinyTransformer()
+
+    def split(m):
+        emb = [m.emb.weight]
+        return emb, [p for n, p in m.named_parameters() if p.requires_grad and n != "emb.weight"]
+
+    ref = copy.deepcopy(base)
+    emb, rest = split(ref)
+    r1, r2 = torch.optim.AdamW(emb, lr=1e-2), torch.optim.AdamW(rest, lr=1e-2)
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(copy.deepcopy(base))
+        memb, mrest = split(model)
+        o1, o2 = offload.AdamW(memb, lr=1e-2), offload.AdamW(mrest, lr=1e-2)
+        for s in range(4):
+            compute_loss(ref, _ids(s), "tiny").backward()
+            torch.nn.utils.clip_grad_norm_(emb + rest, 0.1)
+            compute_loss(model, _ids(s), "tiny").backward()
+            rt.clip_grad_norm_(0.1)
+            # o1 zeroes before o2 steps: o2 must still see its own (clipped) gradients
+            r1.step(), r1.zero_grad(), r2.step(), r2.zero_grad()
+            o1.step(), o1.zero_grad(), o2.step(), o2.zero_grad()
+        got = rt.full_state_dict()
+    assert _worst(got, ref) < 1e-5

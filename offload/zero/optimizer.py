@@ -149,11 +149,13 @@ class ShardedAdamW(AdamW):
             del master, exp_avg, exp_avg_sq, grad, param
             if unit.state is UnitState.UNSHARDED:
                 unit.stale = True  # persistent units re-gather before their next use
-        rt.grad_scale = 1.0
+        # rt.grad_scale stays: another optimizer over other parameters may step after this one with the same
+        # clipping coefficient; the next backward (or rt.zero_grad) resets it.
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
-        self.rt.zero_grad()
+        """Clear the gradients of this optimizer's parameters only (another optimizer's stay)."""
+        self.rt.zero_grad_params([p for g in self.param_groups for p in g["params"]], set_to_none)
 
     # ---- state dict (this rank's shard) -----------------------------------------------------
     def state_dict(self):

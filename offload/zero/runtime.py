@@ -114,7 +114,7 @@ class Runtime:
         self.traffic = {"allgather": 0, "reduce_scatter": 0}
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
-        self.grad_scale = 1.0  # set by clip_grad_norm_, consumed by the optimizer step
+        self.grad_scale = 1.0  # set by clip_grad_norm_, used by every optimizer's step, reset by the next backward
         self.compute_dtype = config.torch_compute_dtype
         self.params_tier = config.params
         self.optimizer_tier = config.optimizer
@@ -397,6 +397,7 @@ class Runtime:
     def _on_backward_start(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
+            self.grad_scale = 1.0  # a new backward pass: the last clip coefficient was for the last step
             # runs when the whole backward pass has finished: free what no post-backward freed
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 

@@ -177,7 +177,8 @@ class ShardedUnit:
         """Clear the gradients of `slots` (slot indices; None: all). set_to_none (torch's default) makes them
         "no gradient": not stepped until a backward reaches them again. set_to_none=False keeps them as zero
         gradients, which torch.optim.AdamW still steps (decay and moment updates)."""
-        if slots is None or len(set(slots)) == len(self.layout.slots):
+        frozen = {s.index for s in self.layout.slots if not s.requires_grad}  # never have a gradient
+        if slots is None or len(set(slots) | frozen) == len(self.layout.slots):
             if set_to_none:
                 self.has_grad = False  # the grad shard stays registered; the next reduce overwrites it
                 self.local_grad = None
