@@ -105,3 +105,42 @@ def test_two_optimizers_share_the_clip_and_zero_only_their_own_grads():
             o1.step(), o1.zero_grad(), o2.step(), o2.zero_grad()
         got = rt.full_state_dict()
     assert _worst(got, ref) < 1e-5
+
+
+class _Blk(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, use_b):
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+class _TwoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Blk(), _Blk()])
+
+    def forward(self, x, use_b):
+        for layer in self.layers:
+            x = layer(x, use_b)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("zero", ["optimizer", "model"])
+def test_zero_grad_set_to_none_false_keeps_zero_grads_that_are_stepped(zero):
+    """torch keeps a zero .grad, so AdamW still decays and moves a parameter unused in this step."""
+    torch.manual_seed(0)
+    base, xs = _TwoBlocks(), torch.randn(6, 4, 8)
+    ref = copy.deepcopy(base)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(copy.deepcopy(base))
+        opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for m, o in ((ref, ropt), (model, opt)):
+            for s in range(6):
+                m(xs[s], s % 2 == 0).backward()  # .b is used on even steps only
+                o.step()
+                (o if zero == "optimizer" else m).zero_grad(set_to_none=False)
+        got = rt.full_state_dict()
+    assert _worst(got, ref) < 1e-5
