@@ -144,3 +144,22 @@ def test_zero_grad_set_to_none_false_keeps_zero_grads_that_are_stepped(zero):
                 (o if zero == "optimizer" else m).zero_grad(set_to_none=False)
         got = rt.full_state_dict()
     assert _worst(got, ref) < 1e-5
+
+
+def test_swap_dir_is_private_fresh_and_removed_on_error(tmp_path):
+    os.umask(0o022)
+    planted = tmp_path / f"offload-{os.getpid()}-rank0"  # the name a predictable scheme would use
+    planted.symlink_to(tmp_path)
+    with pytest.raises(KeyError):
+        with offload.init(_cfg(params="nvme", optimizer="nvme", nvme_path=str(tmp_path))) as rt:
+            model = rt.wrap(TinyTransformer())
+            opt = offload.AdamW(model.parameters())
+            compute_loss(model, _ids(0), "tiny").backward()
+            opt.step()
+            run_dirs = [e for e in os.scandir(tmp_path) if e.name != planted.name]
+            assert len(run_dirs) == 1 and not run_dirs[0].is_symlink()
+            assert os.stat(run_dirs[0].path).st_mode & 0o777 == 0o700
+            assert any(os.scandir(run_dirs[0].path))  # the swap files are in there
+            assert not [e for e in os.scandir(tmp_path) if e.is_file()]  # nothing written through the link
+            raise KeyError("user error inside the block")
+    assert sorted(os.listdir(tmp_path)) == [planted.name]  # the run directory is gone

@@ -25,7 +25,9 @@ import contextlib
 import math
 import os
 import resource
+import shutil
 import sys
+import tempfile
 import types
 from pathlib import Path
 
@@ -154,9 +156,16 @@ class Runtime:
             check_nvme_path(cfg.nvme_path, need, "nvme_budget")
             if need is not None:
                 self.budgets["nvme"] = need
-            run_dir = Path(cfg.nvme_path) / f"offload-{os.getpid()}-rank{self.group.rank}"
-            run_dir.mkdir(parents=True, exist_ok=True)
-        self.storage = ShardStorage(self.device, self.budgets, run_dir, self.group.rank)
+            # A fresh directory of our own: unpredictable name, created atomically with mode 0700 (never a
+            # planted directory or symlink); removed when the block exits (ShardStorage.close).
+            run_dir = Path(tempfile.mkdtemp(prefix=f"offload-{os.getpid()}-rank{self.group.rank}-",
+                                            dir=cfg.nvme_path))
+        try:
+            self.storage = ShardStorage(self.device, self.budgets, run_dir, self.group.rank)
+        except BaseException:
+            if run_dir is not None:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
         # the store resolved "auto" budgets (and rounded to pages): plan against what it enforces
         self.budgets = {t: self.storage.capacity(t) for t in ("device", "cpu")} | {"nvme": self.budgets["nvme"]}
         _pin_mmap_threshold()
