@@ -163,3 +163,48 @@ def test_swap_dir_is_private_fresh_and_removed_on_error(tmp_path):
             assert not [e for e in os.scandir(tmp_path) if e.is_file()]  # nothing written through the link
             raise KeyError("user error inside the block")
     assert sorted(os.listdir(tmp_path)) == [planted.name]  # the run directory is gone
+
+
+@pytest.mark.parametrize("dtype,persist", [("fp32", "0"), ("bf16", "0"), ("fp32", "1MiB")])
+def test_state_dict_and_load_state_dict_round_trip_real_values(tmp_path, dtype, persist):
+    torch.manual_seed(0)
+    base, other = TinyTransformer(), TinyTransformer()
+    ref = copy.deepcopy(base)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    compute_loss(ref, _ids(0), "tiny").backward()
+    ropt.step()
+    with offload.init(_cfg(compute_dtype=dtype, persist_threshold=persist)) as rt:
+        model = rt.wrap(copy.deepcopy(base))
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        compute_loss(model, _ids(0), "tiny").backward()
+        opt.step()
+        sd = model.state_dict()
+        want = ref.state_dict()
+        assert list(sd) == list(want)  # torch's keys and order (tied head.weight included)
+        full = rt.full_state_dict(model)
+        for k, v in want.items():
+            assert sd[k].device.type == "cpu" and torch.equal(sd[k], full[k]), k
+            if dtype == "fp32":  # bf16 compute trains differently from the fp32 reference
+                assert (sd[k] - v).norm() <= 1e-5 * v.norm() + 1e-6, k
+        sub = model.layers[1].state_dict()
+        assert list(sub) == list(ref.layers[1].state_dict())
+        assert torch.equal(sub["mlp.0.weight"], sd["layers.1.mlp.0.weight"])
+        torch.save(sd, tmp_path / "m.pt")
+        # load another model's weights: forward then matches that model exactly (fp32)
+        result = model.load_state_dict(other.state_dict())
+        assert result.missing_keys == [] and result.unexpected_keys == []
+        got = rt.full_state_dict(model)
+        for k, v in other.state_dict().items():  # floating buffers are kept in the compute dtype
+            assert torch.equal(got[k], v.to(got[k].dtype)), k
+        with torch.no_grad():
+            out, want_out = model(_ids(5)), other(_ids(5))
+        tol = 1e-5 if dtype == "fp32" else 5e-2
+        assert (out.float() - want_out).norm() <= tol * want_out.norm()
+        # and back from the file torch.save wrote (real data, not meta)
+        model.load_state_dict(torch.load(tmp_path / "m.pt"))
+        assert torch.equal(rt.full_state_dict(model)["emb.weight"], sd["emb.weight"])
+        bad = dict(sd)
+        del bad["ln_f.weight"]
+        with pytest.raises(RuntimeError, match="missing keys.*ln_f.weight"):
+            model.load_state_dict(bad)
+        assert model.load_state_dict(bad, strict=False).missing_keys == ["ln_f.weight"]

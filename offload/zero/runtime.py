@@ -40,6 +40,7 @@ from . import comm, hooks
 from .layout import FlatLayout
 from .materialize import ConstructionCapture, is_meta_model, materialize_unit
 from .state import UnitState
+from .state_dict import wrapped_load_state_dict, wrapped_state_dict
 from .storage import ShardStorage, check_nvme_path
 from .unit import ShardedUnit
 from .units import discover_units
@@ -326,6 +327,9 @@ class Runtime:
             # the gradients live in the runtime's shards, not in the placeholders' .grad
             m.zero_grad = types.MethodType(_zero_grad_wrapped, m)
             m._offload_runtime_ref = self
+            # state dicts carry real values (gathered / scattered), not the meta placeholders
+            m.state_dict = types.MethodType(wrapped_state_dict, m)
+            m.load_state_dict = types.MethodType(wrapped_load_state_dict, m)
         model._offload_runtime = self
         self.models.append(model)
         return model
