@@ -208,3 +208,27 @@ def test_state_dict_and_load_state_dict_round_trip_real_values(tmp_path, dtype, 
         with pytest.raises(RuntimeError, match="missing keys.*ln_f.weight"):
             model.load_state_dict(bad)
         assert model.load_state_dict(bad, strict=False).missing_keys == ["ln_f.weight"]
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_state_dict_into_model_built_in_block_keeps_pretrained(assign):
+    torch.manual_seed(123)
+    pre = TinyTransformer()
+    sd = pre.state_dict()
+    with offload.init(_cfg()) as rt:
+        model = TinyTransformer()  # meta placeholders until first use
+        result = model.load_state_dict(sd, assign=assign)
+        assert result.missing_keys == [] and result.unexpected_keys == []
+        with torch.no_grad():
+            out = model(_ids(3))
+        got = rt.full_state_dict(model)
+        for k, v in sd.items():
+            assert torch.equal(got[k], v), k
+        with torch.no_grad():
+            assert torch.allclose(out, pre(_ids(3)), rtol=1e-5, atol=1e-6)
+        # a submodule of a fresh in-block model: the whole model is sharded, that block loaded
+        again = TinyTransformer()
+        again.layers[1].load_state_dict(pre.layers[1].state_dict())
+        got = rt.full_state_dict(again)
+        assert torch.equal(got["layers.1.mlp.0.weight"], sd["layers.1.mlp.0.weight"])
+    assert nn.Module.load_state_dict.__qualname__ == "Module.load_state_dict"  # patch removed on exit

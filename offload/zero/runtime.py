@@ -171,7 +171,8 @@ class Runtime:
         self.budgets = {t: self.storage.capacity(t) for t in ("device", "cpu")} | {"nvme": self.budgets["nvme"]}
         _pin_mmap_threshold()
         # a module was built: the next forward may need to materialize it
-        self._capture = ConstructionCapture(on_module=self._note_module).__enter__()
+        self._capture = ConstructionCapture(on_module=self._note_module,
+                                            on_load=lambda m: self.materialize_pending()).__enter__()
         self._hooks.append(nn.modules.module.register_module_forward_pre_hook(self._auto_wrap))
         self.is_open = True
         _ACTIVE.append(self)
