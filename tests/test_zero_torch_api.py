@@ -232,3 +232,23 @@ def test_load_state_dict_into_model_built_in_block_keeps_pretrained(assign):
         got = rt.full_state_dict(again)
         assert torch.equal(got["layers.1.mlp.0.weight"], sd["layers.1.mlp.0.weight"])
     assert nn.Module.load_state_dict.__qualname__ == "Module.load_state_dict"  # patch removed on exit
+
+
+@pytest.mark.parametrize("change", ["freeze", "unfreeze", "unfreeze_persistent"])
+def test_changing_requires_grad_after_wrap_raises_naming_the_parameter(change):
+    torch.manual_seed(0)
+    persist = "1MiB" if change == "unfreeze_persistent" else "0"
+    with offload.init(_cfg(persist_threshold=persist)) as rt:
+        model = rt.wrap(TinyTransformer())
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        compute_loss(model, _ids(0), "tiny").backward()
+        if change == "freeze":
+            model.layers[0].mlp[0].weight.requires_grad_(False)
+            name = "layers.0.mlp.0.weight"
+        else:  # persistent: the module holds the gathered (detached, leaf) view of the frozen weight
+            model.frozen.weight.requires_grad_(True)
+            name = "frozen.weight"
+        with pytest.raises(RuntimeError, match=f"{name}.*requires_grad"):
+            opt.step()
+        with pytest.raises(RuntimeError, match=f"{name}.*requires_grad"):
+            compute_loss(model, _ids(1), "tiny")

@@ -117,6 +117,8 @@ class ShardedAdamW(AdamW):
         fp32 = rt.compute_dtype == torch.float32
         storage = rt.storage
         stepped_params = set()
+        for unit, _ in self._unit_plan():
+            unit.check_requires_grad()  # before any unit is stepped: all or nothing
         for unit, entries in self._unit_plan():
             live = [(pc, g, p) for pc, g, p in entries if unit.has_grad and bool(unit.used[pc.slot])]
             if not live:

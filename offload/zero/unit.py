@@ -80,9 +80,22 @@ class ShardedUnit:
                 "with rt.full_state_dict() first."
             )
 
+    def check_requires_grad(self) -> None:
+        """requires_grad is fixed when the unit is built (its flat buffer, views and gradient hooks follow it):
+        a later change would be ignored silently, so it is refused, naming the parameter."""
+        for slot, p, v in zip(self.layout.slots, self.placeholders, self.views):
+            if p.requires_grad != slot.requires_grad or v.requires_grad != slot.requires_grad:
+                raise RuntimeError(
+                    f"offload: parameter {slot.fqn!r} ({self.label}) had requires_grad={slot.requires_grad} when "
+                    f"the model was sharded and was changed to {not slot.requires_grad} afterwards, which the "
+                    "runtime cannot follow. Set requires_grad before rt.wrap(model) (for a model built inside "
+                    "offload.init: before its first forward or offload.AdamW), or rebuild the model."
+                )
+
     def unshard(self) -> None:
         """Gather every rank's shard into the full flat parameter on the compute device; modules see views."""
         self.check_alive()
+        self.check_requires_grad()
         if self.state is UnitState.UNSHARDED and not self.stale:
             return
         if self.state is UnitState.SHARDED:
