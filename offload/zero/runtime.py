@@ -415,6 +415,17 @@ class Runtime:
             # runs when the whole backward pass has finished: free what no post-backward freed
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
+    def _on_forward_outside_backward(self) -> None:
+        """A forward outside backward while the end-of-backward callback is still marked queued: the last
+        backward raised before its callback ran. Clear the mark (else no later backward queues one, and
+        gathered units would leak into every step) and free what that backward left gathered."""
+        if not self._callback_queued:
+            return
+        self._callback_queued = False
+        for unit in self.units:
+            if unit.state is UnitState.UNSHARDED:
+                unit.reshard()
+
     def _on_backward_end(self) -> None:
         self._callback_queued = False
         for unit in self.units:
