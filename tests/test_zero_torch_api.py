@@ -286,3 +286,15 @@ def test_backward_that_raises_does_not_break_later_steps():
                 o.zero_grad()
         got = rt.full_state_dict()
     assert _worst(got, ref) < 1e-5
+
+
+def test_params_on_device_counts_gathered_units_against_device_budget():
+    model = TinyTransformer(d=64, layers=4)  # big enough that the store's page rounding is small
+    with offload.init(_cfg(params="device")) as rt:
+        rt.wrap(copy.deepcopy(model))
+        shards = rt.storage.nbytes_in("device")
+        bound = rt.gathered_bound()
+    budget = shards + bound // 2  # the shards fit, shards + gathered units do not
+    with offload.init(_cfg(params="device", device_budget=budget)) as rt:
+        with pytest.raises(MemoryError, match=rf"device_budget.*gathering units needs up to .*\({bound} bytes\)"):
+            rt.wrap(model)

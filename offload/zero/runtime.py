@@ -355,8 +355,9 @@ class Runtime:
         # exp_avg_sq, grad, and the bf16 param shard; nvme-homed ones are staged in the cpu arena
         staging = max((l.shard_numel for l in layouts), default=0) * (16 + (width if width != 4 else 0))
         cpu_free = self.budgets["cpu"] - self.storage.nbytes_in("cpu")
+        gathered = self._gathered_estimate(specs, layouts)
         if self.params_tier == "auto":
-            if param_bytes + 2 * biggest <= self.budgets["device"] - self.storage.nbytes_in("device"):
+            if param_bytes + max(2 * biggest, gathered) <= self.budgets["device"] - self.storage.nbytes_in("device"):
                 self.params_tier = "device"
             elif param_bytes + staging <= cpu_free:
                 self.params_tier = "cpu"
@@ -384,9 +385,19 @@ class Runtime:
                     f"({self.budgets['nvme']} bytes)"
                 )
             check_nvme_path(self.config.nvme_path, nvme_need, "the model's nvme-homed states")
-        for tier, need in (("device", param_bytes if self.params_tier == "device" else 0),
-                           ("cpu", (param_bytes if self.params_tier == "cpu" else 0)
-                            + (opt_bytes if self.optimizer_tier == "cpu" else 0))):
+        if self.params_tier == "device":
+            # device-homed shards and the gathered units share the device: both must fit device_budget
+            have = self.budgets["device"] - self.storage.nbytes_in("device")
+            if param_bytes + gathered > have:
+                raise MemoryError(
+                    f"offload.Config.device_budget: params='device' keeps {format_size(param_bytes)} "
+                    f"({param_bytes} bytes) of parameter shards on the device and gathering units needs up to "
+                    f"{format_size(gathered)} ({gathered} bytes) more (root + persistent units + the largest "
+                    f"unit), but only {format_size(have)} ({have} bytes) of device_budget is left; raise "
+                    "device_budget or set params='cpu' / 'nvme'"
+                )
+        for tier, need in (("cpu", (param_bytes if self.params_tier == "cpu" else 0)
+                            + (opt_bytes if self.optimizer_tier == "cpu" else 0)),):
             have = self.budgets[tier] - self.storage.nbytes_in(tier)
             if need > have:
                 raise MemoryError(
@@ -394,6 +405,25 @@ class Runtime:
                     f"({need} bytes) per rank but only {format_size(have)} of {tier}_budget is left; raise "
                     f"{tier}_budget or set params=/optimizer= to a lower tier ('cpu', 'nvme')"
                 )
+
+    def _gathered_estimate(self, specs, layouts) -> int:
+        """gathered_bound() once these units join the existing ones: roots + persistent units + the largest
+        other unit."""
+        persist = parse_size(self.config.persist_threshold, "persist_threshold")
+        width = self.compute_dtype.itemsize
+        fixed, largest = 0, 0
+        for u in self.units:
+            if u.name == "" or u.module in self.models or u.persistent:
+                fixed += u.nbytes_full
+            else:
+                largest = max(largest, u.nbytes_full)
+        for spec, layout in zip(specs, layouts):
+            full = layout.padded_numel * width
+            if spec.name == "" or full <= persist:
+                fixed += full
+            else:
+                largest = max(largest, full)
+        return fixed + largest
 
     def _nvme_or_fail(self, what: str, nbytes: int) -> str:
         if not self.config.nvme_path:
