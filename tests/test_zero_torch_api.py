@@ -12,7 +12,7 @@ import torch.nn as nn
 import offload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import SEQ, VOCAB, TinyTransformer, compute_loss  # noqa: E402
+from zero_common import DIM, SEQ, VOCAB, TinyTransformer, compute_loss  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -298,3 +298,17 @@ def test_params_on_device_counts_gathered_units_against_device_budget():
     with offload.init(_cfg(params="device", device_budget=budget)) as rt:
         with pytest.raises(MemoryError, match=rf"device_budget.*gathering units needs up to .*\({bound} bytes\)"):
             rt.wrap(model)
+
+
+def test_state_dict_of_unused_in_block_model_is_real_and_meta_values_are_refused():
+    with offload.init(_cfg()) as rt:
+        source = TinyTransformer()  # built in the block, never used: placeholders until now
+        sd = source.state_dict()
+        assert all(v.device.type == "cpu" for v in sd.values())
+        assert torch.equal(sd["emb.weight"], rt.full_state_dict(source)["emb.weight"])
+        target = rt.wrap(TinyTransformer())
+        target.load_state_dict(sd)
+        assert torch.equal(rt.full_state_dict(target)["layers.1.mlp.0.weight"], sd["layers.1.mlp.0.weight"])
+        meta_sd = {"weight": torch.empty(DIM, DIM, device="meta"), "bias": torch.empty(DIM, device="meta")}
+        with pytest.raises(RuntimeError, match="weight is a meta tensor"):
+            target.frozen.load_state_dict(meta_sd)

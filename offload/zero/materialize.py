@@ -19,7 +19,8 @@ assignment (the tie) keeps the first module's tensor. The values therefore diffe
 with the same global seed; `rt.wrap(model)` keeps an existing model's values exactly.
 
 `model.load_state_dict(sd)` (also with assign=True) on a model built in the block and not yet used shards
-it first (materializing as above) and then loads `sd` into the shards, so pretrained weights are kept.
+it first (materializing as above) and then loads `sd` into the shards, so pretrained weights are kept;
+`model.state_dict()` on such a model likewise shards it first and returns real values.
 Writing into a meta placeholder directly (`p.copy_(x)`, `p.data = x`) is not seen: use load_state_dict.
 """
 from __future__ import annotations
@@ -43,6 +44,7 @@ class ConstructionCapture:
         self._orig_register = None
         self._orig_init = None
         self._orig_load = None
+        self._orig_state_dict = None
 
     def __enter__(self):
         capture = self
@@ -77,9 +79,21 @@ class ConstructionCapture:
                     return module.load_state_dict(state_dict, strict=strict, assign=assign)
             return orig_load(module, state_dict, strict=strict, assign=assign)
 
+        orig_state_dict = nn.Module.state_dict
+        self._orig_state_dict = orig_state_dict
+
+        def state_dict(module, *args, **kwargs):
+            # the same for reading: a model built in the block and not used yet has only placeholders
+            if capture.on_load is not None and is_meta_model(module):
+                capture.on_load(module)
+                if getattr(module, "_offload_runtime_ref", None) is not None:
+                    return module.state_dict(*args, **kwargs)
+            return orig_state_dict(module, *args, **kwargs)
+
         nn.Module.register_parameter = register_parameter
         nn.Module.__init__ = module_init
         nn.Module.load_state_dict = load_state_dict
+        nn.Module.state_dict = state_dict
         return self
 
     def __exit__(self, *exc):
@@ -91,7 +105,8 @@ class ConstructionCapture:
             nn.Module.register_parameter = self._orig_register
             nn.Module.__init__ = self._orig_init
             nn.Module.load_state_dict = self._orig_load
-            self._orig_register = self._orig_init = self._orig_load = None
+            nn.Module.state_dict = self._orig_state_dict
+            self._orig_register = self._orig_init = self._orig_load = self._orig_state_dict = None
 
     @contextlib.contextmanager
     def paused(self):
@@ -99,13 +114,15 @@ class ConstructionCapture:
         if self._orig_register is None:
             yield
             return
-        patched = (nn.Module.register_parameter, nn.Module.__init__, nn.Module.load_state_dict)
+        patched = (nn.Module.register_parameter, nn.Module.__init__, nn.Module.load_state_dict,
+                   nn.Module.state_dict)
         nn.Module.register_parameter, nn.Module.__init__ = self._orig_register, self._orig_init
-        nn.Module.load_state_dict = self._orig_load
+        nn.Module.load_state_dict, nn.Module.state_dict = self._orig_load, self._orig_state_dict
         try:
             yield
         finally:
-            nn.Module.register_parameter, nn.Module.__init__, nn.Module.load_state_dict = patched
+            (nn.Module.register_parameter, nn.Module.__init__, nn.Module.load_state_dict,
+             nn.Module.state_dict) = patched
 
     def roots_holding(self, params) -> list[nn.Module]:
         """Outermost recorded modules that hold any of `params` (meta parameters built in the block)."""

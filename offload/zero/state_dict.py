@@ -104,7 +104,10 @@ def wrapped_load_state_dict(module: nn.Module, state_dict, strict: bool = True, 
     if strict and (missing or unexpected):
         errors.append(f"missing keys {missing}, unexpected keys {unexpected}")
     for key, v in raw.items():
-        if key in state_dict and tuple(state_dict[key].shape) != tuple(v.shape):
+        if key in state_dict and state_dict[key].device.type == "meta":
+            errors.append(f"{key} is a meta tensor (no data): take the state dict from a real model, or from a "
+                          "wrapped one (its state_dict() gathers real values)")
+        elif key in state_dict and tuple(state_dict[key].shape) != tuple(v.shape):
             errors.append(f"size mismatch for {key}: checkpoint {tuple(state_dict[key].shape)}, "
                           f"model {tuple(v.shape)}")
     if errors:
