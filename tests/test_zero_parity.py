@@ -93,3 +93,9 @@ def test_inblock_construction_same_values_on_every_rank(world2_results):
     r = world2_results["inblock"]
     assert "error" not in r, r.get("error")
     assert r["tensors"] >= 20 and r["max_abs_diff"] == 0.0, r
+
+
+def test_state_dict_round_trip_on_every_rank(world2_results):
+    r = world2_results["state_dict"]
+    assert "error" not in r, r.get("error")
+    assert r["shapes_ok"] and r["tensors"] >= 20 and r["max_abs_diff"] == 0.0, r

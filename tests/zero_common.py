@@ -319,3 +319,22 @@ def inblock_values_check(seed: int = 5) -> dict:
         got = rt.full_state_dict(model)
     worst = max((got[k] - v).abs().max().item() for k, v in expected.items())
     return {"case": "inblock", "max_abs_diff": worst, "tensors": len(expected)}
+
+
+def state_dict_check(seed: int = 11) -> dict:
+    """model.load_state_dict into a model built inside offload.init, then model.state_dict(), on every rank
+    (both are collectives): the values must come back exactly, and a rank's state_dict must hold the full
+    tensors, not its shard."""
+    import offload
+
+    torch.manual_seed(seed)
+    pre = TinyTransformer()
+    want = pre.state_dict()
+    with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="64MiB",
+                                     device_budget="64MiB")) as rt:
+        model = TinyTransformer()
+        model.load_state_dict(want)
+        got = model.state_dict()
+        shapes_ok = all(got[k].shape == v.shape for k, v in want.items()) and list(got) == list(want)
+        worst = max((got[k] - v).abs().max().item() for k, v in want.items())
+    return {"case": "state_dict", "max_abs_diff": worst, "shapes_ok": shapes_ok, "tensors": len(want)}

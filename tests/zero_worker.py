@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch.distributed as dist  # noqa: E402
 
-from zero_common import Case, inblock_values_check, run_case  # noqa: E402
+from zero_common import Case, inblock_values_check, run_case, state_dict_check  # noqa: E402
 
 
 def main() -> int:
@@ -28,10 +28,11 @@ def main() -> int:
             results.append(run_case(case, nvme_dir))
         except Exception:  # noqa: BLE001 - reported to the test with the traceback
             results.append({"case": case.name, "error": traceback.format_exc()})
-    try:
-        results.append(inblock_values_check())
-    except Exception:  # noqa: BLE001
-        results.append({"case": "inblock", "error": traceback.format_exc()})
+    for check, name in ((inblock_values_check, "inblock"), (state_dict_check, "state_dict")):
+        try:
+            results.append(check())
+        except Exception:  # noqa: BLE001
+            results.append({"case": name, "error": traceback.format_exc()})
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

@@ -53,6 +53,7 @@ def install(unit: ShardedUnit) -> list:
         if in_backward():
             unit.unshard()
             return None
+        rt._on_forward_outside_backward()
         unit.unshard()
         if not torch.is_grad_enabled():
             return None

@@ -17,6 +17,11 @@ under `torch.manual_seed(config.seed + unit index)` in a forked RNG: every rank 
 modules is initialized by the first module that holds it, as in eager construction where the last
 assignment (the tie) keeps the first module's tensor. The values therefore differ from an eager build
 with the same global seed; `rt.wrap(model)` keeps an existing model's values exactly.
+
+`model.load_state_dict(sd)` (also with assign=True) on a model built in the block and not yet used shards
+it first (materializing as above) and then loads `sd` into the shards, so pretrained weights are kept;
+`model.state_dict()` on such a model likewise shards it first and returns real values.
+Writing into a meta placeholder directly (`p.copy_(x)`, `p.data = x`) is not seen: use load_state_dict.
 """
 from __future__ import annotations
 
@@ -32,11 +37,14 @@ _STAGED_ATTR = "_offload_initial_value"
 class ConstructionCapture:
     """Context that turns parameter registration into meta placeholders and records created modules."""
 
-    def __init__(self, on_module=None):
+    def __init__(self, on_module=None, on_load=None):
         self.modules: list[weakref.ref] = []
         self.on_module = on_module  # called after each module is built
+        self.on_load = on_load  # called with a still-meta module before load_state_dict fills it
         self._orig_register = None
         self._orig_init = None
+        self._orig_load = None
+        self._orig_state_dict = None
 
     def __enter__(self):
         capture = self
@@ -59,8 +67,33 @@ class ConstructionCapture:
             if capture.on_module is not None:
                 capture.on_module()
 
+        orig_load = nn.Module.load_state_dict
+        self._orig_load = orig_load
+
+        def load_state_dict(module, state_dict, strict=True, assign=False):
+            # Loading into meta placeholders would silently keep nothing (copy_ into meta is a no-op, and the
+            # first use would re-initialize): shard the model first, then load through the runtime.
+            if capture.on_load is not None and is_meta_model(module):
+                capture.on_load(module)
+                if getattr(module, "_offload_runtime_ref", None) is not None:
+                    return module.load_state_dict(state_dict, strict=strict, assign=assign)
+            return orig_load(module, state_dict, strict=strict, assign=assign)
+
+        orig_state_dict = nn.Module.state_dict
+        self._orig_state_dict = orig_state_dict
+
+        def state_dict(module, *args, **kwargs):
+            # the same for reading: a model built in the block and not used yet has only placeholders
+            if capture.on_load is not None and is_meta_model(module):
+                capture.on_load(module)
+                if getattr(module, "_offload_runtime_ref", None) is not None:
+                    return module.state_dict(*args, **kwargs)
+            return orig_state_dict(module, *args, **kwargs)
+
         nn.Module.register_parameter = register_parameter
         nn.Module.__init__ = module_init
+        nn.Module.load_state_dict = load_state_dict
+        nn.Module.state_dict = state_dict
         return self
 
     def __exit__(self, *exc):
@@ -71,7 +104,9 @@ class ConstructionCapture:
         if self._orig_register is not None:
             nn.Module.register_parameter = self._orig_register
             nn.Module.__init__ = self._orig_init
-            self._orig_register = self._orig_init = None
+            nn.Module.load_state_dict = self._orig_load
+            nn.Module.state_dict = self._orig_state_dict
+            self._orig_register = self._orig_init = self._orig_load = self._orig_state_dict = None
 
     @contextlib.contextmanager
     def paused(self):
@@ -79,12 +114,15 @@ class ConstructionCapture:
         if self._orig_register is None:
             yield
             return
-        patched = (nn.Module.register_parameter, nn.Module.__init__)
+        patched = (nn.Module.register_parameter, nn.Module.__init__, nn.Module.load_state_dict,
+                   nn.Module.state_dict)
         nn.Module.register_parameter, nn.Module.__init__ = self._orig_register, self._orig_init
+        nn.Module.load_state_dict, nn.Module.state_dict = self._orig_load, self._orig_state_dict
         try:
             yield
         finally:
-            nn.Module.register_parameter, nn.Module.__init__ = patched
+            (nn.Module.register_parameter, nn.Module.__init__, nn.Module.load_state_dict,
+             nn.Module.state_dict) = patched
 
     def roots_holding(self, params) -> list[nn.Module]:
         """Outermost recorded modules that hold any of `params` (meta parameters built in the block)."""

@@ -117,6 +117,8 @@ class ShardedAdamW(AdamW):
         fp32 = rt.compute_dtype == torch.float32
         storage = rt.storage
         stepped_params = set()
+        for unit, _ in self._unit_plan():
+            unit.check_requires_grad()  # before any unit is stepped: all or nothing
         for unit, entries in self._unit_plan():
             live = [(pc, g, p) for pc, g, p in entries if unit.has_grad and bool(unit.used[pc.slot])]
             if not live:
@@ -149,11 +151,13 @@ class ShardedAdamW(AdamW):
             del master, exp_avg, exp_avg_sq, grad, param
             if unit.state is UnitState.UNSHARDED:
                 unit.stale = True  # persistent units re-gather before their next use
-        rt.grad_scale = 1.0
+        # rt.grad_scale stays: another optimizer over other parameters may step after this one with the same
+        # clipping coefficient; the next backward (or rt.zero_grad) resets it.
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
-        self.rt.zero_grad()
+        """Clear the gradients of this optimizer's parameters only (another optimizer's stay)."""
+        self.rt.zero_grad_params([p for g in self.param_groups for p in g["params"]], set_to_none)
 
     # ---- state dict (this rank's shard) -----------------------------------------------------
     def state_dict(self):

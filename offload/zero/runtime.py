@@ -25,7 +25,9 @@ import contextlib
 import math
 import os
 import resource
+import shutil
 import sys
+import tempfile
 import types
 from pathlib import Path
 
@@ -38,6 +40,7 @@ from . import comm, hooks
 from .layout import FlatLayout
 from .materialize import ConstructionCapture, is_meta_model, materialize_unit
 from .state import UnitState
+from .state_dict import wrapped_load_state_dict, wrapped_state_dict
 from .storage import ShardStorage, check_nvme_path
 from .unit import ShardedUnit
 from .units import discover_units
@@ -60,6 +63,11 @@ def _apply_to_buffers_only(module: nn.Module, fn, recurse: bool = True):
         if buf is not None:
             module._buffers[key] = fn(buf)
     return module
+
+
+def _zero_grad_wrapped(module: nn.Module, set_to_none: bool = True) -> None:
+    """Module.zero_grad for a wrapped model: clears the runtime's gradients of this module's parameters."""
+    module._offload_runtime_ref.zero_grad_params(module.parameters(), set_to_none)
 
 
 def peak_rss_bytes() -> int:
@@ -109,7 +117,7 @@ class Runtime:
         self.traffic = {"allgather": 0, "reduce_scatter": 0}
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
-        self.grad_scale = 1.0  # set by clip_grad_norm_, consumed by the optimizer step
+        self.grad_scale = 1.0  # set by clip_grad_norm_, used by every optimizer's step, reset by the next backward
         self.compute_dtype = config.torch_compute_dtype
         self.params_tier = config.params
         self.optimizer_tier = config.optimizer
@@ -149,14 +157,22 @@ class Runtime:
             check_nvme_path(cfg.nvme_path, need, "nvme_budget")
             if need is not None:
                 self.budgets["nvme"] = need
-            run_dir = Path(cfg.nvme_path) / f"offload-{os.getpid()}-rank{self.group.rank}"
-            run_dir.mkdir(parents=True, exist_ok=True)
-        self.storage = ShardStorage(self.device, self.budgets, run_dir, self.group.rank)
+            # A fresh directory of our own: unpredictable name, created atomically with mode 0700 (never a
+            # planted directory or symlink); removed when the block exits (ShardStorage.close).
+            run_dir = Path(tempfile.mkdtemp(prefix=f"offload-{os.getpid()}-rank{self.group.rank}-",
+                                            dir=cfg.nvme_path))
+        try:
+            self.storage = ShardStorage(self.device, self.budgets, run_dir, self.group.rank)
+        except BaseException:
+            if run_dir is not None:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
         # the store resolved "auto" budgets (and rounded to pages): plan against what it enforces
         self.budgets = {t: self.storage.capacity(t) for t in ("device", "cpu")} | {"nvme": self.budgets["nvme"]}
         _pin_mmap_threshold()
         # a module was built: the next forward may need to materialize it
-        self._capture = ConstructionCapture(on_module=self._note_module).__enter__()
+        self._capture = ConstructionCapture(on_module=self._note_module,
+                                            on_load=lambda m: self.materialize_pending()).__enter__()
         self._hooks.append(nn.modules.module.register_module_forward_pre_hook(self._auto_wrap))
         self.is_open = True
         _ACTIVE.append(self)
@@ -309,6 +325,12 @@ class Runtime:
                 model.get_submodule(mod_name)._buffers[attr] = buf.to(self.device, dtype)
         for m in model.modules():  # model.to()/.cuda()/.float() must not touch the runtime's placeholders
             m._apply = types.MethodType(_apply_to_buffers_only, m)
+            # the gradients live in the runtime's shards, not in the placeholders' .grad
+            m.zero_grad = types.MethodType(_zero_grad_wrapped, m)
+            m._offload_runtime_ref = self
+            # state dicts carry real values (gathered / scattered), not the meta placeholders
+            m.state_dict = types.MethodType(wrapped_state_dict, m)
+            m.load_state_dict = types.MethodType(wrapped_load_state_dict, m)
         model._offload_runtime = self
         self.models.append(model)
         return model
@@ -333,8 +355,9 @@ class Runtime:
         # exp_avg_sq, grad, and the bf16 param shard; nvme-homed ones are staged in the cpu arena
         staging = max((l.shard_numel for l in layouts), default=0) * (16 + (width if width != 4 else 0))
         cpu_free = self.budgets["cpu"] - self.storage.nbytes_in("cpu")
+        gathered = self._gathered_estimate(specs, layouts)
         if self.params_tier == "auto":
-            if param_bytes + 2 * biggest <= self.budgets["device"] - self.storage.nbytes_in("device"):
+            if param_bytes + max(2 * biggest, gathered) <= self.budgets["device"] - self.storage.nbytes_in("device"):
                 self.params_tier = "device"
             elif param_bytes + staging <= cpu_free:
                 self.params_tier = "cpu"
@@ -362,9 +385,19 @@ class Runtime:
                     f"({self.budgets['nvme']} bytes)"
                 )
             check_nvme_path(self.config.nvme_path, nvme_need, "the model's nvme-homed states")
-        for tier, need in (("device", param_bytes if self.params_tier == "device" else 0),
-                           ("cpu", (param_bytes if self.params_tier == "cpu" else 0)
-                            + (opt_bytes if self.optimizer_tier == "cpu" else 0))):
+        if self.params_tier == "device":
+            # device-homed shards and the gathered units share the device: both must fit device_budget
+            have = self.budgets["device"] - self.storage.nbytes_in("device")
+            if param_bytes + gathered > have:
+                raise MemoryError(
+                    f"offload.Config.device_budget: params='device' keeps {format_size(param_bytes)} "
+                    f"({param_bytes} bytes) of parameter shards on the device and gathering units needs up to "
+                    f"{format_size(gathered)} ({gathered} bytes) more (root + persistent units + the largest "
+                    f"unit), but only {format_size(have)} ({have} bytes) of device_budget is left; raise "
+                    "device_budget or set params='cpu' / 'nvme'"
+                )
+        for tier, need in (("cpu", (param_bytes if self.params_tier == "cpu" else 0)
+                            + (opt_bytes if self.optimizer_tier == "cpu" else 0)),):
             have = self.budgets[tier] - self.storage.nbytes_in(tier)
             if need > have:
                 raise MemoryError(
@@ -372,6 +405,25 @@ class Runtime:
                     f"({need} bytes) per rank but only {format_size(have)} of {tier}_budget is left; raise "
                     f"{tier}_budget or set params=/optimizer= to a lower tier ('cpu', 'nvme')"
                 )
+
+    def _gathered_estimate(self, specs, layouts) -> int:
+        """gathered_bound() once these units join the existing ones: roots + persistent units + the largest
+        other unit."""
+        persist = parse_size(self.config.persist_threshold, "persist_threshold")
+        width = self.compute_dtype.itemsize
+        fixed, largest = 0, 0
+        for u in self.units:
+            if u.name == "" or u.module in self.models or u.persistent:
+                fixed += u.nbytes_full
+            else:
+                largest = max(largest, u.nbytes_full)
+        for spec, layout in zip(specs, layouts):
+            full = layout.padded_numel * width
+            if spec.name == "" or full <= persist:
+                fixed += full
+            else:
+                largest = max(largest, full)
+        return fixed + largest
 
     def _nvme_or_fail(self, what: str, nbytes: int) -> str:
         if not self.config.nvme_path:
@@ -389,8 +441,20 @@ class Runtime:
     def _on_backward_start(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True
+            self.grad_scale = 1.0  # a new backward pass: the last clip coefficient was for the last step
             # runs when the whole backward pass has finished: free what no post-backward freed
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_forward_outside_backward(self) -> None:
+        """A forward outside backward while the end-of-backward callback is still marked queued: the last
+        backward raised before its callback ran. Clear the mark (else no later backward queues one, and
+        gathered units would leak into every step) and free what that backward left gathered."""
+        if not self._callback_queued:
+            return
+        self._callback_queued = False
+        for unit in self.units:
+            if unit.state is UnitState.UNSHARDED:
+                unit.reshard()
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
@@ -442,10 +506,24 @@ class Runtime:
         self.grad_scale = float(coef)
         return total
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every unit's gradient (set_to_none=False: keep zero gradients, as torch)."""
         for unit in self.units:
-            unit.zero_grad()
+            unit.zero_grad(None, set_to_none)
         self.grad_scale = 1.0
+
+    def zero_grad_params(self, params, set_to_none: bool = True) -> None:
+        """Clear the gradients of `params` only (placeholders, or a gathered unit's views): what
+        `module.zero_grad()` and `opt.zero_grad()` do for the parameters they hold."""
+        by_unit: dict[int, tuple] = {}
+        for p in params:
+            p = getattr(p, "_offload_placeholder", p)
+            unit = getattr(p, "_offload_unit", None)
+            if unit is None or unit.rt is not self:
+                continue
+            by_unit.setdefault(id(unit), (unit, set()))[1].add(p._offload_slot)
+        for unit, slots in by_unit.values():
+            unit.zero_grad(slots, set_to_none)
 
     def sync_used(self) -> None:
         """OR the per-parameter 'received a gradient' flags over ranks (params with none are not stepped)."""

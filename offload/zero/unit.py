@@ -80,9 +80,22 @@ class ShardedUnit:
                 "with rt.full_state_dict() first."
             )
 
+    def check_requires_grad(self) -> None:
+        """requires_grad is fixed when the unit is built (its flat buffer, views and gradient hooks follow it):
+        a later change would be ignored silently, so it is refused, naming the parameter."""
+        for slot, p, v in zip(self.layout.slots, self.placeholders, self.views):
+            if p.requires_grad != slot.requires_grad or v.requires_grad != slot.requires_grad:
+                raise RuntimeError(
+                    f"offload: parameter {slot.fqn!r} ({self.label}) had requires_grad={slot.requires_grad} when "
+                    f"the model was sharded and was changed to {not slot.requires_grad} afterwards, which the "
+                    "runtime cannot follow. Set requires_grad before rt.wrap(model) (for a model built inside "
+                    "offload.init: before its first forward or offload.AdamW), or rebuild the model."
+                )
+
     def unshard(self) -> None:
         """Gather every rank's shard into the full flat parameter on the compute device; modules see views."""
         self.check_alive()
+        self.check_requires_grad()
         if self.state is UnitState.UNSHARDED and not self.stale:
             return
         if self.state is UnitState.SHARDED:
@@ -173,10 +186,34 @@ class ShardedUnit:
             g, self.local_grad = self.local_grad, None
             self.reduce(g)
 
-    def zero_grad(self) -> None:
-        self.has_grad = False  # the grad shard stays registered; the next reduce overwrites it
-        self.local_grad = None
-        self.used.zero_()
+    def zero_grad(self, slots=None, set_to_none: bool = True) -> None:
+        """Clear the gradients of `slots` (slot indices; None: all). set_to_none (torch's default) makes them
+        "no gradient": not stepped until a backward reaches them again. set_to_none=False keeps them as zero
+        gradients, which torch.optim.AdamW still steps (decay and moment updates)."""
+        frozen = {s.index for s in self.layout.slots if not s.requires_grad}  # never have a gradient
+        if slots is None or len(set(slots) | frozen) == len(self.layout.slots):
+            if set_to_none:
+                self.has_grad = False  # the grad shard stays registered; the next reduce overwrites it
+                self.local_grad = None
+                self.used.zero_()
+                return
+            slots = range(len(self.layout.slots))
+        slots = set(slots)
+        if self.local_grad is not None:
+            for s in slots:
+                slot = self.layout.slots[s]
+                self.local_grad[slot.offset:slot.offset + slot.numel].zero_()
+        if self.has_grad:  # other slots keep their gradient: zero these ranges of the stored shard
+            name = f"{self.key}.grad"
+            g = self.rt.storage.acquire(name)
+            for piece in self.layout.pieces(self.rt.rank):
+                if piece.slot in slots:
+                    g[piece.lo:piece.hi].zero_()
+            self.rt.storage.release(name, g, dirty=True)
+            del g
+        if set_to_none:
+            for s in slots:
+                self.used[s] = False
 
     def describe(self) -> str:
         return f"{self.label}: {self.layout.numel} params, {format_size(self.nbytes_full)} gathered"

@@ -1,0 +1,134 @@
+"""`module.state_dict()` / `module.load_state_dict(sd)` on a wrapped model, so torch.save, HF
+save_pretrained-style code and checkpoint loading see real values instead of the meta placeholders.
+
+state_dict: the keys and order torch would give (the module's own state_dict walk, run on the placeholders),
+with every parameter replaced by its gathered fp32 value (the master copy when compute is bf16) on the host,
+and buffers as they are. load_state_dict: torch's missing / unexpected key rules (strict), shapes checked,
+then each touched unit's full fp32 value is gathered, overwritten where the state dict has a value, and this
+rank's shard written back to the master and the compute-dtype param shard (a gathered persistent unit
+re-gathers before its next use). Optimizer moments are untouched. Both are collectives (every rank calls
+them, with the same keys), and both gather whole units: a submodule's state dict costs its units' gathers.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+
+import torch
+import torch.nn as nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from . import comm
+from .state import UnitState
+
+_RAW = [0]  # >0 while torch's own state_dict walk runs on wrapped modules (the overrides defer to it)
+
+
+@contextlib.contextmanager
+def _raw():
+    _RAW[0] += 1
+    try:
+        yield
+    finally:
+        _RAW[0] -= 1
+
+
+def _placeholder_state(module: nn.Module) -> "OrderedDict[str, torch.Tensor]":
+    """torch's state_dict of `module` with keep_vars: placeholders (or a gathered unit's views) for params."""
+    with _raw():
+        return nn.Module.state_dict(module, keep_vars=True)
+
+
+def _unit_of(t: torch.Tensor):
+    p = getattr(t, "_offload_placeholder", t)
+    return p, getattr(p, "_offload_unit", None)
+
+
+def gather_full(rt, unit) -> torch.Tensor:
+    """The unit's full padded flat value in fp32 on the host (collective)."""
+    key = f"{unit.key}.master" if rt.compute_dtype != torch.float32 else f"{unit.key}.param"
+    held = rt.storage.acquire(key)
+    shard = held.float()  # a copy for bf16; fp32: the held tensor itself, gathered below
+    full = torch.empty(unit.layout.padded_numel, dtype=torch.float32)
+    comm.all_gather_into(rt.group, full, shard)
+    rt.storage.release(key, held)
+    return full
+
+
+def write_full(rt, unit, full: torch.Tensor) -> None:
+    """Store this rank's shard of `full` (fp32) as the unit's master and compute-dtype param."""
+    lo, hi = unit.layout.shard_bounds(rt.rank)
+    shard = full[lo:hi]
+    keys = [f"{unit.key}.param"] + ([f"{unit.key}.master"] if rt.compute_dtype != torch.float32 else [])
+    for key in keys:
+        held = rt.storage.acquire(key)
+        held.copy_(shard)  # casts to bf16 for the compute-dtype param
+        rt.storage.release(key, held, dirty=True)
+        del held
+    if unit.state is UnitState.UNSHARDED:
+        unit.stale = True  # a gathered (persistent) unit re-gathers before its next use
+
+
+def wrapped_state_dict(module: nn.Module, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+    if _RAW[0]:
+        return nn.Module.state_dict(module, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+    rt = module._offload_runtime_ref
+    rt._check_open(f"{type(module).__name__}.state_dict() on a wrapped model")
+    raw = _placeholder_state(module)
+    fulls: dict[int, torch.Tensor] = {}
+    values: dict[int, torch.Tensor] = {}
+    out = OrderedDict() if destination is None else destination
+    for unit in rt.units:  # every rank gathers the same units in the same order (collective)
+        if any(_unit_of(v)[1] is unit for v in raw.values()):
+            fulls[id(unit)] = gather_full(rt, unit)
+    for key, v in raw.items():
+        p, unit = _unit_of(v)
+        if unit is None:
+            out[prefix + key] = v if keep_vars else v.detach()
+            continue
+        if id(p) not in values:
+            slot = unit.layout.slots[p._offload_slot]
+            values[id(p)] = fulls[id(unit)][slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        out[prefix + key] = values[id(p)]
+    return out
+
+
+def wrapped_load_state_dict(module: nn.Module, state_dict, strict: bool = True, assign: bool = False):
+    del assign  # the runtime owns parameter storage: values are always copied into its shards
+    rt = module._offload_runtime_ref
+    rt._check_open(f"{type(module).__name__}.load_state_dict() on a wrapped model")
+    raw = _placeholder_state(module)
+    missing = [k for k in raw if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in raw]
+    errors = []
+    if strict and (missing or unexpected):
+        errors.append(f"missing keys {missing}, unexpected keys {unexpected}")
+    for key, v in raw.items():
+        if key in state_dict and state_dict[key].device.type == "meta":
+            errors.append(f"{key} is a meta tensor (no data): take the state dict from a real model, or from a "
+                          "wrapped one (its state_dict() gathers real values)")
+        elif key in state_dict and tuple(state_dict[key].shape) != tuple(v.shape):
+            errors.append(f"size mismatch for {key}: checkpoint {tuple(state_dict[key].shape)}, "
+                          f"model {tuple(v.shape)}")
+    if errors:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: " + "; ".join(errors))
+    per_unit: dict[int, list] = {}
+    with torch.no_grad():
+        for key, v in raw.items():
+            if key not in state_dict:
+                continue
+            p, unit = _unit_of(v)
+            if unit is None:
+                v.copy_(state_dict[key])  # a buffer: replicated, real
+            else:
+                per_unit.setdefault(id(unit), []).append((p._offload_slot, state_dict[key]))
+        for unit in rt.units:  # same order on every rank (collective)
+            items = per_unit.get(id(unit))
+            if not items:
+                continue
+            full = gather_full(rt, unit)
+            for slot_index, value in items:
+                slot = unit.layout.slots[slot_index]
+                full[slot.offset:slot.offset + slot.numel].copy_(value.detach().reshape(-1))
+            write_full(rt, unit, full)
+    return _IncompatibleKeys(missing, unexpected)

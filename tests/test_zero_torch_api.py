@@ -1,0 +1,314 @@
+"""Standard torch calls on a model wrapped by offload.init behave as on the plain model (or raise a clear
+error): model.zero_grad, several optimizers with clipping, zero_grad(set_to_none=False), state_dict /
+load_state_dict, loading inside the block, requires_grad changes, a failed backward, the swap directory."""
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero_common import DIM, SEQ, VOCAB, TinyTransformer, compute_loss  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _cfg(**kw):
+    kw.setdefault("params", "cpu")
+    kw.setdefault("optimizer", "cpu")
+    kw.setdefault("device_budget", "64MiB")
+    kw.setdefault("cpu_budget", "256MiB")
+    return offload.Config(**kw)
+
+
+def _ids(seed):
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _worst(got: dict, ref: nn.Module) -> float:
+    return max(((got[n] - p.detach()).norm() / p.detach().norm().clamp_min(1e-12)).item()
+               for n, p in ref.named_parameters())
+
+
+def test_model_zero_grad_clears_runtime_gradients():
+    torch.manual_seed(0)
+    base = TinyTransformer()
+    ref = copy.deepcopy(base)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for s in range(4):
+        compute_loss(ref, _ids(s), "tiny").backward()
+        ropt.step()
+        ref.zero_grad()  # what HF Trainer calls
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(copy.deepcopy(base))
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        for s in range(4):
+            compute_loss(model, _ids(s), "tiny").backward()
+            opt.step()
+            model.zero_grad()
+        assert not any(u.has_grad for u in rt.units)
+        got = rt.full_state_dict()
+    assert _worst(got, ref) < 1e-5
+
+
+def test_submodule_zero_grad_clears_only_its_parameters():
+    torch.manual_seed(0)
+    base = TinyTransformer()
+    ref = copy.deepcopy(base)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(copy.deepcopy(base))
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        for m, o in ((ref, ropt), (model, opt)):
+            for s in range(3):  # block 1 and the final norm accumulate over steps, the rest does not
+                compute_loss(m, _ids(s), "tiny").backward()
+                o.step()
+                m.layers[0].zero_grad()
+                m.emb.zero_grad()
+                m.frozen.zero_grad()
+        got = rt.full_state_dict()
+    assert _worst(got, ref) < 1e-5
+
+
+def test_two_optimizers_share_the_clip_and_zero_only_their_own_grads():
+    torch.manual_seed(0)
+    base = TinyTransformer()
+
+    def split(m):
+        emb = [m.emb.weight]
+        return emb, [p for n, p in m.named_parameters() if p.requires_grad and n != "emb.weight"]
+
+    ref = copy.deepcopy(base)
+    emb, rest = split(ref)
+    r1, r2 = torch.optim.AdamW(emb, lr=1e-2), torch.optim.AdamW(rest, lr=1e-2)
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(copy.deepcopy(base))
+        memb, mrest = split(model)
+        o1, o2 = offload.AdamW(memb, lr=1e-2), offload.AdamW(mrest, lr=1e-2)
+        for s in range(4):
+            compute_loss(ref, _ids(s), "tiny").backward()
+            torch.nn.utils.clip_grad_norm_(emb + rest, 0.1)
+            compute_loss(model, _ids(s), "tiny").backward()
+            rt.clip_grad_norm_(0.1)
+            # o1 zeroes before o2 steps: o2 must still see its own (clipped) gradients
+            r1.step(), r1.zero_grad(), r2.step(), r2.zero_grad()
+            o1.step(), o1.zero_grad(), o2.step(), o2.zero_grad()
+        got = rt.full_state_dict()
+    assert _worst(got, ref) < 1e-5
+
+
+class _Blk(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, use_b):
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+class _TwoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Blk(), _Blk()])
+
+    def forward(self, x, use_b):
+        for layer in self.layers:
+            x = layer(x, use_b)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("zero", ["optimizer", "model"])
+def test_zero_grad_set_to_none_false_keeps_zero_grads_that_are_stepped(zero):
+    """torch keeps a zero .grad, so AdamW still decays and moves a parameter unused in this step."""
+    torch.manual_seed(0)
+    base, xs = _TwoBlocks(), torch.randn(6, 4, 8)
+    ref = copy.deepcopy(base)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(copy.deepcopy(base))
+        opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for m, o in ((ref, ropt), (model, opt)):
+            for s in range(6):
+                m(xs[s], s % 2 == 0).backward()  # .b is used on even steps only
+                o.step()
+                (o if zero == "optimizer" else m).zero_grad(set_to_none=False)
+        got = rt.full_state_dict()
+    assert _worst(got, ref) < 1e-5
+
+
+def test_swap_dir_is_private_fresh_and_removed_on_error(tmp_path):
+    os.umask(0o022)
+    planted = tmp_path / f"offload-{os.getpid()}-rank0"  # the name a predictable scheme would use
+    planted.symlink_to(tmp_path)
+    with pytest.raises(KeyError):
+        with offload.init(_cfg(params="nvme", optimizer="nvme", nvme_path=str(tmp_path))) as rt:
+            model = rt.wrap(TinyTransformer())
+            opt = offload.AdamW(model.parameters())
+            compute_loss(model, _ids(0), "tiny").backward()
+            opt.step()
+            run_dirs = [e for e in os.scandir(tmp_path) if e.name != planted.name]
+            assert len(run_dirs) == 1 and not run_dirs[0].is_symlink()
+            assert os.stat(run_dirs[0].path).st_mode & 0o777 == 0o700
+            assert any(os.scandir(run_dirs[0].path))  # the swap files are in there
+            assert not [e for e in os.scandir(tmp_path) if e.is_file()]  # nothing written through the link
+            raise KeyError("user error inside the block")
+    assert sorted(os.listdir(tmp_path)) == [planted.name]  # the run directory is gone
+
+
+@pytest.mark.parametrize("dtype,persist", [("fp32", "0"), ("bf16", "0"), ("fp32", "1MiB")])
+def test_state_dict_and_load_state_dict_round_trip_real_values(tmp_path, dtype, persist):
+    torch.manual_seed(0)
+    base, other = TinyTransformer(), TinyTransformer()
+    ref = copy.deepcopy(base)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    compute_loss(ref, _ids(0), "tiny").backward()
+    ropt.step()
+    with offload.init(_cfg(compute_dtype=dtype, persist_threshold=persist)) as rt:
+        model = rt.wrap(copy.deepcopy(base))
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        compute_loss(model, _ids(0), "tiny").backward()
+        opt.step()
+        sd = model.state_dict()
+        want = ref.state_dict()
+        assert list(sd) == list(want)  # torch's keys and order (tied head.weight included)
+        full = rt.full_state_dict(model)
+        for k, v in want.items():
+            assert sd[k].device.type == "cpu" and torch.equal(sd[k], full[k]), k
+            if dtype == "fp32":  # bf16 compute trains differently from the fp32 reference
+                assert (sd[k] - v).norm() <= 1e-5 * v.norm() + 1e-6, k
+        sub = model.layers[1].state_dict()
+        assert list(sub) == list(ref.layers[1].state_dict())
+        assert torch.equal(sub["mlp.0.weight"], sd["layers.1.mlp.0.weight"])
+        torch.save(sd, tmp_path / "m.pt")
+        # load another model's weights: forward then matches that model exactly (fp32)
+        result = model.load_state_dict(other.state_dict())
+        assert result.missing_keys == [] and result.unexpected_keys == []
+        got = rt.full_state_dict(model)
+        for k, v in other.state_dict().items():  # floating buffers are kept in the compute dtype
+            assert torch.equal(got[k], v.to(got[k].dtype)), k
+        with torch.no_grad():
+            out, want_out = model(_ids(5)), other(_ids(5))
+        tol = 1e-5 if dtype == "fp32" else 5e-2
+        assert (out.float() - want_out).norm() <= tol * want_out.norm()
+        # and back from the file torch.save wrote (real data, not meta)
+        model.load_state_dict(torch.load(tmp_path / "m.pt"))
+        assert torch.equal(rt.full_state_dict(model)["emb.weight"], sd["emb.weight"])
+        bad = dict(sd)
+        del bad["ln_f.weight"]
+        with pytest.raises(RuntimeError, match="missing keys.*ln_f.weight"):
+            model.load_state_dict(bad)
+        assert model.load_state_dict(bad, strict=False).missing_keys == ["ln_f.weight"]
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_state_dict_into_model_built_in_block_keeps_pretrained(assign):
+    torch.manual_seed(123)
+    pre = TinyTransformer()
+    sd = pre.state_dict()
+    with offload.init(_cfg()) as rt:
+        model = TinyTransformer()  # meta placeholders until first use
+        result = model.load_state_dict(sd, assign=assign)
+        assert result.missing_keys == [] and result.unexpected_keys == []
+        with torch.no_grad():
+            out = model(_ids(3))
+        got = rt.full_state_dict(model)
+        for k, v in sd.items():
+            assert torch.equal(got[k], v), k
+        with torch.no_grad():
+            assert torch.allclose(out, pre(_ids(3)), rtol=1e-5, atol=1e-6)
+        # a submodule of a fresh in-block model: the whole model is sharded, that block loaded
+        again = TinyTransformer()
+        again.layers[1].load_state_dict(pre.layers[1].state_dict())
+        got = rt.full_state_dict(again)
+        assert torch.equal(got["layers.1.mlp.0.weight"], sd["layers.1.mlp.0.weight"])
+    assert nn.Module.load_state_dict.__qualname__ == "Module.load_state_dict"  # patch removed on exit
+
+
+@pytest.mark.parametrize("change", ["freeze", "unfreeze", "unfreeze_persistent"])
+def test_changing_requires_grad_after_wrap_raises_naming_the_parameter(change):
+    torch.manual_seed(0)
+    persist = "1MiB" if change == "unfreeze_persistent" else "0"
+    with offload.init(_cfg(persist_threshold=persist)) as rt:
+        model = rt.wrap(TinyTransformer())
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        compute_loss(model, _ids(0), "tiny").backward()
+        if change == "freeze":
+            model.layers[0].mlp[0].weight.requires_grad_(False)
+            name = "layers.0.mlp.0.weight"
+        else:  # persistent: the module holds the gathered (detached, leaf) view of the frozen weight
+            model.frozen.weight.requires_grad_(True)
+            name = "frozen.weight"
+        with pytest.raises(RuntimeError, match=f"{name}.*requires_grad"):
+            opt.step()
+        with pytest.raises(RuntimeError, match=f"{name}.*requires_grad"):
+            compute_loss(model, _ids(1), "tiny")
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("boom")
+
+
+def test_backward_that_raises_does_not_break_later_steps():
+    torch.manual_seed(0)
+    base = TinyTransformer()
+    ref = copy.deepcopy(base)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(copy.deepcopy(base))
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        h = model.frozen.register_forward_hook(lambda mod, a, out: _Boom.apply(out))
+        with pytest.raises(ValueError, match="boom"):
+            compute_loss(model, _ids(0), "tiny").backward()
+        h.remove()
+        opt.zero_grad()
+        for s in range(2):
+            for m, o in ((ref, ropt), (model, opt)):
+                compute_loss(m, _ids(s), "tiny").backward()
+                if m is model:  # the end-of-backward callback ran again: nothing stays gathered
+                    assert rt.gathered_bytes == 0 and rt.peak_gathered_bytes <= rt.gathered_bound()
+                o.step()
+                o.zero_grad()
+        got = rt.full_state_dict()
+    assert _worst(got, ref) < 1e-5
+
+
+def test_params_on_device_counts_gathered_units_against_device_budget():
+    model = TinyTransformer(d=64, layers=4)  # big enough that the store's page rounding is small
+    with offload.init(_cfg(params="device")) as rt:
+        rt.wrap(copy.deepcopy(model))
+        shards = rt.storage.nbytes_in("device")
+        bound = rt.gathered_bound()
+    budget = shards + bound // 2  # the shards fit, shards + gathered units do not
+    with offload.init(_cfg(params="device", device_budget=budget)) as rt:
+        with pytest.raises(MemoryError, match=rf"device_budget.*gathering units needs up to .*\({bound} bytes\)"):
+            rt.wrap(model)
+
+
+def test_state_dict_of_unused_in_block_model_is_real_and_meta_values_are_refused():
+    with offload.init(_cfg()) as rt:
+        source = TinyTransformer()  # built in the block, never used: placeholders until now
+        sd = source.state_dict()
+        assert all(v.device.type == "cpu" for v in sd.values())
+        assert torch.equal(sd["emb.weight"], rt.full_state_dict(source)["emb.weight"])
+        target = rt.wrap(TinyTransformer())
+        target.load_state_dict(sd)
+        assert torch.equal(rt.full_state_dict(target)["layers.1.mlp.0.weight"], sd["layers.1.mlp.0.weight"])
+        meta_sd = {"weight": torch.empty(DIM, DIM, device="meta"), "bias": torch.empty(DIM, device="meta")}
+        with pytest.raises(RuntimeError, match="weight is a meta tensor"):
+            target.frozen.load_state_dict(meta_sd)
