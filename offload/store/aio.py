@@ -146,10 +146,10 @@ class AioFile:
         if self.fd < 0:
             raise ValueError(f"offload aio: I/O on closed file '{self.path}'")
 
-    def _track(self, batch) -> None:
-        with self._lock:
-            self._inflight = [b for b in self._inflight if not b.done()]
-            self._inflight.append(batch)
+    def _track_locked(self, batch) -> None:
+        """Records a batch that may touch the fd; the caller holds self._lock (see AioEngine._submit)."""
+        self._inflight = [b for b in self._inflight if not b.done()]
+        self._inflight.append(batch)
 
     def close(self) -> None:
         """Waits for this file's in-flight I/O (the fd must outlive it), then closes. Idempotent."""
@@ -368,7 +368,7 @@ class AioEngine:
         self._check_open()
         self._reap_orphans()
         op = "write" if write else "read"
-        reqs, keep, files = [], [], []
+        reqs, keep, files = [], [], {}
         for item in items:
             f, offset, t = item
             if not isinstance(f, AioFile):
@@ -386,12 +386,25 @@ class AioEngine:
             addr = t.data_ptr()
             if f.direct and nbytes:
                 self._check_aligned(f, op, addr, offset, nbytes)
-            reqs.append((f.fd, write, f.path, offset, addr, nbytes))
+            reqs.append((f, write, f.path, offset, addr, nbytes))
             keep.append(t)
-            files.append(f)
-        batch = self._core.submit(reqs)
-        for f in set(files):
-            f._track(batch)
+            files[id(f)] = f
+        # Hold every file's lock (in one global order, so two submits cannot deadlock) from the open
+        # check through recording the batch: a close() from another thread then waits for this batch
+        # instead of closing the fd while its pieces are queued (EBADF, or bytes written into whatever
+        # file reuses the fd number).
+        locked = sorted(files.values(), key=id)
+        for f in locked:
+            f._lock.acquire()
+        try:
+            for f in locked:
+                f._check_open()
+            batch = self._core.submit([(r[0].fd,) + r[1:] for r in reqs])  # fds read under the locks
+            for f in locked:
+                f._track_locked(batch)
+        finally:
+            for f in reversed(locked):
+                f._lock.release()
         return AioHandle(self, batch, keep)
 
     @staticmethod

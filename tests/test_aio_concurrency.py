@@ -1,0 +1,48 @@
+"""Races between threads (and processes) sharing an engine: close() against a submit in progress,
+waits without a deadline, files dropped without close(), use after fork."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from _aio_support import BACKENDS, file_bytes, random_bytes
+from offload.store.aio import AioEngine
+
+
+class _SlowSubmitCore:
+    """The engine's real core, with a pause before each submit reaches it: the window in which another
+    thread's close() used to shut the fd under the queued pieces. Everything else is the real core."""
+
+    def __init__(self, core, on_submit):
+        self._core = core
+        self._on_submit = on_submit
+
+    def submit(self, reqs):
+        self._on_submit()
+        return self._core.submit(reqs)
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_close_from_another_thread_waits_for_a_submit_in_progress(backend, tmp_path):
+    data = random_bytes(64 * 1024, seed=7)
+    with AioEngine(block_size="4KiB", queue_depth=1, backend=backend) as eng:
+        f = eng.open(tmp_path / "race.bin", "w+")
+        closer = threading.Thread(target=f.close)
+
+        def close_meanwhile():
+            closer.start()
+            # Give close() ample time to run; it must instead block until this submit is recorded.
+            closer.join(timeout=0.5)
+
+        eng._core = _SlowSubmitCore(eng._core, close_meanwhile)
+        h = eng.write(f, 0, data)
+        h.wait()  # before the fix: EBADF, the fd was closed while the pieces were queued
+        closer.join()
+        assert f.closed
+        assert file_bytes(str(tmp_path / "race.bin"), 0, data.numel()) == data.numpy().tobytes()
+        with pytest.raises(ValueError, match="closed file"):
+            eng.write(f, 0, data)
