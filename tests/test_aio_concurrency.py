@@ -2,9 +2,12 @@
 waits without a deadline, files dropped without close(), use after fork."""
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import pytest
+import torch
 
 from _aio_support import BACKENDS, file_bytes, random_bytes
 from offload.store.aio import AioEngine
@@ -46,3 +49,35 @@ def test_close_from_another_thread_waits_for_a_submit_in_progress(backend, tmp_p
         assert file_bytes(str(tmp_path / "race.bin"), 0, data.numel()) == data.numpy().tobytes()
         with pytest.raises(ValueError, match="closed file"):
             eng.write(f, 0, data)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_refuses_io_in_a_forked_child(backend, tmp_path):
+    data = random_bytes(64 * 1024, seed=8)
+    with AioEngine(block_size="16KiB", queue_depth=2, backend=backend) as eng:
+        f = eng.open(tmp_path / "fork.bin", "w+")
+        eng.write(f, 0, data).wait()  # the workers are running
+        pid = os.fork()
+        if pid == 0:  # child: the engine's workers do not exist here
+            code = 1
+            try:
+                try:
+                    eng.write(f, 0, data)
+                    code = 2  # queued with nobody to run it: wait() would hang
+                except RuntimeError as exc:
+                    ok = "cannot be used after fork" in str(exc) and "create a new AioEngine" in str(exc)
+                    eng.close()  # must not try to join the parent's threads
+                    code = 0 if ok and f.closed else 3
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 30
+        while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not done[0]:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+        out = random_bytes(64 * 1024, seed=9)
+        eng.read(f, 0, out).wait()  # the parent's engine and file are untouched
+        assert torch.equal(out, data)

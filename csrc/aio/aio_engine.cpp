@@ -133,7 +133,7 @@ bool WorkQueue::stopped() const {
 // Engine
 
 Engine::Engine(const std::string& backend, uint64_t block_size, int queue_depth, int workers)
-    : block_size_(block_size), queue_depth_(queue_depth) {
+    : block_size_(block_size), queue_depth_(queue_depth), pid_(static_cast<int>(getpid())) {
   if (backend != "auto" && backend != "io_uring" && backend != "threads")
     throw std::invalid_argument("offload aio: backend must be 'auto', 'io_uring' or 'threads', got '" + backend + "'");
   if (block_size == 0 || block_size > (1ull << 30))
@@ -192,6 +192,10 @@ Engine::~Engine() { close(); }
 
 std::shared_ptr<Batch> Engine::submit(std::vector<Request> reqs) {
   if (closed_) throw std::invalid_argument("offload aio: submit on a closed engine");
+  if (static_cast<int>(getpid()) != pid_)
+    throw std::runtime_error("offload aio: engine created in pid " + std::to_string(pid_) +
+                             " cannot be used after fork (this is pid " + std::to_string(getpid()) +
+                             ", where its worker threads do not exist); create a new AioEngine in the child");
   uint64_t pieces = 0;
   for (const auto& r : reqs) pieces += (r.len + block_size_ - 1) / block_size_;
   auto batch = std::make_shared<Batch>(reqs, pieces);
@@ -219,6 +223,14 @@ void Engine::close() {
   std::lock_guard<std::mutex> lk(close_mu_);
   if (closed_) return;
   closed_ = true;
+  if (static_cast<int>(getpid()) != pid_) {
+    // Forked child: the workers and the queue's lock holders live only in the parent. Destroying a
+    // joinable std::thread aborts and joining would hang, so the handles (and rings) are leaked.
+    new std::vector<std::thread>(std::move(threads_));
+    threads_.clear();
+    rings_.clear();
+    return;
+  }
   queue_.stop_and_cancel();
   // Workers exit once their in-flight pieces have completed, so no buffer is touched after this.
   for (auto& t : threads_) t.join();

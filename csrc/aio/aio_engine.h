@@ -116,8 +116,11 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
+  // Throws std::runtime_error in a process forked after the engine was created (no workers there).
   std::shared_ptr<Batch> submit(std::vector<Request> reqs);
   // Cancels queued pieces, waits for the ones in the kernel, joins the workers. Idempotent.
+  // In a forked child: marks the engine closed and leaks its thread handles and rings (they belong to
+  // the parent's threads; joining them would wait forever).
   void close();
   bool closed() const { return closed_.load(); }
   std::string backend_name() const { return backend_ == Backend::kUring ? "io_uring" : "threads"; }
@@ -136,6 +139,9 @@ class Engine {
   std::vector<UringRing*> rings_;
   std::mutex close_mu_;
   std::atomic<bool> closed_{false};
+  // The process that started the workers. fork() copies none of them, so in a child the engine can
+  // neither run I/O nor join its threads: submit refuses, close() just lets go.
+  int pid_;
 };
 
 // Shared by both backends: applies one transfer result (bytes moved, or -errno) to a piece.

@@ -128,6 +128,7 @@ class AioFile:
         self.alignment = alignment  # bytes; 1 for buffered files
         self._inflight: list = []   # batches that may still touch this fd (pruned as they finish)
         self._lock = threading.Lock()
+        self._pid = os.getpid()     # a forked child holds a copy of the fd but none of the I/O on it
 
     @property
     def closed(self) -> bool:
@@ -157,6 +158,8 @@ class AioFile:
             if self.fd < 0:
                 return
             pending, self._inflight = self._inflight, []
+            if os.getpid() != self._pid:
+                pending = []  # forked child: the I/O runs in the parent on the parent's fd; ours is a copy
             for b in pending:
                 b.wait(-1.0)  # closing the fd under a queued piece would read or write a reused fd
             fd, self.fd = self.fd, -1
@@ -257,6 +260,7 @@ class AioEngine:
         else:
             self._core = mod.AioEngineCore(backend, bs, queue_depth, workers)
         self._mod = mod
+        self._pid = os.getpid()  # the workers exist only in this process (see _submit)
         self._files: "weakref.WeakSet[AioFile]" = weakref.WeakSet()
         self._orphans: list[tuple] = []
         self._lock = threading.Lock()
@@ -366,6 +370,11 @@ class AioEngine:
 
     def _submit(self, items: list, write: bool) -> AioHandle:
         self._check_open()
+        if os.getpid() != self._pid:
+            # fork() copies no worker thread: queued pieces would never run and wait() would hang.
+            raise RuntimeError(f"offload aio: engine created in pid {self._pid} cannot be used after fork (this "
+                               f"is pid {os.getpid()}, where its worker threads do not exist); create a new "
+                               f"AioEngine in the child")
         self._reap_orphans()
         op = "write" if write else "read"
         reqs, keep, files = [], [], {}
