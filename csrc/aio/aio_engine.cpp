@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <chrono>
 #include <stdexcept>
 #include <system_error>
@@ -22,7 +23,9 @@ bool Batch::wait(double timeout_s) {
   std::unique_lock<std::mutex> lk(mu_);
   auto pred = [this] { return pending_.load(std::memory_order_acquire) == 0; };
   // The caller needs the bytes (or the error) before it may touch the buffer again.
-  if (timeout_s < 0) {
+  // Non-finite or very long timeouts mean "forever": wait_for() converts to the clock's integer ticks,
+  // which overflow (e.g. inf, 1e300) and then return at once, reporting a spurious timeout.
+  if (timeout_s < 0 || !std::isfinite(timeout_s) || timeout_s > kForeverSeconds) {
     cv_.wait(lk, pred);
     return true;
   }

@@ -43,6 +43,8 @@ class Batch {
   Batch(std::vector<Request> reqs, uint64_t pieces);
   bool done() const { return pending_.load(std::memory_order_acquire) == 0; }
   bool failed() const { return failed_.load(std::memory_order_acquire); }
+  // Longer timeouts (about 3 years), and non-finite ones, wait forever.
+  static constexpr double kForeverSeconds = 1e8;
   // Blocks until every piece has finished or `timeout_s` passed (< 0: forever); true when done.
   bool wait(double timeout_s);
   IoError error() const;  // valid when failed()

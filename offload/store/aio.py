@@ -18,6 +18,7 @@ Files on filesystems that refuse O_DIRECT are reopened buffered, with one warnin
 from __future__ import annotations
 
 import errno as _errno
+import math
 import os
 import shutil
 import threading
@@ -58,6 +59,10 @@ class AioError(OSError):
 
 class AioTimeoutError(AioError, TimeoutError):
     """`AioHandle.wait(timeout)` ran out of time; the I/O is still in flight."""
+
+
+# Timeouts above this (about 3 years) mean "forever": the cores' clocks overflow on inf or 1e300.
+_FOREVER_S = 1e8
 
 
 def _errname(err: int) -> str:
@@ -196,8 +201,15 @@ class AioHandle:
         return False
 
     def wait(self, timeout: float | None = None) -> None:
-        """Blocks (GIL released) until done; raises AioError on failure, AioTimeoutError on timeout."""
-        if not self._batch.wait(-1.0 if timeout is None else max(0.0, float(timeout))):
+        """Blocks (GIL released) until done; raises AioError on failure, AioTimeoutError on timeout.
+        timeout: seconds; None, inf or more than 1e8 wait forever."""
+        limit = -1.0
+        if timeout is not None:
+            limit = float(timeout)
+            if math.isnan(limit):
+                raise ValueError("offload aio: wait(timeout) must be a number of seconds or None, got nan")
+            limit = -1.0 if limit > _FOREVER_S else max(0.0, limit)  # inf included; see _FOREVER_S
+        if not self._batch.wait(limit):
             raise AioTimeoutError(_errno.ETIMEDOUT, f"offload aio: I/O of {self.nbytes} bytes still in flight "
                                   f"after {timeout} s")
         self._tensors = []
