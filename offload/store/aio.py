@@ -134,6 +134,7 @@ class AioFile:
         self._inflight: list = []   # batches that may still touch this fd (pruned as they finish)
         self._lock = threading.Lock()
         self._pid = os.getpid()     # a forked child holds a copy of the fd but none of the I/O on it
+        self._engine = None         # weakref to the opening engine: takes over the fd if dropped mid-I/O
 
     @property
     def closed(self) -> bool:
@@ -175,6 +176,25 @@ class AioFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def __del__(self):
+        # Dropped without close(): the engine only holds files weakly, so the fd would leak. Close it
+        # now, or, while I/O still uses it, hand it to the engine to close once that I/O is over.
+        try:
+            fd = self.fd
+            if fd < 0:
+                return
+            self.fd = -1
+            pending = [b for b in self._inflight if not b.done()] if os.getpid() == self._pid else []
+            engine = self._engine() if self._engine is not None else None
+            if pending and engine is not None:
+                engine._adopt_fd(fd, pending)
+                return
+            for b in pending:
+                b.wait(-1.0)  # no engine left to hand the fd to; the kernel may still be using it
+            os.close(fd)
+        except Exception:
+            pass
 
     def __repr__(self) -> str:
         state = "closed" if self.fd < 0 else f"fd={self.fd}"
@@ -275,6 +295,7 @@ class AioEngine:
         self._pid = os.getpid()  # the workers exist only in this process (see _submit)
         self._files: "weakref.WeakSet[AioFile]" = weakref.WeakSet()
         self._orphans: list[tuple] = []
+        self._orphan_fds: list[tuple] = []  # (fd, batches) of files dropped while their I/O ran
         self._lock = threading.Lock()
 
     # -- properties ------------------------------------------------------------------------------
@@ -310,6 +331,7 @@ class AioEngine:
         mode: "r" read-only, "r+" read/write existing, "w+" create or truncate, "x+" create, must not exist.
         """
         self._check_open()
+        self._reap_orphans()
         path = os.fspath(path)
         if mode not in _MODES:
             raise ValueError(f"offload aio: mode must be one of {sorted(_MODES)}, got {mode!r}")
@@ -331,6 +353,7 @@ class AioEngine:
         if use_direct:
             align = int(self._mod.aio_dio_alignment(fd)) if self._mod is not None else 4096
         f = AioFile(path, fd, mode, use_direct, align)
+        f._engine = weakref.ref(self)
         with self._lock:
             self._files.add(f)
         return f
@@ -447,10 +470,25 @@ class AioEngine:
         with self._lock:
             self._orphans.append((batch, tensors))
 
+    def _adopt_fd(self, fd: int, batches: list) -> None:
+        with self._lock:
+            self._orphan_fds.append((fd, batches))
+
     def _reap_orphans(self) -> None:
+        done_fds = []
         with self._lock:
             if self._orphans:
                 self._orphans = [o for o in self._orphans if not o[0].done()]
+            if self._orphan_fds:
+                still = []
+                for fd, batches in self._orphan_fds:
+                    if all(b.done() for b in batches):
+                        done_fds.append(fd)
+                    else:
+                        still.append((fd, batches))
+                self._orphan_fds = still
+        for fd in done_fds:
+            os.close(fd)
 
     def _check_open(self) -> None:
         if self._core.closed:
@@ -465,8 +503,11 @@ class AioEngine:
         with self._lock:
             files = list(self._files)
             self._orphans = []
+            fds, self._orphan_fds = [fd for fd, _ in self._orphan_fds], []
         for f in files:
             f.close()
+        for fd in fds:  # the workers are joined: no I/O can still use these
+            os.close(fd)
 
     def __enter__(self) -> "AioEngine":
         return self
