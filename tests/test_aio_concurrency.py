@@ -122,3 +122,44 @@ def test_files_dropped_without_close_release_their_fd(backend, tmp_path):
         with eng.open(tmp_path / "next.bin", "w+"):  # the engine closes handed-over fds on its next call
             pass
         assert fd_count() == base
+
+
+class _AbandonedBatch:
+    """A finished batch as the io_uring core reports it after its ring broke mid-flight (which no test
+    can provoke): failed, and abandoned, so the kernel may still own the buffer."""
+
+    def done(self):
+        return True
+
+    def failed(self):
+        return True
+
+    def abandoned(self):
+        return True
+
+    def bytes(self):
+        return 4096
+
+    def wait(self, timeout_s=-1.0):
+        return True
+
+    def error(self):
+        return (5, True, "/x", 0, 4096, 0, 4096, "io_uring_submit_and_wait failed: the kernel may still own it")
+
+
+def test_buffers_of_an_abandoned_batch_are_never_freed():
+    import weakref
+
+    from offload.store import aio
+
+    with AioEngine(backend=BACKENDS[0]) as eng:
+        buf = torch.empty(4096, dtype=torch.uint8)
+        ref = weakref.ref(buf)
+        h = aio.AioHandle(eng, _AbandonedBatch(), [buf])
+        del buf
+        with pytest.raises(aio.AioError, match="may still own"):
+            h.wait()
+        del h
+        gc.collect()
+        assert ref() is not None  # kept for the life of the process: late kernel writes hit no reused memory
+    assert any(t is ref() for ts in aio._ABANDONED for t in ts)

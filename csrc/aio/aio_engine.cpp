@@ -43,7 +43,9 @@ uint64_t Batch::bytes() const {
   return n;
 }
 
-void Batch::piece_finished(int err, uint32_t req_index, uint64_t offset, uint64_t len, const std::string& detail) {
+void Batch::piece_finished(int err, uint32_t req_index, uint64_t offset, uint64_t len, const std::string& detail,
+                           bool abandoned) {
+  if (abandoned) abandoned_.store(true, std::memory_order_release);  // visible before done() turns true
   if (err != 0) {
     std::lock_guard<std::mutex> lk(mu_);
     if (!failed_.load(std::memory_order_relaxed)) {  // keep the first failure: later ones are fallout
@@ -66,9 +68,9 @@ void Batch::piece_finished(int err, uint32_t req_index, uint64_t offset, uint64_
   }
 }
 
-void finish_piece(Piece& p, int err, const std::string& detail) {
+void finish_piece(Piece& p, int err, const std::string& detail, bool abandoned) {
   std::shared_ptr<Batch> b = std::move(p.batch);
-  b->piece_finished(err, p.req_index, p.offset + p.done, p.len - p.done, detail);
+  b->piece_finished(err, p.req_index, p.offset + p.done, p.len - p.done, detail, abandoned);
 }
 
 std::string eof_detail(const Piece& p) {

@@ -43,6 +43,9 @@ class Batch {
   Batch(std::vector<Request> reqs, uint64_t pieces);
   bool done() const { return pending_.load(std::memory_order_acquire) == 0; }
   bool failed() const { return failed_.load(std::memory_order_acquire); }
+  // True when a piece was given up while the kernel may still own its buffer (an io_uring ring that
+  // broke mid-flight): the caller must never free or reuse this batch's buffers.
+  bool abandoned() const { return abandoned_.load(std::memory_order_acquire); }
   // Longer timeouts (about 3 years), and non-finite ones, wait forever.
   static constexpr double kForeverSeconds = 1e8;
   // Blocks until every piece has finished or `timeout_s` passed (< 0: forever); true when done.
@@ -50,13 +53,15 @@ class Batch {
   IoError error() const;  // valid when failed()
   const Request& request(uint32_t i) const { return reqs_[i]; }
   uint64_t bytes() const;
-  // Called once per piece by the worker that retired it; err == 0 for success.
-  void piece_finished(int err, uint32_t req_index, uint64_t offset, uint64_t len, const std::string& detail);
+  // Called once per piece by the worker that retired it; err == 0 for success. `abandoned`: see above.
+  void piece_finished(int err, uint32_t req_index, uint64_t offset, uint64_t len, const std::string& detail,
+                      bool abandoned = false);
 
  private:
   std::vector<Request> reqs_;
   std::atomic<uint64_t> pending_;
   std::atomic<bool> failed_{false};
+  std::atomic<bool> abandoned_{false};
   mutable std::mutex mu_;
   std::condition_variable cv_;
   IoError err_;
@@ -93,7 +98,8 @@ class WorkQueue {
 };
 
 // Retires a piece: success, or the errno with a readable detail.
-void finish_piece(Piece& p, int err, const std::string& detail = "");
+// `abandoned`: the kernel may still own the piece's buffer (see Batch::abandoned).
+void finish_piece(Piece& p, int err, const std::string& detail = "", bool abandoned = false);
 // Builds the "unexpected end of file" detail (file size vs. the byte the read needed).
 std::string eof_detail(const Piece& p);
 

@@ -32,6 +32,9 @@ class PyBatch:
         with self._cv:
             return self._error is not None
 
+    def abandoned(self) -> bool:
+        return False  # blocking calls: a piece is only retired once its syscall has returned
+
     def bytes(self) -> int:
         return sum(r[5] for r in self._reqs)
 

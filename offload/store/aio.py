@@ -201,6 +201,17 @@ class AioFile:
         return f"AioFile({self.path!r}, mode={self.mode!r}, direct={self.direct}, {state})"
 
 
+# Buffers of batches the engine had to abandon while the kernel may still own them (a broken io_uring
+# ring): kept referenced for the life of the process, so late kernel I/O can never land in reused memory.
+_ABANDONED: list = []
+
+
+def _release(batch, tensors: list) -> None:
+    """Drops the references a finished batch held, unless the kernel may still use the buffers."""
+    if tensors and batch.abandoned():
+        _ABANDONED.append(tensors)
+
+
 class AioHandle:
     """One submitted read/write (or batch). Keeps its tensors alive until the I/O is over."""
 
@@ -216,6 +227,7 @@ class AioHandle:
     def done(self) -> bool:
         """True once every piece has finished (successfully or not); never blocks."""
         if self._batch.done():
+            _release(self._batch, self._tensors)
             self._tensors = []
             return True
         return False
@@ -232,6 +244,7 @@ class AioHandle:
         if not self._batch.wait(limit):
             raise AioTimeoutError(_errno.ETIMEDOUT, f"offload aio: I/O of {self.nbytes} bytes still in flight "
                                   f"after {timeout} s")
+        _release(self._batch, self._tensors)
         self._tensors = []
         exc = self.exception()
         if exc is not None:
@@ -255,6 +268,8 @@ class AioHandle:
         try:
             if self._tensors and not self._batch.done():
                 self._engine._adopt(self._batch, self._tensors)
+            elif self._tensors:
+                _release(self._batch, self._tensors)
         except Exception:
             pass
 
@@ -478,6 +493,9 @@ class AioEngine:
         done_fds = []
         with self._lock:
             if self._orphans:
+                for batch, tensors in self._orphans:
+                    if batch.done():
+                        _release(batch, tensors)
                 self._orphans = [o for o in self._orphans if not o[0].done()]
             if self._orphan_fds:
                 still = []
@@ -502,6 +520,8 @@ class AioEngine:
         self._core.close()  # GIL released while joining
         with self._lock:
             files = list(self._files)
+            for batch, tensors in self._orphans:
+                _release(batch, tensors)  # every batch is over now: the core has joined its workers
             self._orphans = []
             fds, self._orphan_fds = [fd for fd, _ in self._orphan_fds], []
         for f in files:
