@@ -65,7 +65,10 @@ def _apply_env_settings(mod):
     if threads:
         if not threads.isdigit():
             raise _SettingError(f"OFFLOAD_NUM_THREADS must be a whole number >= 0, got {threads!r}")
-        mod.set_num_threads(int(threads))
+        try:
+            mod.set_num_threads(int(threads))
+        except (ValueError, TypeError) as exc:
+            raise _SettingError(f"OFFLOAD_NUM_THREADS={threads}: {exc}") from None
     isa = os.environ.get("OFFLOAD_ISA")
     if isa:
         try:

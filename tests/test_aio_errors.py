@@ -114,6 +114,46 @@ def test_file_size_limit_raises_efbig_in_subprocess(tmp_path):
         assert "write" in msg and "lim-" + backend in msg and "offset" in msg
 
 
+def test_short_write_is_resubmitted_until_the_size_limit(tmp_path):
+    """A write that crosses RLIMIT_FSIZE is cut short by the kernel (pwrite/io_uring return fewer bytes):
+    the engine must resubmit the remainder, which then fails with EFBIG at the exact byte, and the
+    bytes before the limit must be on disk."""
+    limit = (1 << 20) + 8192  # mid-block: the 256 KiB block at 1 MiB is written only 8 KiB deep
+    script = textwrap.dedent(
+        f"""
+        import errno, os, resource, signal, sys
+        sys.path.insert(0, {REPO!r})
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
+        from _aio_support import BACKENDS, file_bytes, random_bytes
+        from offload.store.aio import AioEngine, AioError
+        data = random_bytes(2 << 20, seed=12)
+        for backend in BACKENDS:
+            path = {str(tmp_path)!r} + "/short-" + backend
+            with AioEngine(block_size="256KiB", queue_depth=1, backend=backend) as eng:
+                with eng.open(path, "w+") as f:
+                    try:
+                        eng.write(f, 0, data).wait()
+                        print(backend, "no-error")
+                    except AioError as e:
+                        same = file_bytes(path, 0, {limit}) == data[:{limit}].numpy().tobytes()
+                        print(backend, errno.errorcode[e.errno], os.path.getsize(path), same, "|", e)
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert res.returncode == 0, res.stderr
+    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+    assert len(lines) == len(BACKENDS), res.stdout
+    for ln in lines:
+        backend, name, size, same, _, msg = ln.split(" ", 5)
+        assert (name, int(size), same) == ("EFBIG", limit, "True"), ln
+        # The failing piece starts where the short write stopped: the remainder was resubmitted.
+        assert f"at offset {limit} ({256 * 1024 - 8192} bytes" in msg, ln
+        assert "after a short transfer of 8192 bytes" in msg, ln
+
+
 def test_write_to_read_only_file_raises_ebadf(engine, tmp_path):
     path = str(tmp_path / "ro.bin")
     with open(path, "wb") as fh:

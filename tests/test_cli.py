@@ -72,7 +72,7 @@ def test_kernel_threads_and_isa_controls():
         assert mod.num_threads() == 3
         mod.set_num_threads(0)
         assert mod.num_threads() == mod.usable_cores()
-        with pytest.raises(ValueError, match="n must be"):
+        with pytest.raises(ValueError, match="n must be between"):
             mod.set_num_threads(-1)
     finally:
         mod.set_num_threads(before)

@@ -282,3 +282,53 @@ def test_fallback_without_extension_matches(tmp_path):
     env = dict(os.environ, OFFLOAD_DISABLE_EXT="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=os.getcwd())
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_overlapping_copies_are_refused(impl):
+    copy = oc.copy_ if impl == "kernel" else oc.copy_reference
+    y = torch.arange(4096, dtype=torch.float32)
+    before = y.clone()
+    for dst, src in [(y[1:], y[:-1]), (y[:-1], y[1:]), (y, y), (y[:2048].view(torch.bfloat16)[:1024], y[:1024])]:
+        with pytest.raises(ValueError, match=r"dst and src overlap in memory"):
+            copy(dst, src)
+    assert torch.equal(y, before)  # refused before anything was written
+    copy(y[2048:], y[:2048])  # disjoint halves of one buffer are fine
+    assert torch.equal(y[2048:], before[:2048])
+    z = torch.arange(8.0)
+    copy(z[:4], z[::2])  # a strided source is copied first on both paths: no aliasing left
+    assert torch.equal(z[:4], torch.tensor([0.0, 2.0, 4.0, 6.0]))
+
+
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_flatten_unflatten_refuse_aliasing_the_flat_buffer(impl):
+    flatten = oc.flatten if impl == "kernel" else oc.flatten_reference
+    unflatten = oc.unflatten if impl == "kernel" else oc.unflatten_reference
+    ts = [torch.randn(3000), torch.randn(5)]
+    offsets, total = oc.flat_layout(ts)
+    flat = oc.aligned_empty(total, torch.float32)
+    with pytest.raises(ValueError, match=r"out and tensors\[1\] overlap in memory"):
+        flatten([ts[0], flat[offsets[1] + 1 : offsets[1] + 6]], out=flat)
+    with pytest.raises(ValueError, match=r"outs\[0\] and flat overlap in memory"):
+        unflatten(flat, offsets, [flat[10:3010], torch.empty(5)])
+    shared = torch.empty(3003)
+    with pytest.raises(ValueError, match=r"outs\[0\] and outs\[1\] overlap in memory"):
+        unflatten(flat, offsets, [shared[:3000], shared[2998:]])
+
+
+@needs_ext
+def test_extension_refuses_overlap_naming_the_arguments():
+    y = torch.zeros(1000)
+    other = torch.zeros(10)
+    with pytest.raises(ValueError, match=r"copy_many: dsts\[0\] and srcs\[0\] overlap"):
+        _C.copy_many([y[1:]], [y[:-1]])
+    with pytest.raises(ValueError, match=r"copy_many: dsts\[1\] and srcs\[0\] overlap"):
+        _C.copy_many([other, y[500:600]], [y[595:605], torch.zeros(100)])
+    with pytest.raises(ValueError, match=r"copy_many: dsts\[0\] and dsts\[1\] overlap"):
+        _C.copy_many([y[:100], y[50:150]], [torch.zeros(100), torch.zeros(100)])
+    _C.copy_many([y[:100], y[100:200]], [y[200:300], y[200:300]])  # sources may share; outputs disjoint
+    flat = oc.aligned_empty(2048, torch.float32)
+    with pytest.raises(ValueError, match=r"flatten_into: flat and tensors\[0\] overlap"):
+        _C.flatten_into(flat, [flat[1024:1034]], [0])
+    with pytest.raises(ValueError, match=r"unflatten_from: tensors\[1\] and flat overlap"):
+        _C.unflatten_from(flat, [torch.empty(10), flat[1500:1510]], [0, 1024])

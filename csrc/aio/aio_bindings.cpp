@@ -19,6 +19,7 @@ void register_aio(py::module_& m) {
   py::class_<Batch, std::shared_ptr<Batch>>(m, "AioBatch", "Completion state of one aio submit")
       .def("done", &Batch::done)
       .def("failed", &Batch::failed)
+      .def("abandoned", &Batch::abandoned, "True when the kernel may still own a buffer: never free them")
       .def("bytes", &Batch::bytes)
       .def(
           "wait", [](Batch& b, double timeout_s) { return b.wait(timeout_s); }, py::arg("timeout_s") = -1.0,

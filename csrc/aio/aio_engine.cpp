@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <chrono>
 #include <stdexcept>
 #include <system_error>
@@ -22,7 +23,9 @@ bool Batch::wait(double timeout_s) {
   std::unique_lock<std::mutex> lk(mu_);
   auto pred = [this] { return pending_.load(std::memory_order_acquire) == 0; };
   // The caller needs the bytes (or the error) before it may touch the buffer again.
-  if (timeout_s < 0) {
+  // Non-finite or very long timeouts mean "forever": wait_for() converts to the clock's integer ticks,
+  // which overflow (e.g. inf, 1e300) and then return at once, reporting a spurious timeout.
+  if (timeout_s < 0 || !std::isfinite(timeout_s) || timeout_s > kForeverSeconds) {
     cv_.wait(lk, pred);
     return true;
   }
@@ -40,7 +43,9 @@ uint64_t Batch::bytes() const {
   return n;
 }
 
-void Batch::piece_finished(int err, uint32_t req_index, uint64_t offset, uint64_t len, const std::string& detail) {
+void Batch::piece_finished(int err, uint32_t req_index, uint64_t offset, uint64_t len, const std::string& detail,
+                           bool abandoned) {
+  if (abandoned) abandoned_.store(true, std::memory_order_release);  // visible before done() turns true
   if (err != 0) {
     std::lock_guard<std::mutex> lk(mu_);
     if (!failed_.load(std::memory_order_relaxed)) {  // keep the first failure: later ones are fallout
@@ -63,9 +68,9 @@ void Batch::piece_finished(int err, uint32_t req_index, uint64_t offset, uint64_
   }
 }
 
-void finish_piece(Piece& p, int err, const std::string& detail) {
+void finish_piece(Piece& p, int err, const std::string& detail, bool abandoned) {
   std::shared_ptr<Batch> b = std::move(p.batch);
-  b->piece_finished(err, p.req_index, p.offset + p.done, p.len - p.done, detail);
+  b->piece_finished(err, p.req_index, p.offset + p.done, p.len - p.done, detail, abandoned);
 }
 
 std::string eof_detail(const Piece& p) {
@@ -133,7 +138,7 @@ bool WorkQueue::stopped() const {
 // Engine
 
 Engine::Engine(const std::string& backend, uint64_t block_size, int queue_depth, int workers)
-    : block_size_(block_size), queue_depth_(queue_depth) {
+    : block_size_(block_size), queue_depth_(queue_depth), pid_(static_cast<int>(getpid())) {
   if (backend != "auto" && backend != "io_uring" && backend != "threads")
     throw std::invalid_argument("offload aio: backend must be 'auto', 'io_uring' or 'threads', got '" + backend + "'");
   if (block_size == 0 || block_size > (1ull << 30))
@@ -192,6 +197,10 @@ Engine::~Engine() { close(); }
 
 std::shared_ptr<Batch> Engine::submit(std::vector<Request> reqs) {
   if (closed_) throw std::invalid_argument("offload aio: submit on a closed engine");
+  if (static_cast<int>(getpid()) != pid_)
+    throw std::runtime_error("offload aio: engine created in pid " + std::to_string(pid_) +
+                             " cannot be used after fork (this is pid " + std::to_string(getpid()) +
+                             ", where its worker threads do not exist); create a new AioEngine in the child");
   uint64_t pieces = 0;
   for (const auto& r : reqs) pieces += (r.len + block_size_ - 1) / block_size_;
   auto batch = std::make_shared<Batch>(reqs, pieces);
@@ -219,6 +228,14 @@ void Engine::close() {
   std::lock_guard<std::mutex> lk(close_mu_);
   if (closed_) return;
   closed_ = true;
+  if (static_cast<int>(getpid()) != pid_) {
+    // Forked child: the workers and the queue's lock holders live only in the parent. Destroying a
+    // joinable std::thread aborts and joining would hang, so the handles (and rings) are leaked.
+    new std::vector<std::thread>(std::move(threads_));
+    threads_.clear();
+    rings_.clear();
+    return;
+  }
   queue_.stop_and_cancel();
   // Workers exit once their in-flight pieces have completed, so no buffer is touched after this.
   for (auto& t : threads_) t.join();

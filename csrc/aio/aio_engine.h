@@ -43,18 +43,25 @@ class Batch {
   Batch(std::vector<Request> reqs, uint64_t pieces);
   bool done() const { return pending_.load(std::memory_order_acquire) == 0; }
   bool failed() const { return failed_.load(std::memory_order_acquire); }
+  // True when a piece was given up while the kernel may still own its buffer (an io_uring ring that
+  // broke mid-flight): the caller must never free or reuse this batch's buffers.
+  bool abandoned() const { return abandoned_.load(std::memory_order_acquire); }
+  // Longer timeouts (about 3 years), and non-finite ones, wait forever.
+  static constexpr double kForeverSeconds = 1e8;
   // Blocks until every piece has finished or `timeout_s` passed (< 0: forever); true when done.
   bool wait(double timeout_s);
   IoError error() const;  // valid when failed()
   const Request& request(uint32_t i) const { return reqs_[i]; }
   uint64_t bytes() const;
-  // Called once per piece by the worker that retired it; err == 0 for success.
-  void piece_finished(int err, uint32_t req_index, uint64_t offset, uint64_t len, const std::string& detail);
+  // Called once per piece by the worker that retired it; err == 0 for success. `abandoned`: see above.
+  void piece_finished(int err, uint32_t req_index, uint64_t offset, uint64_t len, const std::string& detail,
+                      bool abandoned = false);
 
  private:
   std::vector<Request> reqs_;
   std::atomic<uint64_t> pending_;
   std::atomic<bool> failed_{false};
+  std::atomic<bool> abandoned_{false};
   mutable std::mutex mu_;
   std::condition_variable cv_;
   IoError err_;
@@ -91,7 +98,8 @@ class WorkQueue {
 };
 
 // Retires a piece: success, or the errno with a readable detail.
-void finish_piece(Piece& p, int err, const std::string& detail = "");
+// `abandoned`: the kernel may still own the piece's buffer (see Batch::abandoned).
+void finish_piece(Piece& p, int err, const std::string& detail = "", bool abandoned = false);
 // Builds the "unexpected end of file" detail (file size vs. the byte the read needed).
 std::string eof_detail(const Piece& p);
 
@@ -116,8 +124,11 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
+  // Throws std::runtime_error in a process forked after the engine was created (no workers there).
   std::shared_ptr<Batch> submit(std::vector<Request> reqs);
   // Cancels queued pieces, waits for the ones in the kernel, joins the workers. Idempotent.
+  // In a forked child: marks the engine closed and leaks its thread handles and rings (they belong to
+  // the parent's threads; joining them would wait forever).
   void close();
   bool closed() const { return closed_.load(); }
   std::string backend_name() const { return backend_ == Backend::kUring ? "io_uring" : "threads"; }
@@ -136,6 +147,9 @@ class Engine {
   std::vector<UringRing*> rings_;
   std::mutex close_mu_;
   std::atomic<bool> closed_{false};
+  // The process that started the workers. fork() copies none of them, so in a child the engine can
+  // neither run I/O nor join its threads: submit refuses, close() just lets go.
+  int pid_;
 };
 
 // Shared by both backends: applies one transfer result (bytes moved, or -errno) to a piece.

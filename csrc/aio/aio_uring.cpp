@@ -85,23 +85,30 @@ void uring_worker_loop(WorkQueue& q, UringRing* r, unsigned depth) {
     // Submit what was queued and sleep until at least one piece completes.
     int rc = io_uring_submit_and_wait(ring, 1);
     if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY && rc != -ETIME) {
-      // The ring itself failed (should not happen). Give the kernel a bounded time to return what it
-      // holds, then fail the rest so no caller hangs, and leave the ring for the blocking path.
+      // The ring itself failed (should not happen). Every piece in `inflight` may be in the kernel,
+      // which reads or writes its buffer until it posts the completion, so none may be retired as
+      // over before that: wait as long as the ring can still report completions (a slow device is
+      // not a broken ring). Only if it cannot are the rest given up as abandoned: their batches fail
+      // and the Python handles keep the buffers allocated for good instead of freeing them.
       std::string why = std::string("io_uring_submit_and_wait failed: ") + strerror(-rc);
-      for (int tries = 0; tries < 10 && !inflight.empty(); ++tries) {
+      int wrc = 0;
+      while (!inflight.empty()) {
         struct io_uring_cqe* cqe = nullptr;
-        struct __kernel_timespec ts = {0, 100 * 1000 * 1000};
-        // Bounded wait: the kernel may still own some buffers; 10 x 100 ms then give up.
-        if (io_uring_wait_cqe_timeout(ring, &cqe, &ts) == 0 && cqe != nullptr) {
-          auto* p = static_cast<Piece*>(io_uring_cqe_get_data(cqe));
-          io_uring_cqe_seen(ring, cqe);
-          inflight.erase(p);
-          finish_piece(*p, -rc, why);
-          delete p;
-        }
+        struct __kernel_timespec ts = {1, 0};
+        wrc = io_uring_wait_cqe_timeout(ring, &cqe, &ts);  // the kernel still holds these buffers
+        if (wrc == -ETIME || wrc == -EINTR || wrc == -EAGAIN) continue;
+        if (wrc < 0 || cqe == nullptr) break;
+        auto* p = static_cast<Piece*>(io_uring_cqe_get_data(cqe));
+        io_uring_cqe_seen(ring, cqe);
+        inflight.erase(p);
+        finish_piece(*p, -rc, why);
+        delete p;
       }
       for (Piece* p : inflight) {
-        finish_piece(*p, -rc, why);
+        finish_piece(*p, -rc,
+                     why + "; waiting for the kernel to return this block failed too (" + strerror(-wrc) +
+                         "), so the kernel may still own its buffer: it is kept allocated (leaked), never reused",
+                     /*abandoned=*/true);
         delete p;
       }
       inflight.clear();

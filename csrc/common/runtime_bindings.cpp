@@ -6,13 +6,8 @@ namespace offload {
 
 void register_runtime(pybind11::module_& m) {
   m.def("num_threads", &num_threads, "Threads (caller included) the CPU kernels use");
-  m.def(
-      "set_num_threads",
-      [](int n) {
-        if (n < 0) throw std::invalid_argument("offload.set_num_threads: n must be >= 1 (or 0 for the default)");
-        set_num_threads(n);
-      },
-      pybind11::arg("n"), "Set the kernel thread count; 0 restores the default (usable cores)");
+  m.def("set_num_threads", &set_num_threads, pybind11::arg("n"),
+        "Set the kernel thread count (1..1024); 0 restores the default (usable cores)");
   m.def("usable_cores", &usable_cores);
   m.def("best_isa", [] { return std::string(isa_name(best_isa())); });
   m.def("active_isa", [] { return std::string(isa_name(active_isa())); });

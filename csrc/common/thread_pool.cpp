@@ -1,5 +1,6 @@
 #include "common/thread_pool.h"
 
+#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -7,35 +8,38 @@
 #include <condition_variable>
 #include <exception>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
 namespace offload {
 namespace {
 
+// Threads wanted (caller included); 0 = the default (usable cores). Kept outside the pool and atomic so
+// num_threads()/set_num_threads() never wait for the run lock a kernel holds (callers hold the GIL),
+// and so the fresh pool a forked child gets keeps the setting.
+std::atomic<int> g_want{0};
+
+int wanted() {
+  int n = g_want.load(std::memory_order_relaxed);
+  return n > 0 ? n : usable_cores();
+}
+
 class Pool {
  public:
   ~Pool() { stop_workers(); }
 
-  int size() {
-    std::lock_guard<std::mutex> g(run_mu_);
-    return want_;
-  }
-
-  void resize(int n) {
-    std::lock_guard<std::mutex> g(run_mu_);
-    want_ = n <= 0 ? usable_cores() : n;
-  }
-
   void run(int64_t n_chunks, const std::function<void(int64_t)>& fn) {
     if (n_chunks <= 0) return;
     std::lock_guard<std::mutex> g(run_mu_);  // one job at a time
-    int threads = static_cast<int>(std::min<int64_t>(want_, n_chunks));
+    const int want = wanted();
+    int threads = static_cast<int>(std::min<int64_t>(want, n_chunks));
     if (threads <= 1) {
       for (int64_t i = 0; i < n_chunks; ++i) fn(i);
       return;
     }
-    ensure_workers(want_ - 1);
+    ensure_workers(want - 1);
     {
       std::lock_guard<std::mutex> lk(mu_);
       job_ = &fn;
@@ -105,7 +109,6 @@ class Pool {
   }
 
   std::mutex run_mu_;
-  int want_ = usable_cores();
 
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
@@ -120,10 +123,22 @@ class Pool {
   bool stop_ = false;
 };
 
+std::atomic<Pool*> g_pool{nullptr};
+
+// fork() copies only the forking thread: in the child the pool's workers are gone (run() would wait
+// for them forever) and its mutexes may be frozen locked by a thread that no longer exists. The child
+// drops that pool (leaked: destroying it would join threads that do not exist) and starts a fresh one.
+void pool_after_fork_child() { g_pool.store(new Pool(), std::memory_order_release); }
+
 Pool& pool() {
   // Leaked on purpose: joining threads from a static destructor at interpreter exit can deadlock.
-  static Pool* p = new Pool();
-  return *p;
+  static const bool ready = [] {
+    g_pool.store(new Pool(), std::memory_order_release);
+    pthread_atfork(nullptr, nullptr, &pool_after_fork_child);
+    return true;
+  }();
+  (void)ready;
+  return *g_pool.load(std::memory_order_acquire);
 }
 
 }  // namespace
@@ -134,8 +149,14 @@ int usable_cores() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-int num_threads() { return pool().size(); }
-void set_num_threads(int n) { pool().resize(n); }
+int num_threads() { return wanted(); }
+
+void set_num_threads(int n) {
+  if (n < 0 || n > kMaxThreads)
+    throw std::invalid_argument("offload.set_num_threads: n must be between 1 and " + std::to_string(kMaxThreads) +
+                                " (or 0 for the default: usable cores), got " + std::to_string(n));
+  g_want.store(n, std::memory_order_relaxed);  // read by the next run()
+}
 
 void parallel_run(int64_t n_chunks, const std::function<void(int64_t)>& fn) { pool().run(n_chunks, fn); }
 

@@ -14,7 +14,10 @@ namespace offload {
 
 // Number of threads (including the caller) kernels use. Default: usable cores (sched_getaffinity).
 int num_threads();
-// n >= 1; n == 0 means "back to the default". Takes effect for the next run().
+// Most threads set_num_threads() accepts (a guard against typos that would start thousands of threads).
+constexpr int kMaxThreads = 1024;
+// 1 <= n <= kMaxThreads; n == 0 means "back to the default". Takes effect for the next run().
+// Out of range: std::invalid_argument (ValueError in Python).
 void set_num_threads(int n);
 // Cores this process may run on.
 int usable_cores();

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "common/overlap.h"
 #include "common/registry.h"
 #include "copy/copy_kernels.h"
 
@@ -51,6 +52,18 @@ void copy_many(const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor
     }
     tasks.push_back(t);
   }
+  // Chunks of different tasks run in any order on any thread: no destination may alias a source or
+  // another destination.
+  std::vector<ByteRange> ranges;
+  ranges.reserve(2 * dsts.size());
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    const std::string at_i = "[" + std::to_string(i) + "]";
+    ranges.push_back(byte_range(dsts[i].data_ptr(), dsts[i].nbytes(), "dsts" + at_i, true));
+    ranges.push_back(byte_range(srcs[i].data_ptr(), srcs[i].nbytes(), "srcs" + at_i, false));
+  }
+  std::string clash = first_overlap(std::move(ranges));
+  if (!clash.empty())
+    throw std::invalid_argument("offload._C.copy_many: " + clash + "; the destination needs its own buffer");
   pybind11::gil_scoped_release nogil;  // pure memory work: let other Python threads (store workers) run
   copy::run_tasks(tasks);
 }
@@ -72,6 +85,8 @@ void flat_copy(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, c
   tasks.reserve(2 * tensors.size() + 1);
   std::vector<at::Tensor> keep;  // contiguous copies of non-contiguous sources live until the run ends
   keep.reserve(tensors.size());
+  std::vector<ByteRange> ranges;
+  ranges.reserve(tensors.size() + 1);
   int64_t cursor = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
@@ -101,8 +116,16 @@ void flat_copy(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, c
                                   std::string(c10::toString(flat.scalar_type())) + ")");
     }
     tasks.push_back(task);
+    ranges.push_back(byte_range(c.data_ptr(), c.nbytes(), "tensors" + at_i, !to_flat));
     cursor = off + n;
   }
+  // flat is written whole (slots and padding) by flatten and read by unflatten; a tensor aliasing it,
+  // or (unflatten) another output, would be read after being overwritten or written twice. Sources
+  // that were not contiguous were copied above, before anything is written.
+  ranges.push_back(byte_range(flat.data_ptr(), flat.nbytes(), "flat", to_flat));
+  std::string clash = first_overlap(std::move(ranges));
+  if (!clash.empty())
+    throw std::invalid_argument(std::string(fn) + ": " + clash + "; each output needs its own buffer");
   pybind11::gil_scoped_release nogil;  // pure memory work
   copy::run_tasks(tasks);
 }

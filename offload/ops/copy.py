@@ -64,6 +64,37 @@ def _check_pair(dst_name: str, dst: torch.Tensor, src_name: str, src: torch.Tens
         raise ValueError(f"{dst_name} must be contiguous (got strides {tuple(dst.stride())})")
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes `t` can touch (its whole extent when it is not contiguous)."""
+    if t.numel() == 0:
+        return 0, 0
+    reach = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + reach * t.element_size()
+
+
+def _check_disjoint(items: list[tuple[str, torch.Tensor, bool]]) -> None:
+    """ValueError naming the first pair where a written tensor (flag True) shares bytes with another
+    tensor: the kernels run chunks in any order, so the result would depend on timing (torch's copy_
+    refuses partial overlap too). Both paths (kernel and plain torch) check, so both raise alike."""
+    by_device: dict = {}
+    for name, t, written in items:
+        lo, hi = _span(t)
+        if hi > lo:
+            by_device.setdefault(t.device, []).append((lo, hi, name, written))
+    for ranges in by_device.values():
+        ranges.sort(key=lambda r: r[0])
+        far_w = far_r = None  # earlier written / read range reaching furthest (sort-and-sweep)
+        for r in ranges:
+            hit = far_w if far_w and far_w[1] > r[0] else (far_r if r[3] and far_r and far_r[1] > r[0] else None)
+            if hit:
+                a, b = (hit, r) if hit[3] else (r, hit)
+                raise ValueError(f"{a[2]} and {b[2]} overlap in memory; each output needs its own buffer")
+            if r[3]:
+                far_w = r if far_w is None or r[1] > far_w[1] else far_w
+            else:
+                far_r = r if far_r is None or r[1] > far_r[1] else far_r
+
+
 def _kernel_ok(*tensors: torch.Tensor):
     """The extension when every tensor is a CPU tensor it can take, else None (torch path)."""
     if not all(t.device.type == "cpu" for t in tensors):
@@ -76,6 +107,8 @@ def _kernel_ok(*tensors: torch.Tensor):
 
 def copy_reference(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """Plain torch: dst <- src (cast like .to())."""
+    if src.is_contiguous():
+        _check_disjoint([("dst", dst, True), ("src", src, False)])
     dst.view(-1).copy_(src.reshape(-1))
     return dst
 
@@ -84,6 +117,8 @@ def copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """dst <- src, element for element (shapes may differ, numel must match); casts float32 <->
     bfloat16/float16 when the dtypes differ. Returns dst."""
     _check_pair("dst", dst, "src", src)
+    if src.is_contiguous():  # a strided src is copied to a fresh buffer first, on both paths
+        _check_disjoint([("dst", dst, True), ("src", src, False)])
     mod = _kernel_ok(dst, src)
     if mod is None:
         return copy_reference(dst, src)
@@ -183,6 +218,8 @@ def _prepare_flatten(tensors, out, align, dtype):
     else:
         _check_flat(out, "out", total, align)
         out = out[:total]
+        # out is written whole (padding too) before or while the tensors are read.
+        _check_disjoint([("out", out, True)] + [(f"tensors[{i}]", t, False) for i, t in enumerate(tensors)])
     return tensors, out, offsets
 
 
@@ -243,6 +280,7 @@ def _prepare_unflatten(flat, offsets, outs):
         seen.setdefault(o.dtype, i)
         end = off + n
     _check_casts("unflatten", [(i, dt) for dt, i in seen.items()], flat.dtype, "outs", "flat", False)
+    _check_disjoint([("flat", flat, False)] + [(f"outs[{i}]", o, True) for i, o in enumerate(outs)])
     return outs, offsets
 
 

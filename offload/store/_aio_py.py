@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import os
 import queue
 import threading
 import time
 
+_FOREVER_S = 1e8  # longer (or non-finite) timeouts wait forever: threading's timeouts overflow past ~9e9 s
 _MAX_RETRIES = 10000  # EAGAIN/EINTR resubmissions per piece before giving up (never spin forever)
 
 
@@ -30,13 +32,17 @@ class PyBatch:
         with self._cv:
             return self._error is not None
 
+    def abandoned(self) -> bool:
+        return False  # blocking calls: a piece is only retired once its syscall has returned
+
     def bytes(self) -> int:
         return sum(r[5] for r in self._reqs)
 
     def wait(self, timeout_s: float = -1.0) -> bool:
         with self._cv:
             # The caller needs the bytes (or the error) before it may touch the buffer again.
-            return self._cv.wait_for(lambda: self._pending == 0, None if timeout_s < 0 else timeout_s)
+            forever = timeout_s < 0 or not math.isfinite(timeout_s) or timeout_s > _FOREVER_S
+            return self._cv.wait_for(lambda: self._pending == 0, None if forever else timeout_s)
 
     def error(self) -> tuple:
         with self._cv:

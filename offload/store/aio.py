@@ -18,6 +18,7 @@ Files on filesystems that refuse O_DIRECT are reopened buffered, with one warnin
 from __future__ import annotations
 
 import errno as _errno
+import math
 import os
 import shutil
 import threading
@@ -58,6 +59,10 @@ class AioError(OSError):
 
 class AioTimeoutError(AioError, TimeoutError):
     """`AioHandle.wait(timeout)` ran out of time; the I/O is still in flight."""
+
+
+# Timeouts above this (about 3 years) mean "forever": the cores' clocks overflow on inf or 1e300.
+_FOREVER_S = 1e8
 
 
 def _errname(err: int) -> str:
@@ -128,6 +133,8 @@ class AioFile:
         self.alignment = alignment  # bytes; 1 for buffered files
         self._inflight: list = []   # batches that may still touch this fd (pruned as they finish)
         self._lock = threading.Lock()
+        self._pid = os.getpid()     # a forked child holds a copy of the fd but none of the I/O on it
+        self._engine = None         # weakref to the opening engine: takes over the fd if dropped mid-I/O
 
     @property
     def closed(self) -> bool:
@@ -146,10 +153,10 @@ class AioFile:
         if self.fd < 0:
             raise ValueError(f"offload aio: I/O on closed file '{self.path}'")
 
-    def _track(self, batch) -> None:
-        with self._lock:
-            self._inflight = [b for b in self._inflight if not b.done()]
-            self._inflight.append(batch)
+    def _track_locked(self, batch) -> None:
+        """Records a batch that may touch the fd; the caller holds self._lock (see AioEngine._submit)."""
+        self._inflight = [b for b in self._inflight if not b.done()]
+        self._inflight.append(batch)
 
     def close(self) -> None:
         """Waits for this file's in-flight I/O (the fd must outlive it), then closes. Idempotent."""
@@ -157,6 +164,8 @@ class AioFile:
             if self.fd < 0:
                 return
             pending, self._inflight = self._inflight, []
+            if os.getpid() != self._pid:
+                pending = []  # forked child: the I/O runs in the parent on the parent's fd; ours is a copy
             for b in pending:
                 b.wait(-1.0)  # closing the fd under a queued piece would read or write a reused fd
             fd, self.fd = self.fd, -1
@@ -168,9 +177,39 @@ class AioFile:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def __del__(self):
+        # Dropped without close(): the engine only holds files weakly, so the fd would leak. Close it
+        # now, or, while I/O still uses it, hand it to the engine to close once that I/O is over.
+        try:
+            fd = self.fd
+            if fd < 0:
+                return
+            self.fd = -1
+            pending = [b for b in self._inflight if not b.done()] if os.getpid() == self._pid else []
+            engine = self._engine() if self._engine is not None else None
+            if pending and engine is not None:
+                engine._adopt_fd(fd, pending)
+                return
+            for b in pending:
+                b.wait(-1.0)  # no engine left to hand the fd to; the kernel may still be using it
+            os.close(fd)
+        except Exception:
+            pass
+
     def __repr__(self) -> str:
         state = "closed" if self.fd < 0 else f"fd={self.fd}"
         return f"AioFile({self.path!r}, mode={self.mode!r}, direct={self.direct}, {state})"
+
+
+# Buffers of batches the engine had to abandon while the kernel may still own them (a broken io_uring
+# ring): kept referenced for the life of the process, so late kernel I/O can never land in reused memory.
+_ABANDONED: list = []
+
+
+def _release(batch, tensors: list) -> None:
+    """Drops the references a finished batch held, unless the kernel may still use the buffers."""
+    if tensors and batch.abandoned():
+        _ABANDONED.append(tensors)
 
 
 class AioHandle:
@@ -188,15 +227,24 @@ class AioHandle:
     def done(self) -> bool:
         """True once every piece has finished (successfully or not); never blocks."""
         if self._batch.done():
+            _release(self._batch, self._tensors)
             self._tensors = []
             return True
         return False
 
     def wait(self, timeout: float | None = None) -> None:
-        """Blocks (GIL released) until done; raises AioError on failure, AioTimeoutError on timeout."""
-        if not self._batch.wait(-1.0 if timeout is None else max(0.0, float(timeout))):
+        """Blocks (GIL released) until done; raises AioError on failure, AioTimeoutError on timeout.
+        timeout: seconds; None, inf or more than 1e8 wait forever."""
+        limit = -1.0
+        if timeout is not None:
+            limit = float(timeout)
+            if math.isnan(limit):
+                raise ValueError("offload aio: wait(timeout) must be a number of seconds or None, got nan")
+            limit = -1.0 if limit > _FOREVER_S else max(0.0, limit)  # inf included; see _FOREVER_S
+        if not self._batch.wait(limit):
             raise AioTimeoutError(_errno.ETIMEDOUT, f"offload aio: I/O of {self.nbytes} bytes still in flight "
                                   f"after {timeout} s")
+        _release(self._batch, self._tensors)
         self._tensors = []
         exc = self.exception()
         if exc is not None:
@@ -220,6 +268,8 @@ class AioHandle:
         try:
             if self._tensors and not self._batch.done():
                 self._engine._adopt(self._batch, self._tensors)
+            elif self._tensors:
+                _release(self._batch, self._tensors)
         except Exception:
             pass
 
@@ -257,8 +307,10 @@ class AioEngine:
         else:
             self._core = mod.AioEngineCore(backend, bs, queue_depth, workers)
         self._mod = mod
+        self._pid = os.getpid()  # the workers exist only in this process (see _submit)
         self._files: "weakref.WeakSet[AioFile]" = weakref.WeakSet()
         self._orphans: list[tuple] = []
+        self._orphan_fds: list[tuple] = []  # (fd, batches) of files dropped while their I/O ran
         self._lock = threading.Lock()
 
     # -- properties ------------------------------------------------------------------------------
@@ -294,6 +346,7 @@ class AioEngine:
         mode: "r" read-only, "r+" read/write existing, "w+" create or truncate, "x+" create, must not exist.
         """
         self._check_open()
+        self._reap_orphans()
         path = os.fspath(path)
         if mode not in _MODES:
             raise ValueError(f"offload aio: mode must be one of {sorted(_MODES)}, got {mode!r}")
@@ -315,6 +368,7 @@ class AioEngine:
         if use_direct:
             align = int(self._mod.aio_dio_alignment(fd)) if self._mod is not None else 4096
         f = AioFile(path, fd, mode, use_direct, align)
+        f._engine = weakref.ref(self)
         with self._lock:
             self._files.add(f)
         return f
@@ -366,9 +420,14 @@ class AioEngine:
 
     def _submit(self, items: list, write: bool) -> AioHandle:
         self._check_open()
+        if os.getpid() != self._pid:
+            # fork() copies no worker thread: queued pieces would never run and wait() would hang.
+            raise RuntimeError(f"offload aio: engine created in pid {self._pid} cannot be used after fork (this "
+                               f"is pid {os.getpid()}, where its worker threads do not exist); create a new "
+                               f"AioEngine in the child")
         self._reap_orphans()
         op = "write" if write else "read"
-        reqs, keep, files = [], [], []
+        reqs, keep, files = [], [], {}
         for item in items:
             f, offset, t = item
             if not isinstance(f, AioFile):
@@ -386,12 +445,25 @@ class AioEngine:
             addr = t.data_ptr()
             if f.direct and nbytes:
                 self._check_aligned(f, op, addr, offset, nbytes)
-            reqs.append((f.fd, write, f.path, offset, addr, nbytes))
+            reqs.append((f, write, f.path, offset, addr, nbytes))
             keep.append(t)
-            files.append(f)
-        batch = self._core.submit(reqs)
-        for f in set(files):
-            f._track(batch)
+            files[id(f)] = f
+        # Hold every file's lock (in one global order, so two submits cannot deadlock) from the open
+        # check through recording the batch: a close() from another thread then waits for this batch
+        # instead of closing the fd while its pieces are queued (EBADF, or bytes written into whatever
+        # file reuses the fd number).
+        locked = sorted(files.values(), key=id)
+        for f in locked:
+            f._lock.acquire()
+        try:
+            for f in locked:
+                f._check_open()
+            batch = self._core.submit([(r[0].fd,) + r[1:] for r in reqs])  # fds read under the locks
+            for f in locked:
+                f._track_locked(batch)
+        finally:
+            for f in reversed(locked):
+                f._lock.release()
         return AioHandle(self, batch, keep)
 
     @staticmethod
@@ -413,10 +485,28 @@ class AioEngine:
         with self._lock:
             self._orphans.append((batch, tensors))
 
+    def _adopt_fd(self, fd: int, batches: list) -> None:
+        with self._lock:
+            self._orphan_fds.append((fd, batches))
+
     def _reap_orphans(self) -> None:
+        done_fds = []
         with self._lock:
             if self._orphans:
+                for batch, tensors in self._orphans:
+                    if batch.done():
+                        _release(batch, tensors)
                 self._orphans = [o for o in self._orphans if not o[0].done()]
+            if self._orphan_fds:
+                still = []
+                for fd, batches in self._orphan_fds:
+                    if all(b.done() for b in batches):
+                        done_fds.append(fd)
+                    else:
+                        still.append((fd, batches))
+                self._orphan_fds = still
+        for fd in done_fds:
+            os.close(fd)
 
     def _check_open(self) -> None:
         if self._core.closed:
@@ -430,9 +520,14 @@ class AioEngine:
         self._core.close()  # GIL released while joining
         with self._lock:
             files = list(self._files)
+            for batch, tensors in self._orphans:
+                _release(batch, tensors)  # every batch is over now: the core has joined its workers
             self._orphans = []
+            fds, self._orphan_fds = [fd for fd, _ in self._orphan_fds], []
         for f in files:
             f.close()
+        for fd in fds:  # the workers are joined: no I/O can still use these
+            os.close(fd)
 
     def __enter__(self) -> "AioEngine":
         return self

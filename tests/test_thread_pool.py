@@ -1,0 +1,98 @@
+"""The kernel thread pool (csrc/common/thread_pool.cpp): usable in a forked child, settings that never
+wait for a running kernel, and a bound on the thread count."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from offload import _ext, ops
+
+C = _ext.get()
+pytestmark = pytest.mark.skipif(C is None, reason=f"C++ extension unavailable: {_ext.error()}")
+
+
+@pytest.fixture
+def two_threads():
+    before = C.num_threads()
+    C.set_num_threads(2)
+    yield
+    C.set_num_threads(before)
+
+
+def _wait_child(pid: int, timeout: float = 30.0) -> int:
+    """Exit code of the child, or kills it and fails when it does not finish (a hang)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail(f"the forked child hung for {timeout} s")
+
+
+def test_kernels_run_in_a_forked_child(two_threads):
+    src = torch.randn(1 << 20)
+    dst = torch.empty(1 << 20, dtype=torch.bfloat16)
+    ops.copy_(dst, src)  # starts the pool's workers in this process
+    expected = src.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    pid = os.fork()
+    if pid == 0:  # child: the workers above do not exist here
+        # (No parallel torch op in the child: torch's own OpenMP pool may hang after fork.)
+        code = 1
+        try:
+            out = torch.empty(1 << 20, dtype=torch.bfloat16)
+            ops.copy_(out, src)  # several chunks: needs helpers
+            same = out.view(torch.int16).numpy().tobytes() == expected
+            code = 0 if same and C.num_threads() == 2 else 2
+        finally:
+            os._exit(code)
+    assert _wait_child(pid) == 0
+    ops.copy_(dst, src)  # the parent's pool is untouched
+    assert torch.equal(dst, src.to(torch.bfloat16))
+
+
+def test_thread_count_is_read_and_set_while_a_kernel_runs():
+    before, isa = C.num_threads(), C.active_isa()
+    C.set_num_threads(1)
+    C.set_isa("scalar")  # one long kernel call (~0.3 s here) that holds the pool's run lock
+    n = 24 << 20
+    p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
+    last = p[-1].item()  # the kernel (one thread, chunks in order) updates this element at its very end
+    started = threading.Event()
+
+    def run():
+        started.set()
+        ops.adamw_step_(p, g, m, v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+
+    t = threading.Thread(target=run)
+    try:
+        t.start()
+        started.wait()
+        time.sleep(0.05)  # let the kernel start
+        # Both used to take the run lock: they waited (holding the GIL) until the kernel finished.
+        assert C.num_threads() == 1
+        C.set_num_threads(2)
+        assert p[-1].item() == last, "num_threads()/set_num_threads() waited for the running kernel"
+    finally:
+        t.join()
+        C.set_num_threads(before)
+        C.set_isa("auto" if isa == C.best_isa() else isa)
+    assert C.num_threads() == before
+
+
+def test_thread_count_is_bounded():
+    before = C.num_threads()
+    with pytest.raises(ValueError, match="between 1 and 1024"):
+        C.set_num_threads(5000)
+    with pytest.raises(ValueError, match="between 1 and 1024"):
+        ops.set_num_threads(-1)
+    assert C.num_threads() == before
+    C.set_num_threads(1024)  # the bound itself is allowed (threads start only as chunks need them)
+    assert C.num_threads() == 1024
+    C.set_num_threads(before)
