@@ -14,23 +14,12 @@ from offload.zero.state import UnitState
 from offload.zero.units import choose_unit_modules
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import DIM, SEQ, VOCAB, TinyTransformer, compute_loss, make_llama, transformers_available  # noqa: E402
+from zero_common import DIM, SEQ, VOCAB, TinyTransformer, compute_loss, make_llama, transformers_available, one_torch_thread, small_config as _cfg  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _cfg(**kw):
-    kw.setdefault("params", "cpu")
-    kw.setdefault("optimizer", "cpu")
-    kw.setdefault("device_budget", "64MiB")
-    kw.setdefault("cpu_budget", "256MiB")
-    return offload.Config(**kw)
+    yield from one_torch_thread()
 
 
 def _ids(n=2, seed=0):

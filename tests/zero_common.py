@@ -331,10 +331,29 @@ def state_dict_check(seed: int = 11) -> dict:
     pre = TinyTransformer()
     want = pre.state_dict()
     with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="64MiB",
-                                     device_budget="64MiB")) as rt:
+                                     device_budget="64MiB")):
         model = TinyTransformer()
         model.load_state_dict(want)
         got = model.state_dict()
         shapes_ok = all(got[k].shape == v.shape for k, v in want.items()) and list(got) == list(want)
         worst = max((got[k] - v).abs().max().item() for k, v in want.items())
     return {"case": "state_dict", "max_abs_diff": worst, "shapes_ok": shapes_ok, "tensors": len(want)}
+
+
+def one_torch_thread():
+    """Body of a fixture: torch ops on one thread (the 2-core CI box runs the grid side by side)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def small_config(**kw):
+    """A cpu/cpu offload.Config with budgets that fit the tiny test models."""
+    import offload
+
+    kw.setdefault("params", "cpu")
+    kw.setdefault("optimizer", "cpu")
+    kw.setdefault("device_budget", "64MiB")
+    kw.setdefault("cpu_budget", "256MiB")
+    return offload.Config(**kw)
