@@ -2,15 +2,13 @@
 reference: every ISA path, grad dtypes, bf16/fp16 out, bf16 moments, thread counts, NaN bits, bad inputs."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 from offload import _ext
+from _fallback import run_without_extension
 from offload.ops import adamw_step_, adamw_step_reference
 
 C = _ext.get()
@@ -308,11 +306,7 @@ def test_fallback_without_extension_warns_and_matches_torch(tmp_path):
         print("ok")
         """
     )
-    env = dict(os.environ, OFFLOAD_DISABLE_EXT="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+    run_without_extension(script)
 
 
 def _bad_cases():

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import copy
 import io
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -14,6 +11,7 @@ import torch
 
 import offload
 from offload import _ext
+from _fallback import run_without_extension
 from offload.optim import step_flat
 
 RTOL = 1e-5  # and an absolute floor of 1e-5 * lr: see tests/test_adam_kernel.py
@@ -280,11 +278,7 @@ def test_fallback_optimizer_without_extension_matches_torch():
         print("ok")
         """
     )
-    env = dict(os.environ, OFFLOAD_DISABLE_EXT="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+    run_without_extension(script)
 
 
 @pytest.mark.skipif(_ext.get() is None, reason="C++ extension unavailable")

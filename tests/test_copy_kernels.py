@@ -1,10 +1,9 @@
 """Copy / cast / flatten kernels (csrc/copy) against torch: every ISA path, thread counts, edge values."""
-import os
-
 import pytest
 import torch
 
 from offload import _ext
+from _fallback import run_without_extension
 from offload.ops import copy as oc
 
 _C = _ext.get()
@@ -266,9 +265,6 @@ def test_flatten_errors_name_the_argument():
 
 def test_fallback_without_extension_matches(tmp_path):
     # The plain-torch path (no compiler) must give the same bytes; run it in a child with the extension disabled.
-    import subprocess
-    import sys
-
     code = (
         "import torch, warnings; from offload.ops import copy as oc\n"
         "x = torch.randn(5000); y = torch.empty(5000, dtype=torch.bfloat16)\n"
@@ -279,9 +275,7 @@ def test_fallback_without_extension_matches(tmp_path):
         "f, o = oc.flatten([x, x[:7]]); assert o == [0, 5120] and torch.equal(f[5120:], x[:7])\n"
         "print('ok')\n"
     )
-    env = dict(os.environ, OFFLOAD_DISABLE_EXT="1")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=os.getcwd())
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+    run_without_extension(code)
 
 
 @pytest.mark.parametrize("impl", ["kernel", "reference"])
