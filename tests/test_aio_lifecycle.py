@@ -14,7 +14,8 @@ from offload.store.aio import AioEngine, AioError, aio_backends, aligned_empty
 
 
 def _settle(count_fn, baseline: int, timeout: float = 5.0) -> int:
-    """io_uring's kernel helper threads (iou-wrk) exit asynchronously after the ring goes: poll a while."""
+    """Engine threads are joined by close(); poll a while anyway, so a slow exit on a busy machine is not
+    taken for a leak (io_uring's own kernel helpers are not counted: see thread_count)."""
     deadline = time.monotonic() + timeout
     n = count_fn()
     while n > baseline and time.monotonic() < deadline:
