@@ -164,8 +164,8 @@ def test_transitions_assert_their_preconditions(store):
     s = store._shards["x"]
     with pytest.raises(AssertionError, match="move CPU->NVME while NVME"):
         store._transition(s, R.CPU, R.NVME)
-    with pytest.raises(AssertionError, match="move NVME->DEVICE while NVME"):  # not an allowed edge
-        store._transition(s, R.NVME, R.DEVICE)
+    with pytest.raises(AssertionError, match="move NVME->TO_CPU while NVME"):  # not an allowed edge
+        store._transition(s, R.NVME, R.TO_CPU)
     assert store.residency("x") is R.NVME
     # every in-flight state has a way back (a failed move returns where it started)
     for mid in (R.READING, R.TO_DEVICE, R.TO_CPU, R.WRITING):

@@ -2,6 +2,8 @@
 Knows nothing about modules or optimizers.
 
     TieredStore, StoreConfig   tiered_store.py  (the API is in its docstring)
+    Lease, LeaseMode           lease.py         (one piece of work's claim on a shard's bytes)
+    Link                       links.py         (bytes and busy time per link)
     Residency, Tier            residency.py     (where a shard's bytes are)
     PinnedArena                arena.py         (one page-locked allocation, exact sub-allocation)
     parse_size, format_bytes   sizes.py         ("60GiB")
@@ -9,8 +11,10 @@ Knows nothing about modules or optimizers.
     SwapDir, SwapFile          swap_file.py     (preallocated swap files)
     AioEngine                  aio.py           (async O_DIRECT engine)
 """
-from .arena import ArenaBlock, ArenaFullError, PinnedArena
+from .arena import ArenaBlock, ArenaBusyError, ArenaFullError, PinnedArena
 from .budget import AUTO_FRACTION, resolve_budget
+from .lease import Lease, LeaseMode
+from .links import Link
 from .residency import Residency, Tier
 from .sizes import format_bytes, parse_size
 from .swap_file import SwapSpaceError
@@ -18,6 +22,6 @@ from .tiered_store import ShardInfo, StoreConfig, StoreError, TieredStore
 
 __all__ = [
     "TieredStore", "StoreConfig", "StoreError", "ShardInfo", "Residency", "Tier",
-    "PinnedArena", "ArenaBlock", "ArenaFullError", "SwapSpaceError",
+    "PinnedArena", "ArenaBlock", "ArenaFullError", "ArenaBusyError", "SwapSpaceError", "Lease", "LeaseMode", "Link",
     "parse_size", "format_bytes", "resolve_budget", "AUTO_FRACTION",
 ]

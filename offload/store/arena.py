@@ -36,13 +36,18 @@ import torch
 
 from .sizes import format_bytes, parse_size
 
-__all__ = ["PinnedArena", "ArenaBlock", "ArenaFullError", "ALIGN"]
+__all__ = ["PinnedArena", "ArenaBlock", "ArenaFullError", "ArenaBusyError", "ALIGN"]
 
 ALIGN = 4096
 
 
 class ArenaFullError(MemoryError):
     """A request that can never be satisfied (larger than the arena) or that timed out waiting."""
+
+
+class ArenaBusyError(ArenaFullError):
+    """No range is free now and none came free within the timeout (timeout=0: at once): the request
+    itself could fit, so a caller may back off and try later."""
 
 
 def _round_up(n: int, a: int = ALIGN) -> int:
@@ -195,7 +200,7 @@ class PinnedArena:
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise ArenaFullError(
+                    raise ArenaBusyError(
                         f"{self.name}: timed out after {timeout}s waiting for {format_bytes(nbytes)}; "
                         f"{format_bytes(self.bytes_in_use)} of {format_bytes(self.capacity)} in use, largest free "
                         f"range {format_bytes(max(self._free_sizes.values(), default=0))}"

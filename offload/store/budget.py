@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .arena import ArenaFullError, PinnedArena
+from .arena import ArenaBusyError, ArenaFullError, PinnedArena
 from .sizes import format_bytes, parse_size
 
 __all__ = ["AUTO_FRACTION", "resolve_budget", "DeviceTier"]
@@ -106,7 +106,7 @@ class DeviceTier:
             while self._in_use + size > self.capacity:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise ArenaFullError(
+                    raise ArenaBusyError(
                         f"device tier: timed out after {timeout}s waiting for {format_bytes(nbytes)}; "
                         f"{format_bytes(self._in_use)} of {format_bytes(self.capacity)} in use"
                     )

@@ -30,6 +30,8 @@ class Residency(enum.Enum):
     slot, home cpu buffer or home device buffer) holds the bytes of the last writeback.
 
     NVME       home nvme, nothing fetched: the bytes are only in the swap-file slot.
+    (fetch(read=False) goes straight to CPU or DEVICE: a working copy whose bytes are undefined until the
+    caller has written them, made without reading anything.)
     READING    swap-file slot -> cpu staging buffer in flight; the staging buffer holds nothing valid yet.
     CPU        the working copy is in a cpu (arena) buffer: the home buffer (home cpu) or a staging buffer
                (home nvme, fetched to cpu).
@@ -61,5 +63,6 @@ TRANSITIONS: frozenset[tuple[Residency, Residency]] = frozenset(
         (R.CPU, R.WRITING), (R.WRITING, R.CPU),                                # writeback of a cpu copy
         (R.TO_CPU, R.WRITING), (R.WRITING, R.DEVICE),                          # writeback of a device copy
         (R.CPU, R.NVME), (R.DEVICE, R.CPU), (R.DEVICE, R.NVME),                # release
-    }
+        (R.NVME, R.CPU), (R.NVME, R.DEVICE), (R.CPU, R.DEVICE),                # fetch(read=False): a working
+    }                                                                          # copy the caller overwrites
 )

@@ -8,7 +8,10 @@
         x.mul_(0.5)
         store.writeback("layer0.master")                   # Future[None]: working copy -> home copy
         store.release("layer0.master")                     # Future[None]: drop the working copy
+        lease = store.lease("layer0.master", "cpu", LeaseMode.UPDATE)  # the same as one claim (lease.py)
         store.stats()                                      # bytes in use / peak per tier, bytes moved
+
+Shard names are strings or small frozen records (any hashable; str() of it appears in messages).
 
 Every shard has a home tier that always holds a copy (the *home copy*: a swap-file slot, a cpu buffer
 in the pinned arena, or a device buffer). fetch(name, tier) makes a *working copy* in a faster tier and
@@ -29,7 +32,10 @@ Guarantees
 - Budgets: cpu buffers come from one PinnedArena whose capacity is the cpu budget; device buffers from
   a DeviceTier of the device budget; swap slots are counted against the nvme budget at register time.
   A request that can never fit raises (naming the size and the budget); one that does not fit *now*
-  blocks in the calling thread until a release frees space (`timeout`, else StoreConfig.alloc_timeout).
+  blocks in the calling thread until a release frees space (`timeout`, else StoreConfig.alloc_timeout),
+  or with timeout=0 raises ArenaBusyError at once (a prefetch backs off instead of stalling).
+- fetch(name, tier, read=False) makes a working copy without reading it (its bytes are undefined until
+  the caller writes them all): no I/O for bytes about to be overwritten.
 - Residency (residency.py) is written only by _transition, which asserts the move is allowed.
 - close() (or leaving `with`, also by an exception) cancels moves not yet started, waits for the
   ones running, joins the worker threads and the aio engine, frees the arena and removes the swap
@@ -42,14 +48,18 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from ..ops.copy import copy_ as _host_copy
-from .arena import ArenaFullError, PinnedArena
+from .. import inject
+from ..telemetry import Queue
+from .arena import ArenaBusyError, ArenaFullError, PinnedArena
 from .budget import DeviceTier, resolve_budget
+from .lease import Lease, LeaseMode
+from .links import Link, LinkMeter
 from .residency import TRANSITIONS, Residency, Tier
 from .sizes import format_bytes
 from .swap_file import SLOT_ALIGN, SwapDir, SwapFile, SwapSpaceError
@@ -85,7 +95,7 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class ShardInfo:
-    name: str
+    name: object
     numel: int
     dtype: torch.dtype
     home: Tier
@@ -96,7 +106,7 @@ class ShardInfo:
 
 @dataclass(eq=False)
 class _Shard:
-    name: str
+    name: object
     numel: int
     dtype: torch.dtype
     home: Tier
@@ -110,7 +120,6 @@ class _Shard:
     dev_block: object = None  # working copy on the device (home cpu / nvme)
     target: Tier | None = None  # where the working copy will be once queued moves ran (None: home only)
     last: cf.Future | None = None  # the last move queued for this shard
-    extra: dict = field(default_factory=dict)
 
 
 def _view(block, s: _Shard) -> torch.Tensor:
@@ -132,7 +141,7 @@ class TieredStore:
         self._cancelling = False
         self._shards: dict[str, _Shard] = {}
         self._inflight: set[cf.Future] = set()
-        self._moved = {"nvme->cpu": 0, "cpu->nvme": 0, "cpu->device": 0, "device->cpu": 0}
+        self._links = LinkMeter()
         self._home_bytes = {"cpu": 0, "dev": 0}  # budget held for good by home buffers (4096-rounded)
         self._swap: dict[str, SwapFile] = {}
         self._swapdir: SwapDir | None = None
@@ -176,8 +185,8 @@ class TieredStore:
         differs) or zeros. The future resolves once the home copy holds them."""
         self._check_open()
         home = Tier(home)
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        if name is None or name == "" or getattr(type(name), "__hash__", None) is None:
+            raise ValueError(f"name must be a non-empty string or a hashable record, got {name!r}")
         if name in self._shards:
             raise ValueError(f"shard {name!r} is already registered")
         numel = int(numel)
@@ -242,10 +251,12 @@ class TieredStore:
             self._shards[name] = s
         return self._done(None)
 
-    def fetch(self, name: str, tier: str | Tier = "device", timeout: float | None = None) -> cf.Future:
+    def fetch(self, name, tier: str | Tier = "device", timeout: float | None = None,
+              read: bool = True) -> cf.Future:
         """Future[Tensor]: the shard's bytes in `tier` (1-D, its dtype). A tier faster than home gets a
-        working copy (buffers taken from that tier's budget, waiting for space in this thread); the
-        home tier returns the home copy."""
+        working copy (buffers taken from that tier's budget, waiting for space in this thread; timeout=0:
+        ArenaBusyError at once when there is none now); the home tier returns the home copy.
+        read=False: a working copy made without reading anything into it (the caller overwrites it all)."""
         s = self._get(name)
         tier = Tier(tier)
         if tier is Tier.NVME or tier.rank > s.home.rank:
@@ -259,17 +270,29 @@ class TieredStore:
             if tier is Tier.CPU:
                 need = ["cpu"]
             else:
-                need = ["dev", "cpu"] if (plan is None and s.home is Tier.NVME) else ["dev"]
+                staged = plan is None and s.home is Tier.NVME and read  # nvme -> cpu -> device
+                need = ["dev", "cpu"] if staged else ["dev"]
         new = self._alloc(s, need, timeout)
         after = self._stream_point()
         with self._lock:
             if tier is not s.home:
                 s.target = tier
-            fut, kick = self._chain(s, lambda: self._do_fetch(s, tier, new, after), new)
+            fut, kick = self._chain(s, lambda: self._do_fetch(s, tier, new, after, read), new)
         kick()  # outside the lock: may run the move's first step (its I/O submission) right here
         return fut
 
-    def writeback(self, name: str, timeout: float | None = None) -> cf.Future:
+    def lease(self, name, tier: str | Tier, mode: LeaseMode, block: bool = True) -> Lease | None:
+        """A claim on the shard's bytes in `tier` for one piece of work (see lease.py), returned at once.
+        block=False: None when the tier has no room now (a prefetch backs off; nothing was queued)."""
+        try:
+            ready = self.fetch(name, tier, timeout=None if block else 0, read=mode is not LeaseMode.OVERWRITE)
+        except ArenaBusyError:
+            if block:
+                raise
+            return None
+        return Lease(self, name, Tier(tier), mode, ready)
+
+    def writeback(self, name, timeout: float | None = None) -> cf.Future:
         """Future[None]: copy the working copy to the home copy (no-op without a working copy)."""
         s = self._get(name)
         new = self._alloc(s, self._writeback_needs(s), self.config.alloc_timeout if timeout is None else timeout)
@@ -279,7 +302,7 @@ class TieredStore:
         kick()  # outside the lock: may run the move's first step (its I/O submission) right here
         return fut
 
-    def release(self, name: str, writeback: bool = False, timeout: float | None = None) -> cf.Future:
+    def release(self, name, writeback: bool = False, timeout: float | None = None) -> cf.Future:
         """Future[None]: free the working copy (after writing it home when `writeback`); its buffer
         returns to its tier's budget once every move of it has finished."""
         s = self._get(name)
@@ -292,14 +315,14 @@ class TieredStore:
         kick()  # outside the lock: may run the move's first step (its I/O submission) right here
         return fut
 
-    def residency(self, name: str) -> Residency:
+    def residency(self, name) -> Residency:
         return self._get(name).residency
 
-    def info(self, name: str) -> ShardInfo:
+    def info(self, name) -> ShardInfo:
         s = self._get(name)
         return ShardInfo(s.name, s.numel, s.dtype, s.home, s.tier_class, s.nbytes, s.residency)
 
-    def names(self) -> list[str]:
+    def names(self) -> list:
         return list(self._shards)
 
     def wait_all(self, timeout: float | None = None) -> None:
@@ -315,8 +338,8 @@ class TieredStore:
 
     def stats(self) -> dict:
         """Bytes in use / peak / capacity per tier and bytes moved per direction."""
+        links = self._links.snapshot()
         with self._lock:
-            moved = dict(self._moved)
             inflight = len(self._inflight)
             nvme_used = self._nvme_used
         a, d = self._arena, self._dev
@@ -325,7 +348,8 @@ class TieredStore:
             "cpu": {"capacity": a.capacity, "bytes_in_use": a.bytes_in_use, "peak_bytes": a.peak_bytes,
                     "locked": a.locked, "lock_kind": a.lock_kind},
             "nvme": {"capacity": self.nvme_capacity, "bytes_in_use": nvme_used, "peak_bytes": nvme_used},
-            "moved": moved,
+            "moved": {link: nbytes for link, (nbytes, _) in links.items()},
+            "busy_s": {link: busy for link, (_, busy) in links.items()},
             "shards": len(self._shards),
             "in_flight": inflight,
         }
@@ -371,7 +395,7 @@ class TieredStore:
         if self._closed:
             raise StoreError("the store is closed")
 
-    def _get(self, name: str) -> _Shard:
+    def _get(self, name) -> _Shard:
         self._check_open()
         s = self._shards.get(name)
         if s is None:
@@ -417,8 +441,8 @@ class TieredStore:
                     if home:
                         with self._lock:
                             self._home_bytes[k] -= size
-                    if isinstance(e, ArenaFullError):
-                        raise ArenaFullError(f"shard {s.name!r} ({format_bytes(s.nbytes)}): {e}") from None
+                    if isinstance(e, ArenaFullError):  # ArenaBusyError stays one: the caller may back off
+                        raise type(e)(f"shard {s.name!r} ({format_bytes(s.nbytes)}): {e}") from None
                     raise
         except BaseException:
             for b in new.values():
@@ -534,10 +558,6 @@ class TieredStore:
                 raise AssertionError(f"store bug: shard {s.name!r} move {frm.name}->{to.name} while {s.residency.name}")
             s.residency = to
 
-    def _count(self, direction: str, nbytes: int) -> None:
-        with self._lock:
-            self._moved[direction] += nbytes
-
     # ------------------------------------------------------------------ internals: data movement
 
     def _sync(self, t: torch.Tensor) -> None:
@@ -555,8 +575,19 @@ class TieredStore:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> None:
-        """dst <- src between host and device buffers; returns when the bytes have landed."""
+    def _copy(self, s: _Shard, link: Link, dst: torch.Tensor, src: torch.Tensor, after=None) -> None:
+        """dst <- src between host and device buffers (one of s's moves, over `link`: without a GPU both are
+        host tensors); returns when the bytes have landed."""
+        started = self._links.begin(link)
+        ok = False
+        try:
+            self._copy_now(dst, src, after)
+            inject.pause(Queue.COPY)
+            ok = True
+        finally:
+            self._links.end(link, started, s.nbytes, s.name, ok)
+
+    def _copy_now(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> None:
         if dst.device.type == "cpu" and src.device.type == "cpu":
             _host_copy(dst, src)  # multi-threaded C++ copy (GIL released)
             return
@@ -575,22 +606,34 @@ class TieredStore:
     def _read(self, s: _Shard, blk):
         if blk.reserved == 0:
             return
-        h = self._engine.read(s.swap.file, s.slot, blk.padded())
-        yield h  # resumed once the read is over: the buffer is valid only then
+        started = self._links.begin(Link.NVME_TO_CPU)
+        ok = False
         try:
-            h.wait()  # already over; raises the read's error here, where the caller undoes its state
-        except OSError:
-            s.swap.check_intact(s.slot + blk.reserved)  # a file cut short says so (clearer than ENODATA)
-            raise
-        self._count("nvme->cpu", s.nbytes)
+            h = self._engine.read(s.swap.file, s.slot, blk.padded())
+            yield h  # resumed once the read is over: the buffer is valid only then
+            try:
+                h.wait()  # already over; raises the read's error here, where the caller undoes its state
+            except OSError:
+                s.swap.check_intact(s.slot + blk.reserved)  # a file cut short says so (clearer than ENODATA)
+                raise
+            inject.pause(Queue.NVME_READ)  # in the worker: a slow disk, not a slow caller
+            ok = True
+        finally:
+            self._links.end(Link.NVME_TO_CPU, started, s.nbytes, s.name, ok)
 
     def _write(self, s: _Shard, blk):
         if blk.reserved == 0:
             return
-        h = self._engine.write(s.swap.file, s.slot, blk.padded())
-        yield h  # resumed once the write is over: the buffer may be reused or freed only then
-        h.wait()  # already over; raises the write's error here
-        self._count("cpu->nvme", s.nbytes)
+        started = self._links.begin(Link.CPU_TO_NVME)
+        ok = False
+        try:
+            h = self._engine.write(s.swap.file, s.slot, blk.padded())
+            yield h  # resumed once the write is over: the buffer may be reused or freed only then
+            h.wait()  # already over; raises the write's error here
+            inject.pause(Queue.NVME_WRITE)  # in the worker: a slow disk, not a slow caller
+            ok = True
+        finally:
+            self._links.end(Link.CPU_TO_NVME, started, s.nbytes, s.name, ok)
 
     def _nvme_to_cpu(self, s: _Shard, new: dict):
         blk = new.get("cpu")
@@ -605,7 +648,7 @@ class TieredStore:
         s.cpu_block, new["cpu"] = blk, None
         self._transition(s, R.READING, R.CPU)
 
-    def _do_fetch(self, s: _Shard, tier: Tier, new: dict, after=None):
+    def _do_fetch(self, s: _Shard, tier: Tier, new: dict, after=None, read: bool = True):
         try:
             st = s.residency
             if tier is s.home:
@@ -613,22 +656,29 @@ class TieredStore:
             if tier is Tier.CPU:  # home nvme
                 if st is R.CPU:
                     return _view(s.cpu_block, s)
-                if st is R.NVME:
-                    yield from self._nvme_to_cpu(s, new)
-                    return _view(s.cpu_block, s)
-                blk = new.get("cpu")  # st is DEVICE: the working copy comes down to cpu
+                blk = new.get("cpu")
                 if blk is None:
                     raise StoreError(f"shard {s.name!r}: moved while this fetch was being queued; fetch again")
-                yield _TO_WORKER  # copies run in a worker, never in the caller
-                self._transition(s, R.DEVICE, R.TO_CPU)
-                try:
-                    self._copy(_view(blk, s), _view(s.dev_block, s), after)
-                except BaseException:
-                    self._transition(s, R.TO_CPU, R.DEVICE)
-                    raise
+                if st is R.NVME:
+                    if read:
+                        yield from self._nvme_to_cpu(s, new)
+                    else:  # the caller overwrites it all: nothing to read
+                        s.cpu_block, new["cpu"] = blk, None
+                        self._transition(s, R.NVME, R.CPU)
+                    return _view(s.cpu_block, s)
+                # st is DEVICE: the working copy comes down to cpu
+                if read:
+                    yield _TO_WORKER  # copies run in a worker, never in the caller
+                    self._transition(s, R.DEVICE, R.TO_CPU)
+                    try:
+                        self._copy(s, Link.DEVICE_TO_CPU, _view(blk, s), _view(s.dev_block, s), after)
+                    except BaseException:
+                        self._transition(s, R.TO_CPU, R.DEVICE)
+                        raise
+                    self._transition(s, R.TO_CPU, R.CPU)
+                else:
+                    self._transition(s, R.DEVICE, R.CPU)
                 s.cpu_block, new["cpu"] = blk, None
-                self._transition(s, R.TO_CPU, R.CPU)
-                self._count("device->cpu", s.nbytes)
                 dev, s.dev_block = s.dev_block, None
                 dev.free()
                 return _view(s.cpu_block, s)
@@ -638,19 +688,25 @@ class TieredStore:
             dev = new.get("dev")
             if dev is None:
                 raise StoreError(f"shard {s.name!r}: moved while this fetch was being queued; fetch again")
+            if not read:  # the caller overwrites it all: no read, no copy
+                self._transition(s, st, R.DEVICE)  # from NVME, or CPU (a cpu working copy is dropped)
+                s.dev_block, new["dev"] = dev, None
+                if s.home is Tier.NVME and s.cpu_block is not None:
+                    stg, s.cpu_block = s.cpu_block, None
+                    stg.free()
+                return _view(s.dev_block, s)
             if st is R.NVME:
                 yield from self._nvme_to_cpu(s, new)
             src = s.cpu_block if s.home is Tier.NVME else s.home_block
             yield _TO_WORKER  # copies run in a worker, never in the caller
             self._transition(s, R.CPU, R.TO_DEVICE)
             try:
-                self._copy(_view(dev, s), _view(src, s), after)
+                self._copy(s, Link.CPU_TO_DEVICE, _view(dev, s), _view(src, s), after)
             except BaseException:
                 self._transition(s, R.TO_DEVICE, R.CPU)
                 raise
             s.dev_block, new["dev"] = dev, None
             self._transition(s, R.TO_DEVICE, R.DEVICE)
-            self._count("cpu->device", s.nbytes)
             if s.home is Tier.NVME:  # the staging buffer has done its job
                 stg, s.cpu_block = s.cpu_block, None
                 stg.free()
@@ -674,8 +730,7 @@ class TieredStore:
         if s.home is Tier.CPU:
             self._transition(s, R.DEVICE, R.TO_CPU)
             try:
-                self._copy(_view(s.home_block, s), _view(s.dev_block, s), after)
-                self._count("device->cpu", s.nbytes)
+                self._copy(s, Link.DEVICE_TO_CPU, _view(s.home_block, s), _view(s.dev_block, s), after)
             finally:
                 self._transition(s, R.TO_CPU, R.DEVICE)
             return
@@ -684,8 +739,7 @@ class TieredStore:
             raise StoreError(f"shard {s.name!r}: moved while this writeback was being queued; write back again")
         self._transition(s, R.DEVICE, R.TO_CPU)
         try:
-            self._copy(_view(stg, s), _view(s.dev_block, s), after)
-            self._count("device->cpu", s.nbytes)
+            self._copy(s, Link.DEVICE_TO_CPU, _view(stg, s), _view(s.dev_block, s), after)
         except BaseException:
             self._transition(s, R.TO_CPU, R.DEVICE)
             raise
