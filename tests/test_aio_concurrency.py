@@ -111,7 +111,7 @@ def test_files_dropped_without_close_release_their_fd(backend, tmp_path):
             f = eng.open(tmp_path / f"drop{i % 3}.bin", "w+")
             del f
         gc.collect()
-        assert fd_count() == base  # was: 20 fds leaked until the process exit
+        assert fd_count() <= base  # was: 20 fds leaked until the process exit
         # Dropped while its write is still in flight: the fd must stay open until the write is over.
         f = eng.open(tmp_path / "inflight.bin", "w+")
         h = eng.write(f, 0, data)
@@ -121,7 +121,7 @@ def test_files_dropped_without_close_release_their_fd(backend, tmp_path):
         assert file_bytes(str(tmp_path / "inflight.bin"), 0, data.numel()) == data.numpy().tobytes()
         with eng.open(tmp_path / "next.bin", "w+"):  # the engine closes handed-over fds on its next call
             pass
-        assert fd_count() == base
+        assert fd_count() <= base
 
 
 class _AbandonedBatch:

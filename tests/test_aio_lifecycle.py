@@ -3,6 +3,7 @@ exceptions; the backend reported is the one asked for."""
 from __future__ import annotations
 
 import errno
+import gc
 import threading
 import time
 
@@ -15,7 +16,11 @@ from offload.store.aio import AioEngine, AioError, aio_backends, aligned_empty
 
 def _settle(count_fn, baseline: int, timeout: float = 5.0) -> int:
     """Engine threads are joined by close(); poll a while anyway, so a slow exit on a busy machine is not
-    taken for a leak (io_uring's own kernel helpers are not counted: see thread_count)."""
+    taken for a leak (io_uring's own kernel helpers are not counted: see thread_count).
+
+    Leak checks assert "no more than the baseline": a leak adds threads or fds, while a thread or file of an
+    earlier test (a pool or file freed by the garbage collector, a helper torch retires) may go away during
+    this one, so "exactly the baseline" failed by chance (5 == 6 in CI)."""
     deadline = time.monotonic() + timeout
     n = count_fn()
     while n > baseline and time.monotonic() < deadline:
@@ -28,6 +33,7 @@ def _settle(count_fn, baseline: int, timeout: float = 5.0) -> int:
 def test_no_thread_or_fd_leak_after_many_cycles(backend, tmp_path):
     data = random_bytes(256 * 1024, seed=1)
     out = aligned_empty(256 * 1024)
+    gc.collect()  # what earlier tests dropped goes now, not during the count
     base_threads, base_py, base_fds = thread_count(), threading.active_count(), fd_count()
     for i in range(40):
         with AioEngine(block_size="64KiB", queue_depth=4, workers=2, backend=backend) as eng:
@@ -39,13 +45,14 @@ def test_no_thread_or_fd_leak_after_many_cycles(backend, tmp_path):
             eng.write(g, 0, data)  # left in flight: close() must finish or cancel it
         assert g.closed
     assert torch.equal(out, data)
-    assert _settle(thread_count, base_threads) == base_threads
-    assert threading.active_count() == base_py
-    assert fd_count() == base_fds
+    assert _settle(thread_count, base_threads) <= base_threads
+    assert threading.active_count() <= base_py
+    assert fd_count() <= base_fds
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_leak_when_the_block_exits_by_exception(backend, tmp_path):
+    gc.collect()
     base_threads, base_fds = thread_count(), fd_count()
     for _ in range(10):
         with pytest.raises(AioError) as ei:
@@ -54,8 +61,8 @@ def test_no_leak_when_the_block_exits_by_exception(backend, tmp_path):
                 eng.read(f, 0, aligned_empty(65536)).wait()  # empty file: end of file
         assert ei.value.errno == errno.ENODATA
         assert eng.closed and f.closed
-    assert _settle(thread_count, base_threads) == base_threads
-    assert fd_count() == base_fds
+    assert _settle(thread_count, base_threads) <= base_threads
+    assert fd_count() <= base_fds
 
 
 def test_backend_reported_is_the_one_in_use():

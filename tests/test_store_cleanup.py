@@ -40,8 +40,8 @@ def assert_clean(path, base, arena_ref=None):
     gc.collect()
     assert not os.path.exists(path), os.listdir(path)
     threads, fds, locked = base
-    assert thread_count() == threads
-    assert fd_count() == fds
+    assert thread_count() <= threads  # a leak adds; an earlier test's leftovers may exit meanwhile
+    assert fd_count() <= fds
     assert vm_locked_kib() <= locked
     if arena_ref is not None:
         assert arena_ref() is None  # the one big allocation is gone
