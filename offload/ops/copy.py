@@ -162,8 +162,10 @@ def flat_layout(
     return offsets, cursor
 
 
-def aligned_empty(numel: int, dtype: torch.dtype, align: int = 4096) -> torch.Tensor:
-    """An uninitialised CPU tensor whose data pointer is a multiple of `align` (torch only promises 64)."""
+def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, align: int = 4096) -> torch.Tensor:
+    """An uninitialised 1-D CPU tensor whose data pointer is a multiple of `align` (torch only promises 64):
+    over-allocates by one alignment and slices; the slice keeps the base alive. The package's one helper for
+    aligned buffers outside the pinned arena (kernels' outputs, O_DIRECT I/O in the aio engine and bench)."""
     _check_align(align)
     item = torch.empty((), dtype=dtype).element_size()
     raw = torch.empty(numel * item + align, dtype=torch.uint8)

@@ -29,20 +29,11 @@ from typing import Iterable, Sequence
 import torch
 
 from .. import _ext
+from ..ops.copy import aligned_empty
 from .sizes import parse_size
 
 __all__ = ["AioEngine", "AioFile", "AioHandle", "AioError", "AioTimeoutError", "aio_backends", "aligned_empty",
            "parse_size"]
-
-def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, alignment: int = 4096) -> torch.Tensor:
-    """A 1-D CPU tensor of `numel` elements whose data starts on an `alignment`-byte boundary (for O_DIRECT
-    outside the pinned arena: over-allocates by one alignment and slices; the slice keeps the base alive)."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    if alignment % itemsize:
-        raise ValueError(f"offload aio: alignment {alignment} is not a multiple of the {dtype} item size {itemsize}")
-    base = torch.empty(numel * itemsize + alignment, dtype=torch.uint8)
-    skip = (-base.data_ptr()) % alignment
-    return base[skip:skip + numel * itemsize].view(dtype)
 
 
 class AioError(OSError):
