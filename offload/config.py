@@ -49,6 +49,12 @@ class Config:
       parameter bytes (compute dtype), children first. Exclusive with unit_classes.
     persist_threshold: units whose gathered size is at most this many bytes stay gathered (never resharded).
     seed: seeds the unit-by-unit materialization of models built inside `offload.init` (same on all ranks).
+    pipeline: True (default): trace the first step, then read ahead, gather the next unit while one computes,
+      reduce and update in the background, keep what fits resident in the cpu budget. False: every move
+      waited where it is asked for (the synchronous reference; results are bitwise the same).
+    chunk_size: fp32 bytes per chunk of a unit's shard, the piece that is paged and stepped at once
+      (None: cpu_budget / 64, between 1MiB and 64MiB).
+    log_every: log one line of step telemetry (logger "offload") every this many optimizer steps (0: never).
     """
 
     params: str = "auto"
@@ -62,6 +68,9 @@ class Config:
     unit_min_bytes: str | int | None = None
     persist_threshold: str | int = 0
     seed: int = 0
+    pipeline: bool = True
+    chunk_size: str | int | None = None
+    log_every: int = 0
     # Keys of an imported DeepSpeed config that have no effect here (filled by from_deepspeed).
     deepspeed_ignored: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
@@ -99,6 +108,13 @@ class Config:
                 )
         if not isinstance(self.seed, int):
             raise ValueError(f"offload.Config.seed: expected an int, got {self.seed!r}")
+        if not isinstance(self.pipeline, bool):
+            raise ValueError(f"offload.Config.pipeline: expected True or False, got {self.pipeline!r}")
+        if self.chunk_size is not None and parse_size(self.chunk_size, "chunk_size") < 4096:
+            raise ValueError(f"offload.Config.chunk_size: {self.chunk_size!r} is below 4096 bytes; give at least "
+                             "'1MiB' (or None for the default)")
+        if not isinstance(self.log_every, int) or self.log_every < 0:
+            raise ValueError(f"offload.Config.log_every: expected an int >= 0, got {self.log_every!r}")
 
     # ---- resolved values -------------------------------------------------------------------
     def bytes_of(self, name: str) -> int | None:

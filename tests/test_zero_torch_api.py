@@ -279,9 +279,9 @@ def test_backward_that_raises_does_not_break_later_steps():
 
 def test_params_on_device_counts_gathered_units_against_device_budget():
     model = TinyTransformer(d=64, layers=4)  # big enough that the store's page rounding is small
-    with offload.init(_cfg(params="device")) as rt:
+    with offload.init(_cfg(params="device", pipeline=False)) as rt:  # no gather-ahead: the minimum bound
         rt.wrap(copy.deepcopy(model))
-        shards = rt.storage.nbytes_in("device")
+        shards = rt.states.nbytes_in("device")
         bound = rt.gathered_bound()
     budget = shards + bound // 2  # the shards fit, shards + gathered units do not
     with offload.init(_cfg(params="device", device_budget=budget)) as rt:

@@ -19,9 +19,17 @@ import torch
 
 from ..ops.adam import adamw_step_
 
-__all__ = ["AdamW", "step_flat"]
+__all__ = ["AdamW", "step_flat", "register_sharded"]
 
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+# Parameters owned by an offload runtime are stepped where their states live, by a subclass the runtime
+# registers here when it is imported (offload.zero.optimizer): [(wants(params) -> bool, subclass)].
+_SHARDED: list = []
+
+
+def register_sharded(wants, cls) -> None:
+    """AdamW(params) builds `cls` (a subclass) when wants(params) is true."""
+    _SHARDED.append((wants, cls))
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -82,10 +90,9 @@ class AdamW(torch.optim.Optimizer):
         # handed to __init__ through `_offload_params`.
         if cls is not AdamW or params is None:
             return super().__new__(cls)
-        from ..zero.optimizer import ShardedAdamW, wants_sharded
-
         params = list(params)
-        inst = super().__new__(ShardedAdamW if wants_sharded(params) else cls)
+        chosen = next((sub for wants, sub in _SHARDED if wants(params)), cls)
+        inst = super().__new__(chosen)
         inst._offload_params = params
         return inst
 

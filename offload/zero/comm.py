@@ -26,6 +26,14 @@ class Group:
         return self.world_size > 1
 
 
+def sub_group(group: Group) -> Group:
+    """A new process group over the same ranks, for one lane's collectives (every rank calls this in the
+    same order). Each lane issuing on its own group keeps each group's calls in one thread's order."""
+    if not group.distributed:
+        return Group(group.rank, group.world_size)
+    return Group(group.rank, group.world_size, dist.new_group(backend=dist.get_backend()))
+
+
 def all_gather_into(group: Group, out: torch.Tensor, shard: torch.Tensor) -> None:
     """out (world_size * shard.numel()) <- every rank's shard, in rank order."""
     if not group.distributed:

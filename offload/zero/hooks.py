@@ -1,14 +1,16 @@
-"""Forward and backward hooks that move a unit between SHARDED and UNSHARDED around its computation.
+"""Forward and backward hooks: each event is one call into the runtime's Schedule (schedule.py).
 
-forward pre-hook   gather the unit; route its grad-requiring inputs through `_PostBackward`
-forward hook       register the pre-backward hook on its outputs; free the gathered parameter
+forward pre-hook   gather the unit (the next one is gathered ahead by the schedule); route its
+                   grad-requiring inputs through `_PostBackward`
+forward hook       register the pre-backward hook on its outputs; free the gathered parameter (or keep it
+                   for a backward that comes right after)
 pre-backward       (first gradient reaching any output) gather again for backward
 _PostBackward      (gradient reaching the unit's inputs, i.e. its backward is done) free it again
 final callback     (end of the backward pass) free whatever is still gathered, e.g. units whose inputs
                    need no gradient (the root), so nothing leaks into the next step
 Gradients are reduced by the flat parameter's post-accumulate-grad hook (unit.py).
-Inside backward (activation checkpointing re-running a unit's forward) the forward hooks do nothing: the
-unit is already gathered for its backward and must stay so.
+Inside backward (activation checkpointing re-running a unit's forward) the forward hooks only make sure
+the unit is gathered: it is already gathered for its backward and must stay so.
 """
 from __future__ import annotations
 
@@ -26,14 +28,14 @@ class _PostBackward(torch.autograd.Function):
     """Identity on the unit's inputs whose backward runs once gradients w.r.t. those inputs exist."""
 
     @staticmethod
-    def forward(ctx, unit, *inputs):
-        ctx.unit = unit
+    def forward(ctx, unit, schedule, *inputs):
+        ctx.unit, ctx.schedule = unit, schedule
         return inputs if len(inputs) != 1 else inputs[0]
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.unit.reshard()
-        return (None,) + grads
+        ctx.schedule.post_backward(ctx.unit)
+        return (None, None) + grads
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -45,23 +47,21 @@ def _tensors(tree) -> list[torch.Tensor]:
     return found
 
 
-def install(unit: ShardedUnit) -> list:
-    rt = unit.rt
+def install(unit: ShardedUnit, schedule) -> list:
+    """`schedule` is the runtime's Schedule (schedule.py)."""
 
     def pre_forward(module, args, kwargs):
-        unit.check_alive()
         if in_backward():
-            unit.unshard()
+            schedule.recompute(unit)
             return None
-        rt._on_forward_outside_backward()
-        unit.unshard()
+        schedule.pre_forward(unit)
         if not torch.is_grad_enabled():
             return None
         leaves, spec = tree_flatten((args, kwargs))
         idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not idx:
             return None
-        outs = _PostBackward.apply(unit, *[leaves[i] for i in idx])
+        outs = _PostBackward.apply(unit, schedule, *[leaves[i] for i in idx])
         if len(idx) == 1:
             outs = (outs,)
         for i, t in zip(idx, outs):
@@ -74,13 +74,10 @@ def install(unit: ShardedUnit) -> list:
         if torch.is_grad_enabled():
             outs = [t for t in _tensors(output) if t.requires_grad]
             if outs:
-                torch.autograd.graph.register_multi_grad_hook(outs, pre_backward, mode="any")
-        unit.reshard()
+                torch.autograd.graph.register_multi_grad_hook(outs, lambda grad: schedule.pre_backward(unit),
+                                                              mode="any")
+        schedule.post_forward(unit)
         return None
-
-    def pre_backward(grad):
-        rt._on_backward_start()
-        unit.unshard()
 
     return [
         unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True),

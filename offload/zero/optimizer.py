@@ -1,21 +1,20 @@
 """AdamW over the runtime's shards: each rank steps its own shard of every unit where the states live.
 
-Per unit and step: fetch the fp32 master (the param shard itself when compute is fp32), exp_avg,
-exp_avg_sq and the grad shard from their tiers (nvme: read into host memory), run the fused kernel
-(`offload.optim.step_flat` -> `offload.ops.adamw_step_`) over the ranges of each parameter (grouped by
-hyperparameters and step count, so param groups and parameters that got no gradient behave as in
-torch.optim.AdamW; the clipping coefficient is the kernel's grad_scale), write the states back, and when
-compute is bf16 let the kernel write the new bf16 param shard in the same pass, then store it in its home
-tier. The next gather of a unit sees the new values.
+`offload.AdamW(params)` becomes this class when the params belong to an offload runtime (the dispatch is
+registered with offload.optim at import; the optim package does not import the runtime).
 
-`offload.AdamW(params)` returns this class when the params belong to an offload runtime.
+step() decides what to update, as torch.optim.AdamW would (param groups, per-parameter step counts,
+parameters that got no gradient are not stepped, the clip coefficient is the kernel's grad_scale) and
+hands it to the optimizer pipeline (optimizer_pipeline.py), which runs the fused kernel chunk by chunk on
+the optimizer lane. When compute is bf16 the kernel writes the new bf16 param chunk in the same pass.
 """
 from __future__ import annotations
 
 import torch
 
-from ..optim.adamw import AdamW, _check_hyper, step_flat
-from .state import UnitState
+from ..optim.adamw import AdamW, _check_hyper, register_sharded
+from .optimizer_pipeline import Run
+from .shards import StateKind
 
 
 def _placeholders(params):
@@ -34,8 +33,12 @@ def _as_list(params):
     return [params] if isinstance(params, torch.Tensor) else list(params)
 
 
-def owned_by_runtime(params) -> bool:
-    return any(hasattr(p, "_offload_unit") for p in _flat_params(params))
+def _flat_params(params):
+    for x in params:
+        if isinstance(x, dict):
+            yield from _as_list(x["params"])
+        else:
+            yield x
 
 
 def wants_sharded(params) -> bool:
@@ -46,6 +49,9 @@ def wants_sharded(params) -> bool:
     if any(hasattr(p, "_offload_unit") for p in flat):
         return True
     return current() is not None and any(isinstance(p, torch.Tensor) and p.device.type == "meta" for p in flat)
+
+
+_HYPER = ("lr", "betas", "eps", "weight_decay", "maximize")
 
 
 class ShardedAdamW(AdamW):
@@ -81,7 +87,7 @@ class ShardedAdamW(AdamW):
                         "model inside `with offload.init(...)` before creating the optimizer, and pass only "
                         "its parameters"
                     )
-                runtimes.add(unit.rt)
+                runtimes.add(p._offload_rt)
         if len(runtimes) > 1:
             raise ValueError("offload.AdamW: parameters from several offload runtimes")
         self.rt = runtimes.pop()
@@ -114,45 +120,27 @@ class ShardedAdamW(AdamW):
         rt._check_open("offload.AdamW.step")
         rt.flush_grads()
         rt.sync_used()
-        fp32 = rt.compute_dtype == torch.float32
-        storage = rt.storage
-        stepped_params = set()
-        for unit, _ in self._unit_plan():
+        plan = self._unit_plan()
+        for unit, _ in plan:
             unit.check_requires_grad()  # before any unit is stepped: all or nothing
-        for unit, entries in self._unit_plan():
+        stepped_params = set()
+        work = []
+        for unit, entries in plan:
             live = [(pc, g, p) for pc, g, p in entries if unit.has_grad and bool(unit.used[pc.slot])]
             if not live:
                 continue
-            k = unit.key
-            master_key = f"{k}.param" if fp32 else f"{k}.master"
-            if not storage.has(f"{k}.exp_avg"):  # moments start at zero, in the optimizer tier
-                for name in (f"{k}.exp_avg", f"{k}.exp_avg_sq"):
-                    storage.create(name, rt.optimizer_tier, "optim", numel=unit.layout.shard_numel,
-                                   dtype=torch.float32)
-            master = storage.acquire(master_key)
-            exp_avg = storage.acquire(f"{k}.exp_avg")
-            exp_avg_sq = storage.acquire(f"{k}.exp_avg_sq")
-            grad = storage.acquire(f"{k}.grad")
-            param = None if fp32 else storage.acquire(f"{k}.param")  # bf16 shard the kernel rewrites
             for piece, group, p in live:
                 if id(p) not in stepped_params:
                     stepped_params.add(id(p))
                     state = self.state[p]
                     state["step"] = state.get("step", 0) + 1
-            for lo, hi, group, step in _runs(live, self.state):
-                step_flat(master[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi],
-                          None if param is None else param[lo:hi], group, step, rt.grad_scale)
-            storage.release(master_key, master, dirty=True)
-            storage.release(f"{k}.exp_avg", exp_avg, dirty=True)
-            storage.release(f"{k}.exp_avg_sq", exp_avg_sq, dirty=True)
-            storage.release(f"{k}.grad", grad)
-            if param is not None:
-                storage.release(f"{k}.param", param, dirty=True)
-            del master, exp_avg, exp_avg_sq, grad, param
-            if unit.state is UnitState.UNSHARDED:
-                unit.stale = True  # persistent units re-gather before their next use
+            # everything the update needs is read now: a scheduler may change the groups once step() returns
+            hypers = {id(g): {k: g[k] for k in _HYPER if k in g} for _, g, _ in live}
+            runs = [Run(lo, hi, hypers[id(g)], step) for lo, hi, g, step in _runs(live, self.state)]
+            work.append((unit, runs))
         # rt.grad_scale stays: another optimizer over other parameters may step after this one with the same
         # clipping coefficient; the next backward (or rt.zero_grad) resets it.
+        rt.step_units(work)
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
@@ -163,6 +151,7 @@ class ShardedAdamW(AdamW):
     def state_dict(self):
         """torch-style state dict of this rank's shard: per parameter its step and the exp_avg /
         exp_avg_sq elements of the parameter that live in this rank's shard (1-D, with `shard_range`)."""
+        self.rt.quiesce()  # every queued update is in the moments read below
         sd = super().state_dict()
         index = {}
         for group, gsd in zip(self.param_groups, sd["param_groups"]):
@@ -170,10 +159,9 @@ class ShardedAdamW(AdamW):
                 index[id(p)] = i
         state = {}
         for unit, entries in self._unit_plan():
-            storage = self.rt.storage
-            have = storage.has(f"{unit.key}.exp_avg")
-            m = storage.acquire(f"{unit.key}.exp_avg") if have else None
-            v = storage.acquire(f"{unit.key}.exp_avg_sq") if have else None
+            have = unit.shards.moments_registered
+            m = unit.read_shard(StateKind.EXP_AVG) if have else None
+            v = unit.read_shard(StateKind.EXP_AVG_SQ) if have else None
             for piece, group, p in entries:
                 st = self.state.get(p, {})
                 if "step" not in st:
@@ -184,9 +172,6 @@ class ShardedAdamW(AdamW):
                     "exp_avg_sq": v[piece.lo:piece.hi].clone(),
                     "shard_range": (piece.param_lo, piece.param_lo + piece.hi - piece.lo),
                 }
-            if have:
-                storage.release(f"{unit.key}.exp_avg", m)
-                storage.release(f"{unit.key}.exp_avg_sq", v)
         sd["state"] = state
         sd["world_size"] = self.rt.world_size
         return sd
@@ -198,6 +183,7 @@ class ShardedAdamW(AdamW):
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError("offload.AdamW.load_state_dict: param group count differs")
+        self.rt.quiesce()  # no update may be running while the moments are replaced
         by_index = {}
         for group, saved in zip(self.param_groups, groups):
             for key, value in saved.items():
@@ -206,39 +192,30 @@ class ShardedAdamW(AdamW):
             for p, i in zip(group["params"], saved["params"]):
                 by_index[i] = p
         saved_state = state_dict["state"]
-        storage = self.rt.storage
         for unit, entries in self._unit_plan():
             touched = [(pc, p) for pc, g, p in entries if _index_of(by_index, p) in saved_state]
             if not touched:
                 continue
-            k = unit.key
-            if not storage.has(f"{k}.exp_avg"):
-                for name in (f"{k}.exp_avg", f"{k}.exp_avg_sq"):
-                    storage.create(name, self.rt.optimizer_tier, "optim", numel=unit.layout.shard_numel,
-                                   dtype=torch.float32)
-            m = storage.acquire(f"{k}.exp_avg")
-            v = storage.acquire(f"{k}.exp_avg_sq")
+            self.rt.register_moments(unit)
+            m = unit.read_shard(StateKind.EXP_AVG)
+            v = unit.read_shard(StateKind.EXP_AVG_SQ)
             for piece, p in touched:
                 st = saved_state[_index_of(by_index, p)]
                 m[piece.lo:piece.hi].copy_(st["exp_avg"])
                 v[piece.lo:piece.hi].copy_(st["exp_avg_sq"])
                 self.state[p]["step"] = int(st["step"])
-            storage.release(f"{k}.exp_avg", m, dirty=True)
-            storage.release(f"{k}.exp_avg_sq", v, dirty=True)
+            unit.write_shard(StateKind.EXP_AVG, m)
+            unit.write_shard(StateKind.EXP_AVG_SQ, v)
+
+
+register_sharded(wants_sharded, ShardedAdamW)
+
 
 def _index_of(by_index, p):
     for i, q in by_index.items():
         if q is p:
             return i
     return None
-
-
-def _flat_params(params):
-    for x in params:
-        if isinstance(x, dict):
-            yield from _as_list(x["params"])
-        else:
-            yield x
 
 
 def _runs(live, state):

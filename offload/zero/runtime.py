@@ -1,4 +1,4 @@
-"""`offload.init(config)`: the ZeRO-3 runtime as a context manager.
+"""`offload.init(config)`: the ZeRO-3 runtime as a context manager, and its life.
 
     with offload.init(cfg) as rt:
         model = build_model()              # parameters registered as meta; materialized unit by unit
@@ -7,8 +7,13 @@
             loss = model(batch); loss.backward()
             rt.clip_grad_norm_(1.0)
             opt.step(); opt.zero_grad()
-    # leaving the block frees every shard, removes swap files, restores nn.Module, and makes the model
-    # raise a clear error when used.
+    # leaving the block waits for queued work, frees every shard, removes swap files, restores nn.Module,
+    # and makes the model raise a clear error when used.
+
+The pieces: placement.py decides tiers and chunking, shards.py names every shard, state_store.py owns the
+store and the swap directory, unit.py is one unit's state machine, schedule.py traces the step and drives
+the prefetch, lanes.py runs the gathers, reduces and the optimizer pipeline in the background,
+torch_patches.py keeps plain PyTorch calls working on a wrapped model.
 
 Gradient accumulation: by default every backward reduce-scatters its gradient and adds this rank's shard to
 the stored gradient shard (memory: one shard per unit). Inside `with rt.no_sync():` backward passes
@@ -17,7 +22,7 @@ backward outside it reduces the sum once - the DDP/FSDP pattern. `opt.step()` al
 no_sync left behind. Both give the same result as plain PyTorch.
 
 The set of units that receive gradients must be the same on every rank (as with DDP's default), because
-each reduce is a collective.
+each reduce is a collective; so must the order in which units run (each gather is one too).
 """
 from __future__ import annotations
 
@@ -25,23 +30,26 @@ import contextlib
 import math
 import os
 import resource
-import shutil
 import sys
-import tempfile
-import types
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..config import Config, format_size, parse_size
-from . import comm, hooks
+from ..config import Config, parse_size
+from ..store import Tier
+from ..telemetry import Meter, Queue
+from . import comm, hooks, placement
+from .context import Counters, Lanes, UnitContext
 from .layout import FlatLayout
 from .materialize import ConstructionCapture, is_meta_model, materialize_unit
+from .optimizer_pipeline import OptimizerPipeline, UnitUpdate
+from .schedule import Schedule
+from .shards import StateKind, UnitShards
 from .state import UnitState
-from .state_dict import wrapped_load_state_dict, wrapped_state_dict
-from .storage import ShardStorage, check_nvme_path
+from .state_store import UnitStateStore, Use, check_nvme_path
+from .step_stats import StepStats
+from .torch_patches import patch_model
 from .unit import ShardedUnit
 from .units import discover_units
 
@@ -51,23 +59,6 @@ _ACTIVE: list["Runtime"] = []
 def current() -> "Runtime | None":
     """The innermost open runtime (None outside any offload.init block)."""
     return _ACTIVE[-1] if _ACTIVE else None
-
-
-def _apply_to_buffers_only(module: nn.Module, fn, recurse: bool = True):
-    """Module._apply for a wrapped model: the runtime places and casts parameters (Config.compute_dtype,
-    the compute device), so .to()/.cuda()/.float() reach only the buffers; parameters stay placeholders."""
-    if recurse:
-        for child in module.children():
-            child._apply(fn)
-    for key, buf in module._buffers.items():
-        if buf is not None:
-            module._buffers[key] = fn(buf)
-    return module
-
-
-def _zero_grad_wrapped(module: nn.Module, set_to_none: bool = True) -> None:
-    """Module.zero_grad for a wrapped model: clears the runtime's gradients of this module's parameters."""
-    module._offload_runtime_ref.zero_grad_params(module.parameters(), set_to_none)
 
 
 def peak_rss_bytes() -> int:
@@ -113,31 +104,32 @@ class Runtime:
         self.config = config
         self.units: list[ShardedUnit] = []
         self.models: list[nn.Module] = []
-        self.sync_grads = True
-        self.traffic = {"allgather": 0, "reduce_scatter": 0}
-        self.gathered_bytes = 0
-        self.peak_gathered_bytes = 0
         self.grad_scale = 1.0  # set by clip_grad_norm_, used by every optimizer's step, reset by the next backward
         self.compute_dtype = config.torch_compute_dtype
         self.params_tier = config.params
         self.optimizer_tier = config.optimizer
+        self.placement: placement.Placement | None = None
         self.is_open = False
         self.closed = False
-        self._callback_queued = False
         self._hooks: list = []
         self._owns_pg = False
         self._capture: ConstructionCapture | None = None
         self._pending = False
         self._ordinal_base = 0
-        self.storage: ShardStorage | None = None
+        self.states: UnitStateStore | None = None
+        self.ctx: UnitContext | None = None
+        self.schedule: Schedule | None = None
+        self.pipeline: OptimizerPipeline | None = None
+        self.meter = Meter()
+        self.step_stats: StepStats | None = None
 
     # ---- lifetime ---------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
         self.open()
         return self
 
-    def __exit__(self, *exc) -> bool:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> bool:
+        self.close(failed=exc_type is not None)
         return False
 
     def open(self) -> None:
@@ -151,24 +143,24 @@ class Runtime:
         else:
             self.device = torch.device("cpu")
         self.budgets = {"device": self._budget("device_budget"), "cpu": self._budget("cpu_budget"), "nvme": None}
-        run_dir = None
         if cfg.nvme_path:
             need = parse_size(cfg.nvme_budget, "nvme_budget") if cfg.nvme_budget is not None else None
             check_nvme_path(cfg.nvme_path, need, "nvme_budget")
             if need is not None:
                 self.budgets["nvme"] = need
-            # A fresh directory of our own: unpredictable name, created atomically with mode 0700 (never a
-            # planted directory or symlink); removed when the block exits (ShardStorage.close).
-            run_dir = Path(tempfile.mkdtemp(prefix=f"offload-{os.getpid()}-rank{self.group.rank}-",
-                                            dir=cfg.nvme_path))
-        try:
-            self.storage = ShardStorage(self.device, self.budgets, run_dir, self.group.rank)
-        except BaseException:
-            if run_dir is not None:
-                shutil.rmtree(run_dir, ignore_errors=True)
-            raise
+        self.states = UnitStateStore(self.device, self.budgets, cfg.nvme_path, self.group.rank)
         # the store resolved "auto" budgets (and rounded to pages): plan against what it enforces
-        self.budgets = {t: self.storage.capacity(t) for t in ("device", "cpu")} | {"nvme": self.budgets["nvme"]}
+        self.budgets = {t: self.states.capacity(t) for t in ("device", "cpu")} | {"nvme": self.budgets["nvme"]}
+        # each lane issues its collectives on a group of its own (created in the same order on every rank)
+        gather_group, reduce_group = comm.sub_group(self.group), comm.sub_group(self.group)
+        lanes = Lanes.create(self.meter, threaded=cfg.pipeline)
+        self.ctx = UnitContext(self.device, self.compute_dtype, self.group, gather_group, reduce_group, self.states,
+                               lanes, self.meter, Counters(), schedule=None)
+        self.schedule = Schedule(self.ctx, {}, self._reserve_bytes, prefetch=cfg.pipeline, gather_ahead=False,
+                                 on_new_backward=self._on_new_backward)
+        self.ctx.schedule = self.schedule
+        self.pipeline = OptimizerPipeline(self.ctx, read_ahead=placement.PIPELINE_CHUNKS - 1 if cfg.pipeline else 0)
+        self.step_stats = StepStats(self.meter, self.states, self.ctx.counters, log_every=cfg.log_every)
         _pin_mmap_threshold()
         # a module was built: the next forward may need to materialize it
         self._capture = ConstructionCapture(on_module=self._note_module,
@@ -177,7 +169,7 @@ class Runtime:
         self.is_open = True
         _ACTIVE.append(self)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.closed:
             return
         if self._capture is not None:
@@ -186,16 +178,28 @@ class Runtime:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        error = None
+        if self.ctx is not None:
+            for lane in self.ctx.lanes.all():
+                try:
+                    lane.drain()  # queued updates finish before their buffers go
+                except BaseException as e:  # noqa: BLE001 - reported after everything is freed
+                    error = error or e
+            self.schedule.forget()
+            for lane in self.ctx.lanes.all():
+                lane.close()
         for unit in self.units:
             unit.free()
-        if self.storage is not None:
-            self.storage.close()
+        if self.states is not None:
+            self.states.close()
         if self._owns_pg and dist.is_initialized():
             dist.destroy_process_group()
         self.closed = True
         self.is_open = False
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+        if error is not None and not failed:
+            raise error
 
     def _setup_group(self) -> comm.Group:
         if dist.is_available() and dist.is_initialized():
@@ -231,10 +235,19 @@ class Runtime:
     def world_size(self) -> int:
         return self.group.world_size
 
+    @property
+    def sync_grads(self) -> bool:
+        return self.ctx.sync_grads
+
     def _check_open(self, what: str) -> None:
         if not self.is_open:
             raise RuntimeError(f"offload: {what} needs an open offload.init block (this runtime has "
                                f"{'exited' if self.closed else 'not been entered'})")
+
+    def quiesce(self) -> None:
+        """Wait until no background work is queued (before reading or replacing shards wholesale)."""
+        for lane in self.ctx.lanes.all():
+            lane.drain()
 
     # ---- wrapping ---------------------------------------------------------------------------
     def _note_module(self) -> None:
@@ -270,16 +283,29 @@ class Runtime:
             return model
         cfg = self.config
         specs = [s for s in discover_units(model, cfg) if s.params]
-        layouts = [FlatLayout(s.params, self.world_size) for s in specs]
-        self._plan(specs, layouts)
-        meta = is_meta_model(model)
         persist = parse_size(cfg.persist_threshold, "persist_threshold")
+        width = self.compute_dtype.itemsize
+        sizes = [placement.UnitSize(u.index, u.name, type(u.module).__name__, u.layout,
+                                    u.name == "" or u.persistent) for u in self.units]
+        new = []
+        for k, s in enumerate(specs):
+            layout = FlatLayout(s.params, self.world_size)
+            new.append(placement.UnitSize(len(self.units) + k, s.name, type(s.module).__name__, layout,
+                                          s.name == "" or layout.padded_numel * width <= persist))
+        in_use = {t: self.states.nbytes_in(t) for t in ("device", "cpu")}
+        place = placement.plan(sizes + new, new, self.params_tier, self.optimizer_tier, self.budgets, in_use,
+                               self.compute_dtype, cfg.bytes_of("chunk_size"), cfg.nvme_path)
+        self.placement = place
+        self.params_tier, self.optimizer_tier = place.tiers.params.value, place.tiers.optimizer.value
+        self.schedule.gather_ahead = place.gather_ahead
+        meta = is_meta_model(model)
+        model_tag = f"model{len(self.models)}:" if self.models else ""  # unit ids stay unique across models
         base = len(self.units)
         ordinal = {id(p): i + self._ordinal_base for i, p in enumerate(model.parameters())}
         self._ordinal_base += len(ordinal)
         with self._capture.paused() if self._capture else contextlib.nullcontext():
-            for k, (spec, layout) in enumerate(zip(specs, layouts)):
-                index = base + k
+            for k, (spec, size) in enumerate(zip(specs, new)):
+                index, layout = base + k, size.layout
                 if meta:
                     values = materialize_unit(model, spec.params, cfg.seed + index)
                 else:
@@ -291,29 +317,14 @@ class Runtime:
                 lo, hi = layout.shard_bounds(self.rank)
                 shard = full[lo:hi].clone()
                 del full
-                key = f"u{index}"
-                self.storage.create(f"{key}.param", self.params_tier, "params", init=shard.to(self.compute_dtype))
-                if self.compute_dtype != torch.float32:
-                    self.storage.create(f"{key}.master", self.optimizer_tier, "optim", init=shard)
+                uid = model_tag + (spec.name or "<root>")
+                shards = UnitShards.build(uid, layout.shard_numel, place.chunk_of(layout.shard_numel),
+                                          self.compute_dtype, place.tiers)
+                self._register_unit(shards, shard)
                 del shard
-                unit = ShardedUnit(self, index, spec.name, spec.module, layout)
-                for slot, (p, _, _) in zip(layout.slots, spec.params):
-                    slot.ordinal = ordinal[id(p)]
-                for slot, (p, _, _) in zip(layout.slots, spec.params):
-                    if p.device.type != "meta":
-                        torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"),
-                                                                 requires_grad=p.requires_grad))
-                    if hasattr(p, "_offload_initial_value"):
-                        del p._offload_initial_value
-                    p._offload_unit = unit
-                    p._offload_slot = slot.index
-                    unit.placeholders.append(p)
-                    unit.views[slot.index]._offload_placeholder = p  # model.parameters() while gathered
-                unit._install(unit.placeholders)
-                spec.module._offload_unit_obj = unit
-                self.units.append(unit)
-                hooks.install(unit)
-                if unit.nbytes_full <= persist:
+                unit = ShardedUnit(self.ctx, index, uid, spec.name, spec.module, layout, shards)
+                self._adopt(unit, spec, ordinal)
+                if layout.padded_numel * width <= persist:
                     unit.unshard()
                     unit.persistent = True
         # Buffers are replicated, not sharded: moved to the compute device, and floating ones cast to the
@@ -323,154 +334,66 @@ class Runtime:
             if buf.device != self.device or buf.dtype != dtype:
                 mod_name, _, attr = name.rpartition(".")
                 model.get_submodule(mod_name)._buffers[attr] = buf.to(self.device, dtype)
-        for m in model.modules():  # model.to()/.cuda()/.float() must not touch the runtime's placeholders
-            m._apply = types.MethodType(_apply_to_buffers_only, m)
-            # the gradients live in the runtime's shards, not in the placeholders' .grad
-            m.zero_grad = types.MethodType(_zero_grad_wrapped, m)
-            m._offload_runtime_ref = self
-            # state dicts carry real values (gathered / scattered), not the meta placeholders
-            m.state_dict = types.MethodType(wrapped_state_dict, m)
-            m.load_state_dict = types.MethodType(wrapped_load_state_dict, m)
+        patch_model(model, self)
         model._offload_runtime = self
         self.models.append(model)
         return model
 
-    def _plan(self, specs, layouts) -> None:
-        """Resolve "auto" tiers and refuse, before any work, what cannot fit."""
-        width = self.compute_dtype.itemsize
-        for spec, layout, i in zip(specs, layouts, range(len(self.units), len(self.units) + len(specs))):
-            full = layout.padded_numel * width
-            if full > self.budgets["device"]:
-                raise MemoryError(
-                    f"offload: unit {i} ({spec.name or '<root>'}, {type(spec.module).__name__}) needs "
-                    f"{format_size(full)} ({full} bytes) gathered on the device, more than device_budget "
-                    f"{format_size(self.budgets['device'])}; raise device_budget or cut smaller units "
-                    "(Config.unit_classes / unit_min_bytes)"
-                )
-        shard_elems = sum(l.shard_numel for l in layouts)
-        param_bytes = shard_elems * width
-        opt_bytes = shard_elems * 4 * (3 + (1 if width != 4 else 0))  # exp_avg, exp_avg_sq, grad (+ master)
-        biggest = max((l.padded_numel * width for l in layouts), default=0)
-        # host working set while the optimizer steps the largest unit: master (or fp32 param), exp_avg,
-        # exp_avg_sq, grad, and the bf16 param shard; nvme-homed ones are staged in the cpu arena
-        staging = max((l.shard_numel for l in layouts), default=0) * (16 + (width if width != 4 else 0))
-        cpu_free = self.budgets["cpu"] - self.storage.nbytes_in("cpu")
-        gathered = self._gathered_estimate(specs, layouts)
-        if self.params_tier == "auto":
-            if param_bytes + max(2 * biggest, gathered) <= self.budgets["device"] - self.storage.nbytes_in("device"):
-                self.params_tier = "device"
-            elif param_bytes + staging <= cpu_free:
-                self.params_tier = "cpu"
-            else:
-                self.params_tier = self._nvme_or_fail("params", param_bytes)
-        if self.optimizer_tier == "auto":
-            cpu_used = param_bytes if self.params_tier == "cpu" else 0
-            if opt_bytes + cpu_used + staging <= cpu_free:
-                self.optimizer_tier = "cpu"
-            else:
-                self.optimizer_tier = self._nvme_or_fail("optimizer", opt_bytes)
-        if "nvme" in (self.params_tier, self.optimizer_tier) and staging > cpu_free:
-            raise MemoryError(
-                f"offload.Config.cpu_budget: stepping the largest unit stages {format_size(staging)} ({staging} "
-                f"bytes) of nvme-homed state in host memory but only {format_size(cpu_free)} ({cpu_free} bytes) "
-                "of cpu_budget is free; raise cpu_budget or cut smaller units"
-            )
-        nvme_need = (param_bytes if self.params_tier == "nvme" else 0) + \
-                    (opt_bytes if self.optimizer_tier == "nvme" else 0)
-        if nvme_need:
-            if self.budgets["nvme"] is not None and nvme_need > self.budgets["nvme"]:
-                raise OSError(
-                    f"offload.Config.nvme_budget: the model's nvme-homed states need {format_size(nvme_need)} "
-                    f"({nvme_need} bytes) on this rank but nvme_budget is {format_size(self.budgets['nvme'])} "
-                    f"({self.budgets['nvme']} bytes)"
-                )
-            check_nvme_path(self.config.nvme_path, nvme_need, "the model's nvme-homed states")
-        if self.params_tier == "device":
-            # device-homed shards and the gathered units share the device: both must fit device_budget
-            have = self.budgets["device"] - self.storage.nbytes_in("device")
-            if param_bytes + gathered > have:
-                raise MemoryError(
-                    f"offload.Config.device_budget: params='device' keeps {format_size(param_bytes)} "
-                    f"({param_bytes} bytes) of parameter shards on the device and gathering units needs up to "
-                    f"{format_size(gathered)} ({gathered} bytes) more (root + persistent units + the largest "
-                    f"unit), but only {format_size(have)} ({have} bytes) of device_budget is left; raise "
-                    "device_budget or set params='cpu' / 'nvme'"
-                )
-        for tier, need in (("cpu", (param_bytes if self.params_tier == "cpu" else 0)
-                            + (opt_bytes if self.optimizer_tier == "cpu" else 0)),):
-            have = self.budgets[tier] - self.storage.nbytes_in(tier)
-            if need > have:
-                raise MemoryError(
-                    f"offload.Config.{tier}_budget: this model's {tier}-homed states need {format_size(need)} "
-                    f"({need} bytes) per rank but only {format_size(have)} of {tier}_budget is left; raise "
-                    f"{tier}_budget or set params=/optimizer= to a lower tier ('cpu', 'nvme')"
-                )
+    def _register_unit(self, shards: UnitShards, shard: torch.Tensor) -> None:
+        futs = []
+        for c in shards.chunks:
+            values = shard[c.lo:c.hi]
+            futs.append(self.states.register(shards.spec(StateKind.PARAM, c), init=values.to(self.compute_dtype)))
+            if not shards.master_is_param:
+                futs.append(self.states.register(shards.spec(StateKind.MASTER, c), init=values))
+        for f in futs:
+            f.result()  # the home copies hold the values before the init tensor goes
 
-    def _gathered_estimate(self, specs, layouts) -> int:
-        """gathered_bound() once these units join the existing ones: roots + persistent units + the largest
-        other unit."""
-        persist = parse_size(self.config.persist_threshold, "persist_threshold")
-        width = self.compute_dtype.itemsize
-        fixed, largest = 0, 0
-        for u in self.units:
-            if u.name == "" or u.module in self.models or u.persistent:
-                fixed += u.nbytes_full
-            else:
-                largest = max(largest, u.nbytes_full)
-        for spec, layout in zip(specs, layouts):
-            full = layout.padded_numel * width
-            if spec.name == "" or full <= persist:
-                fixed += full
-            else:
-                largest = max(largest, full)
-        return fixed + largest
+    def _adopt(self, unit: ShardedUnit, spec, ordinal: dict) -> None:
+        layout = unit.layout
+        for slot, (p, _, _) in zip(layout.slots, spec.params):
+            slot.ordinal = ordinal[id(p)]
+        for slot, (p, _, _) in zip(layout.slots, spec.params):
+            if p.device.type != "meta":
+                torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"),
+                                                         requires_grad=p.requires_grad))
+            if hasattr(p, "_offload_initial_value"):
+                del p._offload_initial_value
+            p._offload_unit = unit
+            p._offload_slot = slot.index
+            p._offload_rt = self
+            unit.placeholders.append(p)
+            unit.views[slot.index]._offload_placeholder = p  # model.parameters() while gathered
+        unit._install(unit.placeholders)
+        spec.module._offload_unit_obj = unit
+        self.units.append(unit)
+        self.schedule.units[unit.uid] = unit
+        hooks.install(unit, self.schedule)
 
-    def _nvme_or_fail(self, what: str, nbytes: int) -> str:
-        if not self.config.nvme_path:
-            raise MemoryError(
-                f"offload.Config.{what}='auto': {format_size(nbytes)} of {what} states fit neither device_budget "
-                "nor cpu_budget and no nvme_path is set; raise a budget or give nvme_path"
-            )
-        return "nvme"
+    def _reserve_bytes(self) -> tuple[int, int]:
+        """(cpu bytes the lanes may hold at once to make progress, bytes of param reads worth holding ahead)."""
+        if not self.units:
+            return 0, 0
+        working = placement.host_working_set(
+            [[c.numel for c in u.shards.chunks] for u in self.units], self.compute_dtype.itemsize,
+            any(u.shards.tiers.params is Tier.NVME for u in self.units),
+            any(u.shards.tiers.optimizer is Tier.NVME for u in self.units))
+        largest = max(u.shards.nbytes(StateKind.PARAM) for u in self.units)
+        return working, 2 * largest  # read ahead: the next unit's param chunks, and the one after
 
     # ---- hooks' callbacks -----------------------------------------------------------------
-    def _account_gathered(self, delta: int) -> None:
-        self.gathered_bytes += delta
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-
-    def _on_backward_start(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            self.grad_scale = 1.0  # a new backward pass: the last clip coefficient was for the last step
-            # runs when the whole backward pass has finished: free what no post-backward freed
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-
-    def _on_forward_outside_backward(self) -> None:
-        """A forward outside backward while the end-of-backward callback is still marked queued: the last
-        backward raised before its callback ran. Clear the mark (else no later backward queues one, and
-        gathered units would leak into every step) and free what that backward left gathered."""
-        if not self._callback_queued:
-            return
-        self._callback_queued = False
-        for unit in self.units:
-            if unit.state is UnitState.UNSHARDED:
-                unit.reshard()
-
-    def _on_backward_end(self) -> None:
-        self._callback_queued = False
-        for unit in self.units:
-            if unit.state is UnitState.UNSHARDED:
-                unit.reshard()
+    def _on_new_backward(self) -> None:
+        self.grad_scale = 1.0  # a new backward pass: the last clip coefficient was for the last step
 
     # ---- training-loop API ------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes in here accumulate gradients locally; the next backward outside reduces once."""
-        previous, self.sync_grads = self.sync_grads, False
+        previous, self.ctx.sync_grads = self.ctx.sync_grads, False
         try:
             yield
         finally:
-            self.sync_grads = previous
+            self.ctx.sync_grads = previous
 
     def flush_grads(self) -> None:
         for unit in self.units:
@@ -480,28 +403,18 @@ class Runtime:
         """Global gradient norm over every shard on every rank; the optimizer's next step scales gradients
         by min(1, max_norm / (norm + 1e-6)) inside its fused update (as torch.nn.utils.clip_grad_norm_)."""
         self._check_open("rt.clip_grad_norm_")
+        from .grad_norm import local_norms
+
         self.flush_grads()
-        # Per-parameter norms first, then the norm of those (as torch.nn.utils.clip_grad_norm_ does), so
-        # one rank reproduces torch bit for bit; ranks combine their partial sums of squares.
-        norms = []
-        for unit in self.units:
-            if not unit.has_grad:
-                continue
-            g = self.storage.acquire(f"{unit.key}.grad")
-            for piece in unit.layout.pieces(self.rank):
-                if unit.layout.slots[piece.slot].requires_grad:
-                    norms.append((unit.layout.slots[piece.slot].ordinal,
-                                  torch.linalg.vector_norm(g[piece.lo:piece.hi], norm_type)))
-            self.storage.release(f"{unit.key}.grad", g)
-            del g
-        norms = [n for _, n in sorted(norms, key=lambda x: x[0])]  # model.parameters() order, as torch
+        norms = local_norms(self.units, self.rank, norm_type)
         local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
-        if not self.group.distributed:
-            total = local
-        elif math.isinf(norm_type):
-            total = comm.all_reduce_(self.group, local.clone(), "max")
-        else:
-            total = comm.all_reduce_(self.group, local ** norm_type, "sum") ** (1.0 / norm_type)
+        with self.meter.waiting(Queue.COLLECTIVE):
+            if not self.group.distributed:
+                total = local
+            elif math.isinf(norm_type):
+                total = comm.all_reduce_(self.group, local.clone(), "max")
+            else:
+                total = comm.all_reduce_(self.group, local ** norm_type, "sum") ** (1.0 / norm_type)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # fp32, exactly as torch computes it
         self.grad_scale = float(coef)
         return total
@@ -519,7 +432,7 @@ class Runtime:
         for p in params:
             p = getattr(p, "_offload_placeholder", p)
             unit = getattr(p, "_offload_unit", None)
-            if unit is None or unit.rt is not self:
+            if unit is None or getattr(p, "_offload_rt", None) is not self:
                 continue
             by_unit.setdefault(id(unit), (unit, set()))[1].add(p._offload_slot)
         for unit, slots in by_unit.values():
@@ -530,66 +443,126 @@ class Runtime:
         if not self.units or not self.group.distributed:
             return
         flags = torch.cat([u.used.to(torch.int32) for u in self.units])
-        comm.all_reduce_(self.group, flags, "max")
+        with self.meter.waiting(Queue.COLLECTIVE):
+            comm.all_reduce_(self.group, flags, "max")
         offset = 0
         for u in self.units:
             n = u.used.numel()
             u.used.copy_(flags[offset:offset + n].bool())
             offset += n
 
+    def register_moments(self, unit: ShardedUnit) -> bool:
+        """Register the unit's Adam moments (zeros) if this is its first step; True if it was."""
+        if unit.shards.moments_registered:
+            return False
+        for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
+            for c in unit.shards.chunks:
+                self.states.register(unit.shards.spec(kind, c)).result()
+        unit.shards.moments_registered = True
+        return True
+
+    def step_units(self, work: list) -> None:
+        """Queue the optimizer's updates: [(unit, runs)] from ShardedAdamW.step, captured at the call."""
+        updates = []
+        for unit, runs in work:
+            first = self.register_moments(unit)
+            real = sum(p.hi - p.lo for p in unit.layout.pieces(self.rank))
+            covered = sum(r.hi - r.lo for r in runs)
+            overwrite = not unit.shards.master_is_param and covered == real
+            updates.append(UnitUpdate(unit, runs, self.grad_scale, zero_moments=first, param_overwrite=overwrite,
+                                      grads_ready=unit.grads))
+        order = self.schedule.before_step([u.unit for u in updates])
+        rank = {id(u): k for k, u in enumerate(order)}
+        updates.sort(key=lambda u: rank[id(u.unit)])
+        for u in updates:
+            self.schedule.drop_prefetched(u.unit)  # nothing read ahead of a shard about to be written
+            if u.unit.state is UnitState.UNSHARDED:
+                u.unit.stale = True  # persistent units re-gather before their next use
+        self.pipeline.submit(updates)
+        self.schedule.after_step()
+        self.step_stats.end_step()
+
     # ---- inspection -------------------------------------------------------------------------
-    def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-        """Every parameter (fp32 master values, gathered from all ranks) and buffer, by qualified name, on
-        the host. Collective: call on every rank."""
-        self._check_open("rt.full_state_dict")
+    def iter_full_params(self, model: nn.Module | None = None):
+        """(qualified name, fp32 host tensor) for every parameter of `model` (default: every wrapped model),
+        unit by unit: saving a large model holds one unit at a time. Collective: call on every rank."""
+        self._check_open("rt.iter_full_params")
+        self.quiesce()  # every queued update is in the values read below
+        from .state_dict import gather_full
+
         models = [model] if model is not None else self.models
-        out: dict[str, torch.Tensor] = {}
         for m in models:
             names = {}
             for mod_name, mod in m.named_modules(remove_duplicate=False):
                 for attr in mod._parameters:
                     names.setdefault((id(mod), attr), []).append(f"{mod_name}.{attr}" if mod_name else attr)
+            inside = {id(x) for x in m.modules()}
             for unit in self.units:
-                if not any(unit.module is x for x in m.modules()):
+                if id(unit.module) not in inside:
                     continue
-                key = "master" if self.compute_dtype != torch.float32 else "param"
-                held = self.storage.acquire(f"{unit.key}.{key}")
-                shard = held.float()  # a copy for bf16; fp32: the held tensor itself, gathered below
-                full = torch.empty(unit.layout.padded_numel, dtype=torch.float32)
-                comm.all_gather_into(self.group, full, shard)
-                self.storage.release(f"{unit.key}.{key}", held)
-                del held, shard
+                full = gather_full(self, unit)
                 for slot in unit.layout.slots:
                     value = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
                     for mod, attr in slot.refs:
                         for fqn in names.get((id(mod), attr), []):
-                            out[fqn] = value
+                            yield fqn, value
+                del full
+
+    def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """Every parameter (fp32 master values, gathered from all ranks) and buffer, by qualified name, on
+        the host. Collective: call on every rank."""
+        self._check_open("rt.full_state_dict")
+        out = dict(self.iter_full_params(model))
+        for m in [model] if model is not None else self.models:
             for name, buf in m.named_buffers():
                 out[name] = buf.detach().to("cpu").clone()
         return out
 
     def gathered_bound(self) -> int:
-        """Stated bound on gathered bytes: root + persistent units + largest other unit x units in flight (1:
-        a unit is freed before the next is gathered, in forward and in backward)."""
-        root = [u for u in self.units if u.name == "" or u.module in self.models]
-        rest = [u for u in self.units if u not in root]
-        persistent = sum(u.nbytes_full for u in rest if u.persistent)
-        largest = max((u.nbytes_full for u in rest if not u.persistent), default=0)
-        return sum(u.nbytes_full for u in root) + persistent + largest * 1
+        """Stated bound on gathered bytes: root + persistent units + the largest other unit, twice when the
+        next unit is gathered while one runs (placement.gather_ahead)."""
+        width = self.compute_dtype.itemsize
+        sizes = [placement.UnitSize(u.index, u.name, "", u.layout,
+                                    u.name == "" or u.module in self.models or u.persistent) for u in self.units]
+        return placement.gathered_bound(sizes, width, self.schedule.gather_ahead and self.config.pipeline)
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self.ctx.counters.gathered_bytes
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        return self.ctx.counters.peak_gathered_bytes
 
     def stats(self) -> dict:
-        s = self.storage.stats()
+        """Cumulative counters since the block opened, and the last step's split (rt.stats()["last_step"])."""
+        s = self.states.stats()
+        c = self.ctx.counters
         return {
-            "nvme_read_bytes": s["nvme_read"],
-            "nvme_written_bytes": s["nvme_written"],
-            "host_to_device_bytes": s["host_to_device"],
-            "device_to_host_bytes": s["device_to_host"],
-            "allgather_bytes": self.traffic["allgather"],
-            "reduce_scatter_bytes": self.traffic["reduce_scatter"],
-            "peak_resident_bytes": s["peak_resident"],
-            "peak_gathered_bytes": self.peak_gathered_bytes,
+            "nvme_read_bytes": s["moved"]["nvme->cpu"],
+            "nvme_written_bytes": s["moved"]["cpu->nvme"],
+            "host_to_device_bytes": s["moved"]["cpu->device"],
+            "device_to_host_bytes": s["moved"]["device->cpu"],
+            "allgather_bytes": c.allgather_bytes,
+            "reduce_scatter_bytes": c.reduce_scatter_bytes,
+            "peak_resident_bytes": {t: s[t]["peak_bytes"] for t in ("device", "cpu", "nvme")},
+            "budgets": {t: s[t]["capacity"] for t in ("device", "cpu", "nvme")},
+            "peak_gathered_bytes": c.peak_gathered_bytes,
             "gathered_bound_bytes": self.gathered_bound(),
             "peak_rss_bytes": peak_rss_bytes(),
             "params_tier": self.params_tier,
             "optimizer_tier": self.optimizer_tier,
+            "resident_bytes": sum(self._resident_sizes()),
+            "plans_made": self.schedule.plans_made,
+            "steps": self.step_stats.steps,
+            "last_step": self.step_stats.last,
         }
+
+    def _resident_sizes(self):
+        keys = self.states.resident_keys()
+        for u in self.units:
+            for kind in u.shards.kinds():
+                for c in u.shards.chunks:
+                    spec = u.shards.spec(kind, c)
+                    if spec.key in keys:
+                        yield spec.nbytes

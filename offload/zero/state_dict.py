@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from . import comm
+from .shards import StateKind
 from .state import UnitState
 
 _RAW = [0]  # >0 while torch's own state_dict walk runs on wrapped modules (the overrides defer to it)
@@ -45,13 +46,10 @@ def _unit_of(t: torch.Tensor):
 
 
 def gather_full(rt, unit) -> torch.Tensor:
-    """The unit's full padded flat value in fp32 on the host (collective)."""
-    key = f"{unit.key}.master" if rt.compute_dtype != torch.float32 else f"{unit.key}.param"
-    held = rt.storage.acquire(key)
-    shard = held.float()  # a copy for bf16; fp32: the held tensor itself, gathered below
+    """The unit's full padded flat value in fp32 on the host (collective; the runtime is quiet)."""
+    shard = unit.read_shard(unit.shards.master_kind())
     full = torch.empty(unit.layout.padded_numel, dtype=torch.float32)
     comm.all_gather_into(rt.group, full, shard)
-    rt.storage.release(key, held)
     return full
 
 
@@ -59,12 +57,9 @@ def write_full(rt, unit, full: torch.Tensor) -> None:
     """Store this rank's shard of `full` (fp32) as the unit's master and compute-dtype param."""
     lo, hi = unit.layout.shard_bounds(rt.rank)
     shard = full[lo:hi]
-    keys = [f"{unit.key}.param"] + ([f"{unit.key}.master"] if rt.compute_dtype != torch.float32 else [])
-    for key in keys:
-        held = rt.storage.acquire(key)
-        held.copy_(shard)  # casts to bf16 for the compute-dtype param
-        rt.storage.release(key, held, dirty=True)
-        del held
+    unit.write_shard(StateKind.PARAM, shard)  # casts to bf16 for the compute-dtype param
+    if not unit.shards.master_is_param:
+        unit.write_shard(StateKind.MASTER, shard)
     if unit.state is UnitState.UNSHARDED:
         unit.stale = True  # a gathered (persistent) unit re-gathers before its next use
 
@@ -74,6 +69,7 @@ def wrapped_state_dict(module: nn.Module, *args, destination=None, prefix: str =
         return nn.Module.state_dict(module, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
     rt = module._offload_runtime_ref
     rt._check_open(f"{type(module).__name__}.state_dict() on a wrapped model")
+    rt.quiesce()  # every queued update is in the values read below
     raw = _placeholder_state(module)
     fulls: dict[int, torch.Tensor] = {}
     values: dict[int, torch.Tensor] = {}
@@ -97,6 +93,7 @@ def wrapped_load_state_dict(module: nn.Module, state_dict, strict: bool = True, 
     del assign  # the runtime owns parameter storage: values are always copied into its shards
     rt = module._offload_runtime_ref
     rt._check_open(f"{type(module).__name__}.load_state_dict() on a wrapped model")
+    rt.quiesce()  # nothing may be updating the shards written below
     raw = _placeholder_state(module)
     missing = [k for k in raw if k not in state_dict]
     unexpected = [k for k in state_dict if k not in raw]

@@ -1,22 +1,36 @@
-"""One sharded unit: a flat parameter gathered before the unit runs and freed after, its gradient
-reduced into this rank's shard.
+"""One sharded unit: a flat parameter gathered before the unit runs and freed after, its gradient reduced
+into this rank's shard.
 
 Bytes per unit and rank:
-  home tiers  `u<i>.param` (shard, compute dtype), and when compute is bf16 `u<i>.master` (fp32 shard);
-              `u<i>.exp_avg`, `u<i>.exp_avg_sq`, `u<i>.grad` (fp32 shards, optimizer tier; see optimizer.py)
-  device      the full flat parameter, only while UNSHARDED (`flat`, storage resized to 0 otherwise);
-              the unsharded fp32 gradient accumulator, only inside `rt.no_sync()`.
+  home tiers  this rank's shard, chunk by chunk (shards.py): the param in compute dtype, an fp32 master when
+              compute is bf16, the Adam moments and the reduced fp32 gradient
+  device      the full flat parameter, only while GATHERING / UNSHARDED (`flat`, storage resized to 0
+              otherwise); the unsharded fp32 gradient accumulator, only inside `rt.no_sync()`.
 The modules always hold either views of `flat` (UNSHARDED) or meta placeholders (SHARDED / FREED).
+
+Work on a unit runs on the runtime's lanes, and every piece that may still be running is a future the next
+reader waits for: `update` (the optimizer lane writing the shard: the next gather waits for it, and so does
+the next write of the gradient, which the update reads) and `grads` (the last reduce-lane work on the
+gradient chunks: the optimizer and the clip norm wait for it). The training thread waits only in
+wait_for_unshard (the gather it is about to compute with) and where a reader needs finished gradients.
 """
 from __future__ import annotations
+
+import concurrent.futures as cf
 
 import torch
 import torch.nn as nn
 
 from ..config import format_size
+from ..store import LeaseMode
+from ..telemetry import Queue
 from . import comm
+from .context import UnitContext
+from .lanes import wait
 from .layout import FlatLayout
+from .shards import StateKind, UnitShards
 from .state import ALLOWED, UnitState
+from .state_store import Use
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -26,23 +40,34 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, (t.numel(),), (1,))
 
 
+def _result(fut: cf.Future | None) -> None:
+    """On a lane: the work this depends on must be over (and must have succeeded)."""
+    if fut is not None:
+        fut.result()
+
+
 class ShardedUnit:
-    def __init__(self, rt, index: int, name: str, module: nn.Module, layout: FlatLayout):
-        self.rt = rt
+    def __init__(self, ctx: UnitContext, index: int, uid: str, name: str, module: nn.Module, layout: FlatLayout,
+                 shards: UnitShards):
+        self.ctx = ctx
         self.index = index
+        self.uid = uid  # stable id: store keys, traces and checkpoints refer to it
         self.name = name
         self.module = module
         self.layout = layout
+        self.shards = shards
         self.state = UnitState.SHARDED
         self.persistent = False
-        self.stale = False  # UNSHARDED copy older than the shard (the optimizer stepped since the gather)
-        self.has_grad = False  # a gradient shard exists in storage (since the last zero_grad)
+        self.stale = False  # UNSHARDED copy older than the shard (an update was issued since the gather)
+        self.has_grad = False  # a gradient shard holds this step's gradient (since the last zero_grad)
         self.local_grad: torch.Tensor | None = None  # unsharded fp32 accumulator inside rt.no_sync()
         self.used = torch.zeros(len(layout.slots), dtype=torch.bool)
-        self.key = f"u{index}"
-        dtype = rt.compute_dtype
+        self.update: cf.Future | None = None  # the optimizer's pending update of this unit
+        self.grads: cf.Future | None = None  # the last reduce-lane work on the gradient chunks
+        self._gather: cf.Future | None = None  # the gather in flight (GATHERING)
+        dtype = ctx.compute_dtype
         self.nbytes_full = layout.padded_numel * dtype.itemsize
-        self.flat = torch.empty(layout.padded_numel, dtype=dtype, device=rt.device)
+        self.flat = torch.empty(layout.padded_numel, dtype=dtype, device=ctx.device)
         self.flat.requires_grad_(layout.trainable)
         self.placeholders: list[nn.Parameter] = []
         self.views: list[torch.Tensor] = []
@@ -92,42 +117,103 @@ class ShardedUnit:
                     "offload.init: before its first forward or offload.AdamW), or rebuild the model."
                 )
 
-    def unshard(self) -> None:
-        """Gather every rank's shard into the full flat parameter on the compute device; modules see views."""
+    # ---- gather ----------------------------------------------------------------------------
+    @property
+    def fresh(self) -> bool:
+        """Gathered (or being gathered) bytes that are current: nothing to issue for this unit."""
+        return self.state is UnitState.GATHERING or (self.state is UnitState.UNSHARDED and not self.stale)
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather every rank's shard into the full flat parameter on the compute device. async_op: only issue
+        it (GATHERING); wait_for_unshard() (or unshard()) waits and lets the modules see the views."""
         self.check_alive()
         self.check_requires_grad()
-        if self.state is UnitState.UNSHARDED and not self.stale:
+        if not self.fresh:
+            if self.state is UnitState.SHARDED:
+                self.flat.untyped_storage().resize_(self.nbytes_full)
+                self.ctx.counters.gathered(self.nbytes_full)
+            prefetched = self.ctx.schedule.take_prefetched(self)
+            self._gather = self.ctx.lanes.gather.submit(f"gather:{self.uid or '<root>'}", self._gather_now,
+                                                        prefetched, self.update)
+            self._transition(UnitState.GATHERING)
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        if self.state is not UnitState.GATHERING:
             return
-        if self.state is UnitState.SHARDED:
-            self.flat.untyped_storage().resize_(self.nbytes_full)
-            self.rt._account_gathered(self.nbytes_full)
-        shard = self.rt.storage.acquire(f"{self.key}.param", compute=True)
-        comm.all_gather_into(self.rt.group, _alias(self.flat), shard)
-        self.rt.storage.release(f"{self.key}.param", shard, compute=True)
-        del shard
-        self.rt.traffic["allgather"] += self.nbytes_full
+        fut, self._gather = self._gather, None
+        try:
+            wait(fut, self.ctx.meter, Queue.GATHER)  # the unit computes next: its bytes must be there
+        except BaseException:
+            self._drop_flat()
+            raise
         self.stale = False
         self._install(self.views)
-        if self.state is UnitState.SHARDED:
-            self._transition(UnitState.UNSHARDED)
+        self._transition(UnitState.UNSHARDED)
+
+    def _gather_now(self, prefetched: dict, after_update: cf.Future | None) -> None:
+        """On the gather lane: this rank's param chunks -> every rank's, into the flat buffer."""
+        _result(after_update)  # the shard must hold the last update before it is read
+        ctx = self.ctx
+        leases = []
+        try:
+            for c in self.shards.chunks:
+                lease = prefetched.get(c.index)
+                if lease is None:
+                    lease = ctx.states.lease(self.shards.spec(StateKind.PARAM, c), Use.COMPUTE, LeaseMode.READ)
+                leases.append(lease)
+            out = _alias(self.flat)
+            if ctx.world_size == 1:
+                for c, lease in zip(self.shards.chunks, leases):
+                    out[c.lo:c.hi].copy_(lease.wait())
+            else:
+                if len(leases) == 1:
+                    send = leases[0].wait()
+                else:  # the collective takes one contiguous shard
+                    send = torch.empty(self.shards.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
+                    for c, lease in zip(self.shards.chunks, leases):
+                        send[c.lo:c.hi].copy_(lease.wait())
+                comm.all_gather_into(ctx.gather_group, out, send)
+            ctx.counters.add("allgather_bytes", self.nbytes_full)
+        finally:
+            for lease in leases:
+                lease.release()
+            for lease in prefetched.values():
+                lease.release()  # idempotent for the ones used above
 
     def reshard(self) -> None:
         """Free the full flat parameter (the shard in its home tier is the truth); modules see placeholders."""
+        if self.state is UnitState.GATHERING:
+            self.wait_for_unshard()  # the lane is writing into the buffer: it must finish first
         if self.state is not UnitState.UNSHARDED or self.persistent:
             return
         self._install(self.placeholders)
         self.flat.untyped_storage().resize_(0)
-        self.rt._account_gathered(-self.nbytes_full)
+        self.ctx.counters.gathered(-self.nbytes_full)
+        self._transition(UnitState.SHARDED)
+
+    def _drop_flat(self) -> None:
+        """A gather failed: give its buffer back and stay SHARDED."""
+        self._install(self.placeholders)
+        self.flat.untyped_storage().resize_(0)
+        self.ctx.counters.gathered(-self.nbytes_full)
+        self.stale = False
         self._transition(UnitState.SHARDED)
 
     def free(self) -> None:
         """Leave the runtime: drop the flat buffer and accumulators; placeholders stay (meta, no bytes)."""
         if self.state is UnitState.FREED:
             return
+        if self.state is UnitState.GATHERING:
+            try:
+                self.wait_for_unshard()
+            except Exception:  # leaving anyway: the buffer is dropped below
+                pass
         if self.state is UnitState.UNSHARDED:
             self._install(self.placeholders)
             self.flat.untyped_storage().resize_(0)
-            self.rt._account_gathered(-self.nbytes_full)
+            self.ctx.counters.gathered(-self.nbytes_full)
         self.local_grad = None
         self._transition(UnitState.FREED)
 
@@ -151,7 +237,7 @@ class ShardedUnit:
         if grad is None:
             return
         g32 = grad.float() if grad.dtype != torch.float32 else grad
-        if not self.rt.sync_grads:
+        if not self.ctx.sync_grads:
             if self.local_grad is None:
                 self.local_grad = g32.clone() if g32 is grad else g32
             else:
@@ -163,28 +249,54 @@ class ShardedUnit:
         self.reduce(g32)
 
     def reduce(self, full_grad: torch.Tensor) -> None:
-        """Mean over ranks of the full fp32 gradient, this rank's shard added into the stored grad shard."""
-        shard = comm.reduce_scatter_mean(self.rt.group, full_grad)
-        self.rt.traffic["reduce_scatter"] += full_grad.numel() * 4
-        shard = shard.to("cpu")
-        name = f"{self.key}.grad"
-        storage = self.rt.storage
-        if not storage.has(name):  # first gradient of this unit: its shard is created in the optimizer tier
-            storage.create(name, self.rt.optimizer_tier, "grads", init=shard)
-        else:
-            acc = storage.acquire(name)
-            if self.has_grad:
-                acc.add_(shard)
-            else:  # zero_grad ran since: overwrite
-                acc.copy_(shard)
-            storage.release(name, acc, dirty=True)
-        self.has_grad = True
+        """Queue: mean over ranks of the full fp32 gradient, this rank's shard added into the stored gradient
+        (or written over it, the first time since zero_grad). `full_grad` travels with the work."""
+        overwrite, self.has_grad = not self.has_grad, True
+        window = self.ctx.reduce_window  # every unit's reduces in flight, oldest first
+        while window and window[0].done():
+            window.popleft()
+        while len(window) >= self.ctx.max_reduces_in_flight:  # bound the full gradients held by the lane
+            wait(window.popleft(), self.ctx.meter, Queue.REDUCE)
+        self.grads = self.ctx.lanes.reduce.submit(f"reduce:{self.uid or '<root>'}", self._reduce_now, full_grad,
+                                                  overwrite, self.update)
+        window.append(self.grads)
+
+    def _reduce_now(self, full_grad: torch.Tensor, overwrite: bool, after_update: cf.Future | None) -> None:
+        _result(after_update)  # the last update reads the gradient chunks: it must be over before they change
+        ctx = self.ctx
+        shard = comm.reduce_scatter_mean(ctx.reduce_group, full_grad)
+        ctx.counters.add("reduce_scatter_bytes", full_grad.numel() * 4)
+        if shard.device.type != "cpu":
+            shard = shard.to("cpu")  # lane thread: the accumulation below reads it
+        self._register_grads()
+        mode = LeaseMode.OVERWRITE if overwrite else LeaseMode.UPDATE
+        for c in self.shards.chunks:
+            lease = ctx.states.lease(self.shards.spec(StateKind.GRAD, c), Use.HOST, mode)
+            acc = lease.wait()
+            if overwrite:
+                acc.copy_(shard[c.lo:c.hi])
+            else:
+                acc.add_(shard[c.lo:c.hi])
+            lease.release()
+
+    def _register_grads(self) -> None:
+        if not self.shards.grads_registered:
+            for c in self.shards.chunks:
+                self.ctx.states.register(self.shards.spec(StateKind.GRAD, c)).result()
+            self.shards.grads_registered = True
 
     def flush_local_grad(self) -> None:
         """Reduce what no_sync accumulated (called when a step needs gradients no backward has reduced)."""
         if self.local_grad is not None:
             g, self.local_grad = self.local_grad, None
             self.reduce(g)
+
+    def wait_grads(self) -> None:
+        """The training thread reads this unit's gradient chunks next: every reduce must be over."""
+        wait(self.grads, self.ctx.meter, Queue.REDUCE)
+
+    def wait_update(self) -> None:
+        wait(self.update, self.ctx.meter, Queue.OPTIMIZER)
 
     def zero_grad(self, slots=None, set_to_none: bool = True) -> None:
         """Clear the gradients of `slots` (slot indices; None: all). set_to_none (torch's default) makes them
@@ -193,7 +305,7 @@ class ShardedUnit:
         frozen = {s.index for s in self.layout.slots if not s.requires_grad}  # never have a gradient
         if slots is None or len(set(slots) | frozen) == len(self.layout.slots):
             if set_to_none:
-                self.has_grad = False  # the grad shard stays registered; the next reduce overwrites it
+                self.has_grad = False  # the chunks stay registered; the next reduce writes over them
                 self.local_grad = None
                 self.used.zero_()
                 return
@@ -203,17 +315,39 @@ class ShardedUnit:
             for s in slots:
                 slot = self.layout.slots[s]
                 self.local_grad[slot.offset:slot.offset + slot.numel].zero_()
-        if self.has_grad:  # other slots keep their gradient: zero these ranges of the stored shard
-            name = f"{self.key}.grad"
-            g = self.rt.storage.acquire(name)
-            for piece in self.layout.pieces(self.rt.rank):
-                if piece.slot in slots:
-                    g[piece.lo:piece.hi].zero_()
-            self.rt.storage.release(name, g, dirty=True)
-            del g
+        if self.has_grad:  # other slots keep their gradient: zero these ranges of the stored shard, in order
+            ranges = [(p.lo, p.hi) for p in self.layout.pieces(self.ctx.rank) if p.slot in slots]
+            self.grads = self.ctx.lanes.reduce.submit(f"zero_grad:{self.uid or '<root>'}", self._zero_now, ranges,
+                                                      self.update)
         if set_to_none:
             for s in slots:
                 self.used[s] = False
+
+    def _zero_now(self, ranges: list, after_update: cf.Future | None) -> None:
+        _result(after_update)
+        for lo, hi in ranges:
+            for c, a, b in self.shards.chunks_over(lo, hi):
+                lease = self.ctx.states.lease(self.shards.spec(StateKind.GRAD, c), Use.HOST, LeaseMode.UPDATE)
+                lease.wait()[a:b].zero_()
+                lease.release()
+
+    # ---- reading and writing ranges of the shard (training thread: state dicts, clip) ----------
+    def read_shard(self, kind: StateKind) -> torch.Tensor:
+        """A host copy of this rank's whole shard of `kind` (its chunks concatenated)."""
+        dtype = self.ctx.compute_dtype if kind is StateKind.PARAM else torch.float32
+        out = torch.empty(self.shards.shard_numel, dtype=dtype)
+        for c in self.shards.chunks:
+            lease = self.ctx.states.lease(self.shards.spec(kind, c), Use.HOST, LeaseMode.READ)
+            out[c.lo:c.hi].copy_(lease.wait())
+            lease.release()
+        return out
+
+    def write_shard(self, kind: StateKind, values: torch.Tensor) -> None:
+        """Write this rank's whole shard of `kind` (cast like copy_), chunk by chunk."""
+        for c in self.shards.chunks:
+            lease = self.ctx.states.lease(self.shards.spec(kind, c), Use.HOST, LeaseMode.OVERWRITE)
+            lease.wait().copy_(values[c.lo:c.hi])
+            lease.release().result()  # the caller reads or gathers the unit next
 
     def describe(self) -> str:
         return f"{self.label}: {self.layout.numel} params, {format_size(self.nbytes_full)} gathered"

@@ -1,0 +1,74 @@
+"""What a unit needs from the runtime, and nothing more (units never see the Runtime)."""
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from ..telemetry import Lane, Meter, Queue
+from . import comm
+from .lanes import WorkLane
+from .state_store import UnitStateStore
+
+
+@dataclass
+class Counters:
+    """Collective traffic and gathered bytes, for rt.stats()."""
+
+    allgather_bytes: int = 0
+    reduce_scatter_bytes: int = 0
+    gathered_bytes: int = 0
+    peak_gathered_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str, nbytes: int) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + nbytes)
+
+    def gathered(self, delta: int) -> None:
+        with self._lock:
+            self.gathered_bytes += delta
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+
+
+@dataclass
+class Lanes:
+    gather: WorkLane
+    reduce: WorkLane
+    optimizer: WorkLane
+
+    @classmethod
+    def create(cls, meter: Meter, threaded: bool) -> "Lanes":
+        return cls(WorkLane(Lane.GATHER, Queue.GATHER, meter, threaded),
+                   WorkLane(Lane.REDUCE, Queue.REDUCE, meter, threaded),
+                   WorkLane(Lane.OPTIMIZER, Queue.OPTIMIZER, meter, threaded, pause_each=False))
+
+    def all(self) -> list[WorkLane]:
+        return [self.gather, self.reduce, self.optimizer]
+
+
+@dataclass
+class UnitContext:
+    device: torch.device
+    compute_dtype: torch.dtype
+    main_group: comm.Group  # collectives of the training thread (clip norm, flags, state dicts)
+    gather_group: comm.Group  # the gather lane's all-gathers
+    reduce_group: comm.Group  # the reduce lane's reduce-scatters
+    states: UnitStateStore
+    lanes: Lanes
+    meter: Meter
+    counters: Counters
+    schedule: object  # zero.schedule.Schedule: prefetched leases, and the uses it traces
+    sync_grads: bool = True  # False inside rt.no_sync(): backward accumulates locally
+    max_reduces_in_flight: int = 2  # full gradients queued on the reduce lane at once (bounded memory)
+    reduce_window: collections.deque = field(default_factory=collections.deque)  # their futures, oldest first
+
+    @property
+    def rank(self) -> int:
+        return self.main_group.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.main_group.world_size

@@ -1,0 +1,52 @@
+"""The per-parameter gradient norms of this rank's shards, for rt.clip_grad_norm_.
+
+Per-parameter norms first, then the norm of those (as torch.nn.utils.clip_grad_norm_ does), so one rank
+reproduces torch bit for bit: a parameter whose shard range spans two gradient chunks is joined into one
+contiguous copy before its norm is taken. Ranks then combine their partial sums (runtime.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..store import LeaseMode
+from .shards import StateKind
+from .state_store import Use
+
+
+def local_norms(units, rank: int, norm_type: float) -> list[torch.Tensor]:
+    """Norms of every gradient-carrying parameter piece in this rank's shards, in model.parameters() order."""
+    found = []
+    for unit in units:
+        if not unit.has_grad:
+            continue
+        unit.wait_grads()  # the reduces into these chunks must be over
+        pieces = [p for p in unit.layout.pieces(rank) if unit.layout.slots[p.slot].requires_grad]
+        if not pieces:
+            continue
+        chunks = unit.shards.chunks
+        leases = {}
+
+        def lease(i):
+            if i < len(chunks) and i not in leases:
+                leases[i] = unit.ctx.states.lease(unit.shards.spec(StateKind.GRAD, chunks[i]), Use.HOST,
+                                                  LeaseMode.READ)
+            return leases.get(i)
+
+        parts: dict[int, list] = {}
+        for i, c in enumerate(chunks):
+            lease(i + 1)  # read the next chunk while this one is summed
+            g = lease(i).wait()
+            for p in pieces:
+                a, b = max(p.lo, c.lo), min(p.hi, c.hi)
+                if a < b:
+                    parts.setdefault(p.slot, []).append(g[a - c.lo:b - c.lo] if (p.lo >= c.lo and p.hi <= c.hi)
+                                                        else g[a - c.lo:b - c.lo].clone())
+            for p in pieces:
+                if p.hi <= c.hi and p.slot in parts and p.hi > c.lo:
+                    got = parts.pop(p.slot)
+                    whole = got[0] if len(got) == 1 else torch.cat(got)
+                    found.append((unit.layout.slots[p.slot].ordinal, torch.linalg.vector_norm(whole, norm_type)))
+            leases.pop(i).release()
+        for held in leases.values():
+            held.release()
+    return [n for _, n in sorted(found, key=lambda x: x[0])]  # model.parameters() order, as torch

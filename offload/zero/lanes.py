@@ -1,0 +1,88 @@
+"""Lanes: the runtime's background queues, each one thread running its work in the order it was given.
+
+    gather     a unit's all-gather: wait for its pending update, read its param chunks, gather
+    reduce     a unit's reduce-scatter and the accumulation into its gradient chunks (every write to a
+               gradient shard goes through here, in order)
+    optimizer  the optimizer pipeline (read ahead, fused AdamW, write-behind), unit after unit
+
+One thread per lane keeps each lane's work in program order: collectives on a lane are issued in the same
+order on every rank (each lane has its own process group, so lanes never interleave one group's calls).
+With Config.pipeline=False a lane runs each piece of work in the caller, at once: the synchronous
+reference that the pipelined runtime must match bit for bit.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from typing import Callable
+
+from .. import inject
+from ..telemetry import Lane, Meter, Queue
+
+
+class WorkLane:
+    def __init__(self, lane: Lane, queue: Queue, meter: Meter, threaded: bool, pause_each: bool = True):
+        self.lane = lane
+        self.queue = queue  # what the training thread waits on when it waits for this lane's work
+        self.meter = meter
+        self.pause_each = pause_each  # injected delay (tests) per piece of work; False: the work pauses itself
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"offload-{lane.value}") if threaded else None
+        self._last: cf.Future | None = None
+        self._failure: BaseException | None = None  # the first work that raised (reported by drain)
+        self._lock = threading.Lock()
+
+    @property
+    def threaded(self) -> bool:
+        return self._pool is not None
+
+    def submit(self, name: str, fn: Callable, *args) -> cf.Future:
+        """Run fn(*args) after everything submitted before; a future of its result."""
+        def run():
+            if self.pause_each:
+                inject.pause(self.queue)  # a slow lane (tests): the work starts late
+            try:
+                with self.meter.working(self.lane, name):
+                    return fn(*args)
+            except BaseException as e:
+                with self._lock:
+                    self._failure = self._failure or e
+                raise
+
+        if self._pool is None:
+            fut: cf.Future = cf.Future()
+            try:
+                fut.set_result(run())
+            except BaseException as e:  # noqa: BLE001 - delivered through the future, as on a thread
+                fut.set_exception(e)
+        else:
+            fut = self._pool.submit(run)
+        with self._lock:
+            self._last = fut
+        return fut
+
+    def drain(self) -> None:
+        """Wait until everything submitted so far has run; raises the first failure among the last."""
+        with self._lock:
+            last = self._last
+        if last is not None and not last.done():
+            with self.meter.waiting(self.queue):
+                cf.wait([last])  # FIFO: the last one done means all are
+        with self._lock:
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)  # running work finishes; buffers it holds are freed by it
+            self._pool = None
+
+
+def wait(fut: cf.Future | None, meter: Meter, queue: Queue):
+    """The training thread needs `fut`'s result now: wait, charging the time to `queue`."""
+    if fut is None:
+        return None
+    if not fut.done():
+        with meter.waiting(queue):
+            return fut.result()
+    return fut.result()

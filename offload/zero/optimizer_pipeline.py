@@ -1,0 +1,186 @@
+"""The optimizer pipeline: AdamW over every unit's shard, chunk by chunk, on the optimizer lane.
+
+    for each chunk, in the plan's unit order:
+        lease chunk k+1's states (read ahead, if the budget has room now)
+        wait chunk k's states                       (the only wait: the bytes are needed)
+        fused AdamW over chunk k (also writes the bf16 param chunk)
+        release chunk k's states                    (write-behind to their home tier)
+    a unit's `update` future resolves after its last chunk is released
+
+opt.step() only queues this and returns: the next forward overlaps the tail of the step, and a unit's next
+gather waits for that unit's own update (unit.update), so results are bitwise those of the synchronous
+path (Config.pipeline=False runs the same code in the training thread, one chunk at a time). Everything an
+update uses is captured when step() is called (hyperparameters, step counts, the clip coefficient), so an
+LR scheduler stepping right after opt.step() changes only the next step.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import inject
+from ..optim.adamw import step_flat
+from ..store import LeaseMode
+from ..telemetry import Queue
+from .shards import Chunk, StateKind
+from .state_store import Use
+
+
+@dataclass(frozen=True)
+class Run:
+    """Shard elements [lo, hi) stepped with one set of hyperparameters and one step count."""
+
+    lo: int
+    hi: int
+    hyper: dict  # lr, betas, eps, weight_decay, maximize: a copy taken at step()
+    step: int
+
+
+@dataclass
+class UnitUpdate:
+    unit: object  # ShardedUnit
+    runs: list[Run]
+    grad_scale: float
+    zero_moments: bool  # the unit's first step: its moments start at zero (no read)
+    param_overwrite: bool  # the step writes every element of the compute-dtype param chunk (no read)
+    grads_ready: cf.Future | None = None  # the last gradient work queued before step() (a later zero_grad
+    #                                       waits for this update: reading unit.grads on the lane would deadlock)
+    done: cf.Future = field(default_factory=cf.Future)
+
+    def runs_in(self, c: Chunk) -> list[tuple[int, int, Run]]:
+        """(chunk-local lo, hi, run) for the runs that meet chunk c."""
+        out = []
+        for r in self.runs:
+            a, b = max(r.lo, c.lo), min(r.hi, c.hi)
+            if a < b:
+                out.append((a - c.lo, b - c.lo, r))
+        return out
+
+
+@dataclass
+class _Item:
+    update: UnitUpdate
+    chunk: Chunk
+    runs: list
+    last_of_unit: bool
+    leases: dict = field(default_factory=dict)  # StateKind (or "out") -> lease
+
+
+class OptimizerPipeline:
+    def __init__(self, ctx, read_ahead: int):
+        self.ctx = ctx
+        self.read_ahead = read_ahead  # chunks leased ahead of the one being stepped (0: none)
+
+    def submit(self, updates: list[UnitUpdate]) -> None:
+        """Queue the updates (in order) on the optimizer lane; each unit's `update` is its future."""
+        for u in updates:
+            u.unit.update = u.done
+        if updates:
+            self.ctx.lanes.optimizer.submit("optimizer step", self._run, updates)
+
+    # ---- on the optimizer lane ------------------------------------------------------------------
+    def _run(self, updates: list[UnitUpdate]) -> None:
+        items: list[_Item] = []
+        for u in updates:
+            mine = [_Item(u, c, u.runs_in(c), False) for c in u.unit.shards.chunks]
+            mine = [it for it in mine if it.runs]
+            if mine:
+                mine[-1].last_of_unit = True
+                items.extend(mine)
+            else:
+                u.done.set_result(None)  # nothing of this unit lives in this rank's shard
+        failed: BaseException | None = None
+        for k, item in enumerate(items):
+            if failed is not None:
+                self._release(item)
+                if item.last_of_unit:
+                    item.update.done.set_exception(failed)
+                continue
+            try:
+                self._lease(item, block=True)
+                for nxt in items[k + 1:k + 1 + self.read_ahead]:
+                    if not self._lease(nxt, block=False):
+                        break  # no room now: later chunks wait their turn (ordered back-off)
+                self._step(item)
+            except BaseException as e:  # noqa: BLE001 - every later unit's future carries it
+                failed = e
+                self._release(item)
+                if item.last_of_unit:
+                    item.update.done.set_exception(e)
+                continue
+            self._release(item)
+            if item.last_of_unit:
+                item.update.done.set_result(None)
+        if failed is not None:
+            raise failed
+
+    def _wanted(self, item: _Item) -> list[tuple[object, StateKind, LeaseMode]]:
+        """(lease slot, state kind, mode) of every state chunk the kernel touches."""
+        u, shards = item.update, item.update.unit.shards
+        moments = LeaseMode.OVERWRITE if u.zero_moments else LeaseMode.UPDATE
+        want = [(StateKind.GRAD, StateKind.GRAD, LeaseMode.READ),
+                (StateKind.EXP_AVG, StateKind.EXP_AVG, moments),
+                (StateKind.EXP_AVG_SQ, StateKind.EXP_AVG_SQ, moments)]
+        if shards.master_is_param:
+            want.append((StateKind.MASTER, StateKind.PARAM, LeaseMode.UPDATE))
+        else:
+            want.append((StateKind.MASTER, StateKind.MASTER, LeaseMode.UPDATE))
+            want.append((StateKind.PARAM, StateKind.PARAM,
+                         LeaseMode.OVERWRITE if u.param_overwrite else LeaseMode.UPDATE))
+        return want
+
+    def _lease(self, item: _Item, block: bool) -> bool:
+        """Lease what `item` still lacks; block=False: stop at the first that has no room now. True when it
+        has every lease."""
+        unit = item.update.unit
+        for slot, kind, mode in self._wanted(item):
+            if slot in item.leases:
+                continue
+            if kind is StateKind.GRAD:
+                grads = item.update.grads_ready
+                if grads is not None and not grads.done():
+                    if not block:
+                        return False  # a reduce is still writing the gradient: read it once that is over
+                    grads.result()  # the kernel reads the gradient: the reduce must be over
+                elif grads is not None:
+                    grads.result()  # a failed reduce fails the update
+            lease = self.ctx.states.lease(unit.shards.spec(kind, item.chunk), Use.HOST, mode, block=block)
+            if lease is None:
+                return False
+            item.leases[slot] = lease
+        return True
+
+    def _step(self, item: _Item) -> None:
+        u = item.update
+        name = f"adam:{u.unit.uid or '<root>'}[{item.chunk.index}]"
+        t = {slot: lease.wait() for slot, lease in item.leases.items()}  # the kernel needs every state now
+        inject.pause(Queue.OPTIMIZER)  # a slow kernel (tests)
+        with self.ctx.meter.working(self.ctx.lanes.optimizer.lane, name):
+            if u.zero_moments:
+                t[StateKind.EXP_AVG].zero_()
+                t[StateKind.EXP_AVG_SQ].zero_()
+            out = t.get(StateKind.PARAM)
+            if out is not None and u.param_overwrite:
+                _zero_outside(out, item.runs)  # padding: the kernel writes only stepped elements
+            for a, b, r in item.runs:
+                step_flat(t[StateKind.MASTER][a:b], t[StateKind.GRAD][a:b], t[StateKind.EXP_AVG][a:b],
+                          t[StateKind.EXP_AVG_SQ][a:b], None if out is None else out[a:b], r.hyper, r.step,
+                          u.grad_scale)
+
+    @staticmethod
+    def _release(item: _Item) -> None:
+        for lease in item.leases.values():
+            lease.release()  # write-behind: the lane goes on; moves of one shard stay in order
+        item.leases.clear()
+
+
+def _zero_outside(t: torch.Tensor, runs: list) -> None:
+    at = 0
+    for a, b, _ in sorted(runs, key=lambda x: x[0]):
+        if a > at:
+            t[at:a].zero_()
+        at = max(at, b)
+    if at < t.numel():
+        t[at:].zero_()

@@ -1,0 +1,174 @@
+"""Placement: where each class of state lives, how shards are cut into chunks, and whether it all fits.
+Decided when a model is wrapped, before any byte is moved; anything that cannot fit is refused here with
+the numbers and the setting to change.
+
+"auto" tiers take the fastest tier whose budget holds the state class with room to stage the largest unit.
+Gradients live with the optimizer states (the CPU optimizer reads them); when that tier is nvme, the
+schedule keeps them resident in the cpu budget if it can (planner.residency_plan), so they do not round-trip
+through the disk.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import format_size
+from ..store import Tier
+from .layout import FlatLayout
+from .shards import StateTiers, chunk_bounds
+from .state_store import check_nvme_path
+
+CHUNK_ALIGN = 2048  # elements: chunk boundaries on 4 KiB of bf16 / 8 KiB of fp32
+MIN_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_BYTES = 64 << 20
+PIPELINE_CHUNKS = 2  # chunks of optimizer state the pipeline holds at once (one stepped, one read ahead)
+PAGE = 4096  # the store rounds every buffer up to whole pages
+
+
+@dataclass(frozen=True)
+class Placement:
+    tiers: StateTiers
+    chunk_numel: int  # target elements per chunk (a unit's shard is cut into equal chunks at most this long)
+    gather_ahead: bool  # the device budget holds one more gathered unit: gather the next unit while one runs
+
+    def chunk_of(self, shard_numel: int) -> int:
+        return equal_chunk(shard_numel, self.chunk_numel)
+
+
+def equal_chunk(shard_numel: int, chunk_numel: int) -> int:
+    """Elements per chunk cutting a shard of shard_numel into equal (aligned) chunks of at most chunk_numel."""
+    pieces = max(1, -(-shard_numel // chunk_numel))
+    size = -(-shard_numel // pieces)
+    return -(-size // CHUNK_ALIGN) * CHUNK_ALIGN
+
+
+@dataclass
+class UnitSize:
+    index: int
+    name: str
+    module_type: str
+    layout: FlatLayout
+    always_gathered: bool  # the root, or small enough to persist
+
+
+def chunk_numel_for(cpu_budget: int, setting: int | None) -> int:
+    """Elements per chunk: the setting (fp32 bytes), else cpu_budget / 64 within [1 MiB, 64 MiB] of fp32."""
+    nbytes = setting if setting is not None else min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, cpu_budget // 64))
+    return max(CHUNK_ALIGN, nbytes // 4 // CHUNK_ALIGN * CHUNK_ALIGN)
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+def host_working_set(unit_chunks: list[list[int]], width: int, params_nvme: bool, optimizer_nvme: bool) -> int:
+    """Bytes of the cpu budget that the background lanes may hold at once to make progress, for nvme-homed
+    states (memory homes lend their home copy and stage nothing): the gather lane reads every param chunk of
+    the largest unit, the optimizer lane one chunk of each state it steps, the reduce lane one gradient chunk.
+    Those lanes run concurrently and wait for one another's buffers, so all three must fit together; what
+    the prefetch and the resident states use comes on top (the schedule reserves this first).
+    `unit_chunks`: every unit's chunk sizes, in elements."""
+    chunk = max((n for chunks in unit_chunks for n in chunks), default=0)
+    gather = max((sum(_pages(n * width) for n in chunks) for chunks in unit_chunks), default=0) if params_nvme else 0
+    step = 0
+    if optimizer_nvme:  # exp_avg, exp_avg_sq, grad; and the fp32 master unless the fp32 param is it
+        step += (3 + (1 if width != 4 else 0)) * _pages(chunk * 4)
+    if params_nvme:  # the param chunk the step writes (with fp32 compute it is also the master)
+        step += _pages(chunk * width)
+    reduce = _pages(chunk * 4) if optimizer_nvme else 0  # gradients live with the optimizer states
+    return gather + step + reduce
+
+
+def gathered_bound(sizes: list[UnitSize], width: int, ahead: bool) -> int:
+    """Bytes gathered at once at most: always-gathered units + the largest other unit, twice when the next
+    unit is gathered while one runs."""
+    fixed = sum(s.layout.padded_numel * width for s in sizes if s.always_gathered)
+    largest = max((s.layout.padded_numel * width for s in sizes if not s.always_gathered), default=0)
+    return fixed + largest * (2 if ahead else 1)
+
+
+def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str, budgets: dict,
+         in_use: dict, compute_dtype: torch.dtype, chunk_setting: int | None, nvme_path: str | None) -> Placement:
+    """The placement for `new` units joining `sizes` (every unit, new ones included). `params` /
+    `optimizer`: the configured tiers ("auto" allowed); budgets / in_use: bytes per tier."""
+    width = compute_dtype.itemsize
+    for s in new:
+        full = s.layout.padded_numel * width
+        if full > budgets["device"]:
+            raise MemoryError(
+                f"offload: unit {s.index} ({s.name or '<root>'}, {s.module_type}) needs {format_size(full)} ({full} bytes) "
+                f"gathered on the device, more than device_budget {format_size(budgets['device'])}; raise "
+                "device_budget or cut smaller units (Config.unit_classes / unit_min_bytes)"
+            )
+    chunk_numel = chunk_numel_for(budgets["cpu"], chunk_setting)
+    chunks = {s.index: [hi - lo for lo, hi in chunk_bounds(s.layout.shard_numel,
+                                                          equal_chunk(s.layout.shard_numel, chunk_numel))]
+              for s in sizes}
+    # bytes the new units' shards hold in their home tier, as the store holds them (every chunk page-rounded)
+    new_chunks = [n for s in new for n in chunks[s.index]]
+    param_bytes = sum(_pages(n * width) for n in new_chunks)
+    opt_bytes = (3 + (1 if width != 4 else 0)) * sum(_pages(n * 4) for n in new_chunks)  # m, v, grad (+ master)
+
+    def staging(p: str, o: str) -> int:
+        return host_working_set(list(chunks.values()), width, p == "nvme", o == "nvme")
+
+    def cpu_homed(p: str, o: str) -> int:
+        return (param_bytes if p == "cpu" else 0) + (opt_bytes if o == "cpu" else 0)
+
+    cpu_free = budgets["cpu"] - in_use["cpu"]
+    device_free = budgets["device"] - in_use["device"]
+    gathered = gathered_bound(sizes, width, ahead=False)
+    if params == "auto":
+        biggest_full = max((s.layout.padded_numel * width for s in new), default=0)
+        if param_bytes + max(2 * biggest_full, gathered) <= device_free:
+            params = "device"
+        elif cpu_homed("cpu", "nvme") + staging("cpu", "nvme" if optimizer == "auto" else optimizer) <= cpu_free:
+            params = "cpu"  # with room for the optimizer's working set should its states page from nvme
+        else:
+            params = _nvme_or_fail("params", param_bytes, nvme_path)
+    if optimizer == "auto":
+        fits = cpu_homed(params, "cpu") + staging(params, "cpu") <= cpu_free
+        optimizer = "cpu" if fits else _nvme_or_fail("optimizer", opt_bytes, nvme_path)
+    cpu_need, working = cpu_homed(params, optimizer), staging(params, optimizer)
+    if cpu_need + working > cpu_free:
+        raise MemoryError(
+            f"offload.Config.cpu_budget: with params={params!r} and optimizer={optimizer!r} this rank needs "
+            f"{format_size(cpu_need + working)} ({cpu_need + working} bytes) of host memory: "
+            f"{format_size(cpu_need)} of cpu-homed states and {format_size(working)} that the background work "
+            "holds at once for nvme-homed ones (the largest unit's param chunks being gathered, one chunk of every "
+            f"state being stepped, one gradient chunk being reduced), but only {format_size(cpu_free)} "
+            f"({cpu_free} bytes) of cpu_budget is free; raise cpu_budget, set params=/optimizer= to 'nvme', or "
+            "lower Config.chunk_size"
+        )
+    nvme_need = (param_bytes if params == "nvme" else 0) + (opt_bytes if optimizer == "nvme" else 0)
+    if nvme_need:
+        if budgets["nvme"] is not None and nvme_need > budgets["nvme"]:
+            raise OSError(
+                f"offload.Config.nvme_budget: the model's nvme-homed states need {format_size(nvme_need)} "
+                f"({nvme_need} bytes) on this rank but nvme_budget is {format_size(budgets['nvme'])} "
+                f"({budgets['nvme']} bytes)"
+            )
+        check_nvme_path(nvme_path, nvme_need, "the model's nvme-homed states")
+    if params == "device" and param_bytes + gathered > device_free:
+        # device-homed shards and the gathered units share the device: both must fit device_budget
+        raise MemoryError(
+            f"offload.Config.device_budget: params='device' keeps {format_size(param_bytes)} ({param_bytes} bytes) "
+            f"of parameter shards on the device and gathering units needs up to {format_size(gathered)} "
+            f"({gathered} bytes) more (root + persistent units + the largest unit), but only "
+            f"{format_size(device_free)} ({device_free} bytes) of device_budget is left; raise device_budget or set "
+            "params='cpu' / 'nvme'"
+        )
+    device_left = device_free - (param_bytes if params == "device" else 0) - (opt_bytes if optimizer == "device" else 0)
+    ahead = gathered_bound(sizes, width, ahead=True) <= device_left
+    tiers = StateTiers(Tier(params), Tier(optimizer), Tier(optimizer))
+    return Placement(tiers, chunk_numel, ahead)
+
+
+def _nvme_or_fail(what: str, nbytes: int, nvme_path: str | None) -> str:
+    if not nvme_path:
+        raise MemoryError(
+            f"offload.Config.{what}='auto': {format_size(nbytes)} of {what} states fit neither device_budget "
+            "nor cpu_budget and no nvme_path is set; raise a budget or give nvme_path"
+        )
+    return "nvme"

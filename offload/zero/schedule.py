@@ -1,0 +1,323 @@
+"""The schedule: the runtime's side of the planner. It owns the traced unit order, the plan made from it,
+and the prefetch that plan drives; the hooks make one call into it per event.
+
+    on_forward(unit) / on_backward(unit)   a use: traced, matched against the plan, planned work issued
+    on_backward_end()                      the backward pass is over
+    before_step(units)                     the optimizer is about to update `units`: the step's trace is
+                                           complete; a first step, or one that did not match the plan,
+                                           makes a new plan (re-trace); returns the units in update order
+    take_prefetched(unit)                  the gather takes the param chunks read ahead for it
+    reshard_after_forward(unit)            free after forward, or keep for the backward right after
+
+Following a plan means: at use i, issue the reads the plan put there (param chunks of later uses, within
+the read-ahead budget; a unit whose update is still running is read once it is over) and the gather of
+the next use's unit (one ahead; a collective, so decided only by the plan and the uses so far, which are
+the same on every rank). A use that differs from the plan (a unit skipped, another branch, eval under
+no_grad in between is not traced at all) stops following for the rest of the step, releases what was read
+ahead, and the step's own trace becomes the next plan. Nothing it does changes a result: only when bytes
+move.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .. import planner
+from ..planner import Phase, Trace, Use
+from ..planner.schedule import Read
+from ..planner.trace import TraceRecorder
+from ..store import LeaseMode, Tier
+from ..telemetry import span
+from .shards import ShardKey, StateKind
+from .state import TrainingState, UnitState
+from .state_store import Use as Where
+
+
+@dataclass(frozen=True)
+class Plan:
+    trace: Trace
+    issue: list  # issue[i]: [(use index, Read)] to issue when use i is reached
+    step_order: list  # unit ids in the order the optimizer updates them
+    resident: frozenset  # ShardKeys held in the cpu tier across steps
+    read_budget: int  # bytes read ahead and not yet used, at most
+
+
+class Schedule:
+    def __init__(self, ctx, units_by_uid: dict, reserve_bytes, prefetch: bool, gather_ahead: bool,
+                 on_new_backward=lambda: None):
+        self.ctx = ctx
+        self.on_new_backward = on_new_backward  # the runtime forgets the last clip coefficient
+        self.units = units_by_uid  # uid -> ShardedUnit (the runtime adds units as it wraps models)
+        self.reserve_bytes = reserve_bytes  # () -> cpu bytes the pipelines need besides what stays resident
+        self.prefetch = prefetch  # Config.pipeline: read ahead and gather ahead
+        self.gather_ahead = gather_ahead  # placement: the device budget holds one more gathered unit
+        self.state = TrainingState.IDLE
+        self.plan: Plan | None = None
+        self.plans_made = 0
+        self.cost = planner.CostTable()
+        self._cursor = -1  # the last use of the plan matched in this step
+        self._following = False
+        self._matched = True  # every use of this step so far matched the plan
+        self._recorder = TraceRecorder()
+        self._backward_seen: set[str] = set()
+        self._callback_queued = False  # autograd's end-of-backward callback is queued for this pass
+        self._clock = (time.perf_counter(), 0.0)  # (time, total waits) at the last use
+        self._lock = threading.Lock()  # the prefetch table: the optimizer lane issues deferred reads
+        self._prefetched: dict[ShardKey, object] = {}  # read ahead, not yet taken
+        self._prefetched_bytes = 0
+        self._claims: dict[str, int] = {}  # uid -> generation: bumped when a gather takes the unit's reads
+
+    # ---- training state ------------------------------------------------------------------------
+    def _enter(self, state: TrainingState) -> None:
+        self.state = state
+
+    # ---- the hooks' calls (hooks.py) ------------------------------------------------------------
+    def pre_forward(self, unit) -> None:
+        unit.check_alive()
+        self._close_failed_backward()
+        unit.unshard(async_op=True)  # its own gather first: the lane runs gathers in the order issued
+        self.on_forward(unit)  # trace it; issue what the plan puts here (reads and the next gather)
+        unit.wait_for_unshard()
+
+    def recompute(self, unit) -> None:
+        """Activation checkpointing re-runs the unit's forward inside backward: it must be gathered."""
+        unit.check_alive()
+        unit.unshard(async_op=True)
+        self.on_backward(unit)
+        unit.wait_for_unshard()
+
+    def post_forward(self, unit) -> None:
+        if not torch.is_grad_enabled() or self.reshard_after_forward(unit):
+            unit.reshard()
+
+    def pre_backward(self, unit) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            self.on_new_backward()
+            # runs when the whole backward pass has finished: free what no post-backward freed
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+        unit.unshard(async_op=True)
+        self.on_backward(unit)
+        unit.wait_for_unshard()
+
+    def post_backward(self, unit) -> None:
+        unit.reshard()
+
+    def _backward_finished(self) -> None:
+        self._callback_queued = False
+        self._reshard_all()
+        self.on_backward_end()
+
+    def _close_failed_backward(self) -> None:
+        """A forward while the end-of-backward callback is still marked queued: the last backward raised
+        before its callback ran. Clear the mark (else no later backward queues one, and gathered units
+        would leak into every step) and free what that backward left gathered."""
+        if self._callback_queued and self.state is not TrainingState.FORWARD:
+            self._callback_queued = False
+            self._reshard_all()
+            self.on_backward_end()
+
+    def _reshard_all(self) -> None:
+        for u in self.units.values():
+            if u.state in (UnitState.UNSHARDED, UnitState.GATHERING):
+                u.reshard()
+
+    # ---- uses ----------------------------------------------------------------------------------
+    def on_forward(self, unit) -> None:
+        if not torch.is_grad_enabled():
+            return  # eval / generate under no_grad: not part of a training step's trace
+        if self.state is not TrainingState.FORWARD:
+            self._enter(TrainingState.FORWARD)
+        self._use(Use(Phase.FORWARD, unit.uid))
+
+    def on_backward(self, unit) -> None:
+        if self.state is not TrainingState.BACKWARD:
+            self._enter(TrainingState.BACKWARD)
+        if unit.uid in self._backward_seen:
+            return  # a unit's backward use is its first need in the pass (pre-backward or recompute)
+        self._backward_seen.add(unit.uid)
+        self._use(Use(Phase.BACKWARD, unit.uid))
+
+    def on_backward_end(self) -> None:
+        self._backward_seen.clear()
+        self._enter(TrainingState.IDLE)
+
+    def _use(self, use: Use, issue: bool = True) -> None:
+        now, waited = time.perf_counter(), self._total_wait()
+        last_t, last_w = self._clock
+        self._recorder.record(use, max(0.0, (now - last_t) - (waited - last_w)))
+        self._clock = (now, waited)
+        if not self._following:
+            self._matched = False
+            return
+        trace = self.plan.trace
+        i = self._cursor + 1
+        if i < len(trace) and trace.uses[i] == use:
+            self._cursor = i
+            if issue:
+                with span(f"prefetch:{use}"):
+                    self._issue(i)
+            return
+        self._following = False  # the step left the plan: no more reads or gathers ahead this step
+        self._matched = False
+        self._release_prefetched()
+
+    def _total_wait(self) -> float:
+        return sum(self.ctx.meter.snapshot().wait_s.values())
+
+    # ---- following the plan --------------------------------------------------------------------
+    def _issue(self, i: int) -> None:
+        plan = self.plan
+        if self.prefetch:
+            for _, read in plan.issue[i]:
+                self._read_ahead(read)
+            j = planner.gather_ahead(plan.trace, i) if self.gather_ahead else None
+            if j is not None:
+                nxt = self.units.get(plan.trace.uses[j].unit)
+                if nxt is not None and not nxt.fresh and nxt.state is not UnitState.FREED:
+                    nxt.unshard(async_op=True)
+
+    def _read_ahead(self, read: Read) -> None:
+        unit = self.units.get(read.key.unit)
+        if unit is None or unit.fresh:
+            return
+        with self._lock:
+            gen = self._claims.get(unit.uid, 0)
+        update = unit.update
+        if update is not None and not update.done():
+            # the shard is being updated: read it once the update is over (from the optimizer lane)
+            update.add_done_callback(lambda f: f.exception() is None and self._issue_read(unit, read, gen, update))
+            return
+        self._issue_read(unit, read, gen, update)
+
+    def _issue_read(self, unit, read: Read, gen: int, update) -> None:
+        with self._lock:
+            if (self._claims.get(unit.uid, 0) != gen or unit.update is not update or read.key in self._prefetched
+                    or self._prefetched_bytes + read.nbytes > self.plan.read_budget):
+                return  # the gather already took this unit, a newer update came, or no budget left
+            spec = unit.shards.spec(StateKind.PARAM, read.key.chunk)
+            lease = self.ctx.states.lease(spec, Where.COMPUTE, LeaseMode.READ, block=False)
+            if lease is None:
+                return  # no room in the tier now: back off; the gather reads it itself
+            self._prefetched[read.key] = lease
+            self._prefetched_bytes += read.nbytes
+
+    def take_prefetched(self, unit) -> dict:
+        """{chunk index: lease} read ahead for `unit`'s gather (removed from the table; later reads for this
+        gather are dropped)."""
+        taken = {}
+        with self._lock:
+            self._claims[unit.uid] = self._claims.get(unit.uid, 0) + 1
+            for c in unit.shards.chunks:
+                lease = self._prefetched.pop(ShardKey(unit.uid, StateKind.PARAM, c.index), None)
+                if lease is not None:
+                    taken[c.index] = lease
+                    self._prefetched_bytes -= unit.shards.spec(StateKind.PARAM, c).nbytes
+        return taken
+
+    def drop_prefetched(self, unit) -> None:
+        """The optimizer is about to write `unit`'s shard: release anything read ahead of it."""
+        for lease in self.take_prefetched(unit).values():
+            lease.release()
+
+    def _release_prefetched(self) -> None:
+        with self._lock:
+            held, self._prefetched, self._prefetched_bytes = self._prefetched, {}, 0
+            for uid in self.units:
+                self._claims[uid] = self._claims.get(uid, 0) + 1
+        for lease in held.values():
+            lease.release()
+
+    def reshard_after_forward(self, unit) -> bool:
+        if not (self.prefetch and self._following):
+            return True
+        gathered = frozenset(u.uid for u in self.units.values() if u.fresh)
+        return planner.reshard_after_forward(self.plan.trace, self._cursor, unit.uid, gathered)
+
+    # ---- the step: end of a trace, maybe a new plan -----------------------------------------------
+    def before_step(self, units: list) -> list:
+        """`units` are about to be updated: record the step's uses, re-plan if this step did not follow the
+        plan, and return them in the plan's update order."""
+        for unit in units:
+            self._use(Use(Phase.STEP, unit.uid), issue=False)  # after_step issues: the updates exist then
+        trace = self._recorder.finish()
+        self._step_matched = self._matched and self.plan is not None and len(trace) == len(self.plan.trace)
+        if not self._step_matched:
+            self._replan(trace)
+        self._recorder = TraceRecorder()
+        self._cursor, self._following, self._matched = -1, self.plan is not None, True
+        self._clock = (time.perf_counter(), self._total_wait())
+        order = {uid: k for k, uid in enumerate(self.plan.step_order)}
+        return sorted(units, key=lambda u: order.get(u.uid, len(order)))
+
+    def after_step(self) -> None:
+        """The updates are queued: issue the reads the plan puts at the step (the next forward's first unit),
+        each once its unit's update is over."""
+        if self.plan is not None and self._following and len(self.plan.trace):
+            with span("prefetch:step"):
+                if self.prefetch:
+                    for _, read in self.plan.issue[len(self.plan.trace) - 1]:
+                        self._read_ahead(read)
+
+    def forget(self) -> None:
+        """Drop the plan and everything read ahead (a quiet point: before a checkpoint, at close)."""
+        self._release_prefetched()
+        self.plan = None
+        self._following = False
+
+    def _replan(self, trace: Trace) -> None:
+        with span("replan"):
+            for lane in self.ctx.lanes.all():
+                lane.drain()  # residency changes below: nothing may be moving
+            self._release_prefetched()
+            stats = self.ctx.states.stats()
+            self.cost = self.cost.measured(stats["moved"], stats["busy_s"])
+            specs = self._nvme_specs()
+            states = self.ctx.states
+            resident_bytes = sum(s.nbytes for s in specs if s.key in states.resident_keys())
+            # The cpu budget, what is not held for good (home shards): first the lanes' working set (so they
+            # can always make progress), then the read-ahead, then states kept resident across steps.
+            working, wanted_reads = self.reserve_bytes()
+            free = stats["cpu"]["capacity"] - (stats["cpu"]["bytes_in_use"] - resident_bytes) - working
+            read_budget = min(wanted_reads, max(0, free))
+            capacity = free - read_budget
+            costs = [planner.ShardCost(s.key, s.key.unit, _class_of(s.key.kind, self.ctx.compute_dtype), s.nbytes,
+                                       on_nvme=True) for s in specs]
+            resident = planner.residency_plan(trace, costs, max(0, capacity)) if self.prefetch else frozenset()
+            for f in states.evict(states.resident_keys() - resident):
+                f.result()  # their buffers must be free before the new residents are read in
+            states.keep_resident([s for s in specs if s.key in resident])
+            resident = states.resident_keys()
+            needs = []
+            for use in trace.uses:
+                unit = self.units.get(use.unit)
+                reads = []
+                if use.phase is not Phase.STEP and unit is not None:
+                    for c in unit.shards.chunks:
+                        spec = unit.shards.spec(StateKind.PARAM, c)
+                        if spec.home is Tier.NVME and spec.key not in resident:
+                            reads.append(Read(spec.key, spec.nbytes))
+                needs.append(reads)
+            issue = planner.plan_prefetch(trace, needs, self.cost, read_budget)
+            self.plan = Plan(trace, issue, planner.step_order(trace), resident, read_budget)
+            self.plans_made += 1
+
+    def _nvme_specs(self) -> list:
+        """Every registered nvme-homed shard of every unit, in unit order."""
+        out = []
+        for unit in self.units.values():
+            for kind in unit.shards.kinds():
+                for c in unit.shards.chunks:
+                    spec = unit.shards.spec(kind, c)
+                    if spec.home is Tier.NVME and self.ctx.states.has(spec):
+                        out.append(spec)
+        return out
+
+
+def _class_of(kind: StateKind, compute_dtype: torch.dtype) -> planner.StateClass:
+    if kind is StateKind.PARAM:
+        return planner.StateClass.MASTER_PARAM if compute_dtype == torch.float32 else planner.StateClass.PARAM
+    return planner.StateClass.GRAD if kind is StateKind.GRAD else planner.StateClass.OPTIM

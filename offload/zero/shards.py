@@ -1,0 +1,135 @@
+"""One record per unit's shards: what this rank keeps of a unit, in which tier, in which pieces.
+
+A unit's shard (its `shard_numel` elements of the flat layout) is cut into chunks of at most
+`Placement.chunk_numel` elements. Every state is stored per chunk, so the optimizer pipeline, the reads
+ahead of a gather and the write-behind all move bounded, equal-sized pieces:
+
+    PARAM       compute dtype; the gather's source. With fp32 compute it is also the master.
+    MASTER      fp32 master copy (only when compute is bf16)
+    EXP_AVG     fp32 Adam first moment   } registered at the unit's first optimizer step
+    EXP_AVG_SQ  fp32 Adam second moment  }
+    GRAD        fp32 reduced gradient      registered at the unit's first reduce
+
+Keys are records (ShardKey), stable across runs: the unit id is its module's qualified name.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from ..store import Tier
+
+
+class StateKind(enum.Enum):
+    PARAM = "param"
+    MASTER = "master"
+    EXP_AVG = "exp_avg"
+    EXP_AVG_SQ = "exp_avg_sq"
+    GRAD = "grad"
+
+
+@dataclass(frozen=True)
+class ShardKey:
+    unit: str  # the unit's stable id
+    kind: StateKind
+    chunk: int
+
+    def __str__(self) -> str:
+        return f"{self.unit or '<root>'}/{self.kind.value}[{self.chunk}]"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    lo: int  # shard-local element range [lo, hi)
+    hi: int
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+def chunk_bounds(shard_numel: int, chunk_numel: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each chunk of a shard of shard_numel elements cut every chunk_numel (one empty chunk for an
+    empty shard)."""
+    step = max(1, chunk_numel)
+    return [(lo, min(lo + step, shard_numel)) for lo in range(0, shard_numel, step)] or [(0, 0)]
+
+
+@dataclass(frozen=True)
+class StateTiers:
+    """Home tier of each state class (the placement's decision)."""
+
+    params: Tier
+    optimizer: Tier  # master and moments
+    grads: Tier
+
+
+# swap file per state class (one file per class and rank)
+_TIER_CLASS = {StateKind.PARAM: "params", StateKind.MASTER: "optim", StateKind.EXP_AVG: "optim",
+               StateKind.EXP_AVG_SQ: "optim", StateKind.GRAD: "grads"}
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    key: ShardKey
+    numel: int
+    dtype: torch.dtype
+    home: Tier
+    tier_class: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass
+class UnitShards:
+    uid: str
+    shard_numel: int
+    chunks: tuple[Chunk, ...]
+    compute_dtype: torch.dtype
+    tiers: StateTiers
+    moments_registered: bool = False  # created (zeros) at the unit's first optimizer step
+    grads_registered: bool = False  # created at the unit's first reduce
+
+    @classmethod
+    def build(cls, uid: str, shard_numel: int, chunk_numel: int, compute_dtype: torch.dtype,
+              tiers: StateTiers) -> "UnitShards":
+        chunks = tuple(Chunk(i, lo, hi) for i, (lo, hi) in enumerate(chunk_bounds(shard_numel, chunk_numel)))
+        return cls(uid, shard_numel, chunks, compute_dtype, tiers)
+
+    @property
+    def master_is_param(self) -> bool:
+        """fp32 compute: the param shard is the master the optimizer updates in place."""
+        return self.compute_dtype == torch.float32
+
+    def kinds(self) -> list[StateKind]:
+        """Every state kind this unit has (or will have once registered)."""
+        out = [StateKind.PARAM] + ([] if self.master_is_param else [StateKind.MASTER])
+        return out + [StateKind.EXP_AVG, StateKind.EXP_AVG_SQ, StateKind.GRAD]
+
+    def spec(self, kind: StateKind, chunk: Chunk | int) -> ShardSpec:
+        c = self.chunks[chunk] if isinstance(chunk, int) else chunk
+        if kind is StateKind.MASTER and self.master_is_param:
+            raise ValueError(f"unit {self.uid!r}: fp32 compute has no separate master (the param is the master)")
+        dtype = self.compute_dtype if kind is StateKind.PARAM else torch.float32
+        home = {StateKind.PARAM: self.tiers.params, StateKind.GRAD: self.tiers.grads}.get(kind, self.tiers.optimizer)
+        return ShardSpec(ShardKey(self.uid, kind, c.index), c.numel, dtype, home, _TIER_CLASS[kind])
+
+    def master_kind(self) -> StateKind:
+        return StateKind.PARAM if self.master_is_param else StateKind.MASTER
+
+    def chunks_over(self, lo: int, hi: int) -> list[tuple[Chunk, int, int]]:
+        """(chunk, chunk-local lo, chunk-local hi) covering shard elements [lo, hi), in order."""
+        out = []
+        for c in self.chunks:
+            a, b = max(lo, c.lo), min(hi, c.hi)
+            if a < b:
+                out.append((c, a - c.lo, b - c.lo))
+        return out
+
+    def nbytes(self, kind: StateKind) -> int:
+        return sum(self.spec(kind, c).nbytes for c in self.chunks)

@@ -1,0 +1,246 @@
+"""The runtime's view of the tiered store (offload/store): unit shards by ShardSpec, handed out as leases.
+
+    states.register(spec, init=t)                  # home copy in spec.home (zeros without init)
+    lease = states.lease(spec, Use.HOST, LeaseMode.UPDATE)   # at once; lease.wait() where the bytes are needed
+    done = lease.release()                         # write-behind future
+    states.keep_resident(specs)                    # held in the cpu tier across steps (no I/O while held)
+
+Where a consumer wants a shard:
+  Use.COMPUTE  the gather's source: the compute device (on a CPU-only machine, host memory: a working copy
+               in the cpu tier for nvme homes, the home copy otherwise)
+  Use.HOST     the CPU optimizer and the gradient accumulation: host memory (a cpu working copy for nvme
+               homes; the home copy for cpu homes; for device homes on a GPU, a host copy made when waited)
+
+This class also owns the swap directory: it creates the run directory (mkdtemp, 0700) under nvme_path and
+removes it when closed (the only place that does either).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import enum
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..config import format_size
+from ..store import LeaseMode, StoreConfig, Tier, TieredStore
+from ..store.lease import Lease
+from .shards import ShardKey, ShardSpec
+
+ALLOC_TIMEOUT_S = 120.0  # a buffer that cannot be had in this long is a planning error: raise, never hang
+
+
+class Use(enum.Enum):
+    COMPUTE = "compute"
+    HOST = "host"
+
+
+def _done(value=None) -> cf.Future:
+    f: cf.Future = cf.Future()
+    f.set_result(value)
+    return f
+
+
+class ResidentLease:
+    """A lease on a shard held resident: the bytes are already in the cpu tier; nothing moves. Writes
+    by UPDATE / OVERWRITE holders land in the resident copy (written home when it stops being resident)."""
+
+    def __init__(self, key: ShardKey, tensor: torch.Tensor, mode: LeaseMode, to_device: torch.device | None):
+        self.key, self.mode = key, mode
+        self._tensor = tensor
+        self._device = to_device  # a GPU consumer: copied when waited (on the lane that waits)
+        self._copy: torch.Tensor | None = None
+        self._released: cf.Future | None = None
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        if self._released is not None:
+            raise RuntimeError(f"lease of {self.key} used after release")
+        if self._device is None:
+            return self._tensor
+        if self._copy is None:
+            self._copy = self._tensor.to(self._device, non_blocking=False)  # lane thread: the gather needs it
+        return self._copy
+
+    def release(self) -> cf.Future:
+        if self._released is None:
+            if self._copy is not None and self.mode is not LeaseMode.READ:
+                self._tensor.copy_(self._copy)
+            self._copy = None
+            self._released = _done()
+        return self._released
+
+
+class HostCopyLease:
+    """A device-homed shard (GPU) lent to the CPU: a host copy made when waited, copied back on release
+    when written. The CPU optimizer over optimizer='device' states takes this path."""
+
+    def __init__(self, inner: Lease):
+        self.key, self.mode = inner.key, inner.mode
+        self._inner = inner
+        self._host: torch.Tensor | None = None
+
+    def ready(self) -> bool:
+        return self._inner.ready()
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        if self._host is None:
+            dev = self._inner.wait(timeout)
+            self._host = dev.to("cpu") if self.mode is not LeaseMode.OVERWRITE else torch.empty(
+                dev.shape, dtype=dev.dtype)
+        return self._host
+
+    def release(self) -> cf.Future:
+        if self._host is not None and self.mode is not LeaseMode.READ:
+            self._inner.wait().copy_(self._host)
+        self._host = None
+        return self._inner.release()
+
+
+class UnitStateStore:
+    def __init__(self, device: torch.device, budgets: dict, nvme_path: str | None, rank: int = 0):
+        self.device = torch.device(device)
+        self.run_dir: Path | None = None
+        if nvme_path:
+            # A fresh directory of our own: unpredictable name, created atomically with mode 0700 (never a
+            # planted directory or symlink); removed by close().
+            self.run_dir = Path(tempfile.mkdtemp(prefix=f"offload-{os.getpid()}-rank{rank}-", dir=nvme_path))
+        cfg = StoreConfig(
+            device_budget=budgets["device"] if budgets["device"] is not None else "auto",
+            cpu_budget=budgets["cpu"] if budgets["cpu"] is not None else "auto",
+            nvme_budget=budgets["nvme"] if budgets.get("nvme") is not None else "auto",
+            nvme_path=str(self.run_dir) if self.run_dir is not None else None,
+            rank=rank,
+            device=str(self.device),
+            # page-locking only pays for DMA to a GPU; without one it would just pin RSS
+            lock_memory="auto" if self.device.type == "cuda" else False,
+            alloc_timeout=ALLOC_TIMEOUT_S,
+        )
+        try:
+            self.store = TieredStore(cfg)
+        except BaseException:
+            self._remove_run_dir()
+            raise
+        self._registered: set[ShardKey] = set()
+        self._resident: dict[ShardKey, Lease] = {}
+
+    # ---- budgets ----------------------------------------------------------------------------
+    def capacity(self, tier: str) -> int:
+        return self.store.stats()[tier]["capacity"]
+
+    def nbytes_in(self, tier: str) -> int:
+        return self.store.stats()[tier]["bytes_in_use"]
+
+    # ---- shards -----------------------------------------------------------------------------
+    def has(self, spec: ShardSpec) -> bool:
+        return spec.key in self._registered
+
+    def register(self, spec: ShardSpec, init: torch.Tensor | None = None) -> cf.Future:
+        """The home copy of `spec`: `init`'s values (cast like .to()) or zeros. Future: the home copy holds them."""
+        if init is not None:
+            init = init.detach().reshape(-1).contiguous()
+        try:
+            fut = self.store.register(spec.key, spec.numel, spec.dtype, home=spec.home, tier_class=spec.tier_class,
+                                      init=init)
+        except MemoryError as exc:
+            raise MemoryError(f"offload: shard {spec.key} ({format_size(spec.nbytes)}) does not fit its "
+                              f"{spec.home.value} tier: {exc}") from exc
+        self._registered.add(spec.key)
+        return fut
+
+    def tier_for(self, spec: ShardSpec, use: Use) -> Tier:
+        if use is Use.COMPUTE and self.device.type != "cpu":
+            return Tier.DEVICE
+        return Tier.CPU if spec.home is Tier.NVME else spec.home  # memory homes lend their home copy
+
+    def lease(self, spec: ShardSpec, use: Use, mode: LeaseMode, block: bool = True):
+        """A lease on spec's bytes where `use` needs them (see the module docstring). block=False: None when
+        the tier has no room now (a prefetch backs off)."""
+        held = self._resident.get(spec.key)
+        if held is not None:
+            gpu = use is Use.COMPUTE and self.device.type != "cpu"
+            return ResidentLease(spec.key, held.wait(), mode, self.device if gpu else None)
+        tier = self.tier_for(spec, use)
+        if use is Use.HOST and tier is Tier.DEVICE and self.device.type != "cpu":
+            inner = self.store.lease(spec.key, Tier.DEVICE, mode, block)
+            return None if inner is None else HostCopyLease(inner)
+        return self.store.lease(spec.key, tier, mode, block)
+
+    # ---- residency across steps ---------------------------------------------------------------
+    def resident_keys(self) -> frozenset:
+        return frozenset(self._resident)
+
+    def keep_resident(self, specs: list[ShardSpec]) -> None:
+        """Hold these nvme-homed shards in the cpu tier from now on (their bytes read in once)."""
+        for spec in specs:
+            if spec.key not in self._resident and spec.home is Tier.NVME:
+                lease = self.store.lease(spec.key, Tier.CPU, LeaseMode.UPDATE, block=False)
+                if lease is None:
+                    break  # no room now: the rest stay paged (the plan is retried at the next re-plan)
+                self._resident[spec.key] = lease
+        for lease in self._resident.values():
+            lease.wait()  # the resident copies are read before anyone borrows them
+
+    def evict(self, keys) -> list[cf.Future]:
+        """Stop holding these shards: each is written home (write-behind) and its buffer freed."""
+        return [self._resident.pop(k).release() for k in list(keys) if k in self._resident]
+
+    def flush(self) -> None:
+        """Write every resident copy home (they stay resident): the swap files hold the current values."""
+        futs = [self.store.writeback(k) for k in self._resident]
+        for f in futs:
+            f.result()  # the caller (a checkpoint, close) needs the bytes home
+
+    # ---- lifetime / stats -------------------------------------------------------------------
+    def stats(self) -> dict:
+        return self.store.stats()
+
+    def close(self) -> None:
+        """Close the store (joins its threads, frees the arena, removes swap files) and the run directory.
+        Resident copies are dropped: the run's states die with it (checkpoints keep what must survive)."""
+        self._resident.clear()
+        try:
+            self.store.close()
+        finally:
+            self._registered.clear()
+            self._remove_run_dir()
+
+    def _remove_run_dir(self) -> None:
+        if self.run_dir is not None and self.run_dir.exists():
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    @property
+    def closed(self) -> bool:
+        return self.store.closed
+
+
+def check_nvme_path(path: str | os.PathLike, need_bytes: int | None, what: str) -> None:
+    """Fail early (with the numbers) when `path` is missing, read-only, or has less than `need_bytes` free."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"offload.Config.nvme_path: {p} does not exist; create it (mkdir -p {p}) "
+                                "on the NVMe drive you want to swap to")
+    if not p.is_dir():
+        raise NotADirectoryError(f"offload.Config.nvme_path: {p} is not a directory")
+    probe = p / f".offload-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+        probe.unlink()
+    except OSError as exc:
+        raise PermissionError(
+            f"offload.Config.nvme_path: {p} is not writable ({exc.strerror}, errno {exc.errno}); "
+            "give a directory this process can write to"
+        ) from exc
+    if need_bytes is not None:
+        free = shutil.disk_usage(p).free
+        if free < need_bytes:
+            raise OSError(
+                f"offload.Config.nvme_path: {p} has {format_size(free)} ({free} bytes) free but {what} needs "
+                f"{format_size(need_bytes)} ({need_bytes} bytes); free space or choose a larger drive"
+            )

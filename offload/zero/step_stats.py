@@ -1,0 +1,71 @@
+"""Per-step telemetry: rt.stats()["last_step"], and one log line per step when asked (Config.log_every).
+
+A step is the time from one opt.step() to the next. Its wall time splits into the training thread's waits
+per queue (telemetry.Queue) and compute (the rest); each lane reports its busy time; each link the bytes it
+moved and the bandwidth it achieved while busy; each tier its occupancy. Background work of a step (the
+optimizer's write-behind) lands in the next step's window: in steady state the sums are per step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from ..store import format_bytes
+
+log = logging.getLogger("offload")
+
+
+class StepStats:
+    def __init__(self, meter, states, counters, log_every: int = 0):
+        self.meter = meter
+        self.states = states
+        self.counters = counters
+        self.log_every = log_every
+        self.steps = 0
+        self.last: dict | None = None
+        self._mark = self._snapshot()
+
+    def _snapshot(self):
+        s = self.states.stats()
+        return (self.meter.snapshot(), dict(s["moved"]), dict(s["busy_s"]),
+                (self.counters.allgather_bytes, self.counters.reduce_scatter_bytes))
+
+    def end_step(self) -> dict:
+        now = self._snapshot()
+        meter, moved, busy, comm = now
+        m0, moved0, busy0, comm0 = self._mark
+        self._mark = now
+        d = meter.minus(m0)
+        waits = {q.value: round(v, 6) for q, v in d.wait_s.items() if v > 0}
+        links = {}
+        for link, nbytes in moved.items():
+            b, s = nbytes - moved0.get(link, 0), busy[link] - busy0.get(link, 0.0)
+            if b:
+                links[link] = {"bytes": b, "busy_s": round(s, 6), "GBps": round(b / s / 1e9, 3) if s > 0 else None}
+        tiers = self.states.stats()
+        self.steps += 1
+        self.last = {
+            "step": self.steps,
+            "wall_s": round(d.at, 6),
+            "compute_s": round(max(0.0, d.at - sum(d.wait_s.values())), 6),
+            "wait_s": waits,
+            "lane_busy_s": {lane.value: round(v, 6) for lane, v in d.busy_s.items() if v > 0},
+            "links": links,
+            "allgather_bytes": comm[0] - comm0[0],
+            "reduce_scatter_bytes": comm[1] - comm0[1],
+            "occupancy": {t: {"bytes_in_use": tiers[t]["bytes_in_use"], "peak_bytes": tiers[t]["peak_bytes"],
+                              "capacity": tiers[t]["capacity"]} for t in ("device", "cpu")},
+        }
+        if self.log_every and self.steps % self.log_every == 0:
+            log.info(self.line())
+        return self.last
+
+    def line(self) -> str:
+        s = self.last
+        waits = " ".join(f"{q} {v:.3f}" for q, v in sorted(s["wait_s"].items(), key=lambda x: -x[1]))
+        links = " ".join(f"{k} {format_bytes(v['bytes'])}" + (f" @{v['GBps']:.2f}GB/s" if v["GBps"] else "")
+                         for k, v in s["links"].items())
+        cpu = s["occupancy"]["cpu"]
+        return (f"offload step {s['step']}: {s['wall_s']:.3f}s = compute {s['compute_s']:.3f}s + waits [{waits}] | "
+                f"{links} | cpu tier {format_bytes(cpu['bytes_in_use'])}/{format_bytes(cpu['capacity'])} "
+                f"(peak {format_bytes(cpu['peak_bytes'])}) | {time.strftime('%H:%M:%S')}")
