@@ -66,10 +66,12 @@ class TinyTransformer(nn.Module):
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.emb.weight  # tied
 
-    def forward(self, ids):
+    def forward(self, ids, skip=()):
         h = self.emb(ids)
         h = h + 0.5 * self.frozen(h)
         for i, layer in enumerate(self.layers):
+            if i in skip:  # another branch: this block does not run in this step
+                continue
             h = checkpoint(layer, h, use_reentrant=False) if i == 1 else layer(h)
         return self.head(self.ln_f(h))
 
@@ -100,10 +102,10 @@ def make_model(kind: str) -> nn.Module:
     raise ValueError(kind)
 
 
-def compute_loss(model, ids, kind):
+def compute_loss(model, ids, kind, skip=()):
     if kind.startswith("llama"):
         return model(input_ids=ids, labels=ids).loss.float()
-    logits = model(ids)
+    logits = model(ids, skip=skip) if skip else model(ids)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids.reshape(-1))
 
 
@@ -126,14 +128,27 @@ class Case:
     model: str = "tiny"
     no_sync: bool = True  # accumulate locally under rt.no_sync(), reduce once (else reduce every micro-batch)
     steps: int = 10
-    clip: float = 0.5
+    clip: float | None = 0.5  # None: no clipping and no norm taken, so nothing waits for the reduces before step
+    cpu_budget: str = "256MiB"  # "128KiB": too small to keep any nvme-homed state resident: every state pages
     lr: float = 3e-3
+    delay: str = ""  # injected into the pipelined run, as OFFLOAD_INJECT_DELAY ("nvme_read=0.005")
+    # Parameters are compared every this many steps (and after the last). Taking them waits for every queued
+    # update, so the delay cases take them only at the end: nothing drains the queues between steps, and a
+    # missing wait shows in the next step's loss (compared at every step) or in the final values.
+    snapshot_every: int = 1
+    # Control flow that changes between steps (the runtime must notice, re-trace and stay exact):
+    #   "skip"   block 1 does not run on odd steps     "accum"  step s runs 1 + s % accum micro-batches
+    #   "eval"   a forward under no_grad (its loss compared too) before every step after the first
+    flow: str = ""
 
     @property
     def name(self) -> str:
         sync = "nosync" if self.no_sync else "reduce-each"
         return (f"{self.model}-{self.dtype}-p_{self.params}-o_{self.optimizer}-w{self.world}-acc{self.accum}"
-                f"{'-' + sync if self.accum > 1 else ''}{'-noclip' if self.clip >= 1e9 else ''}")
+                f"{'-' + sync if self.accum > 1 else ''}{'-noclip' if self.clip is None or self.clip >= 1e9 else ''}"
+                f"{'-cpu' + self.cpu_budget if self.cpu_budget != '256MiB' else ''}"
+                f"{'-flow_' + self.flow if self.flow else ''}"
+                f"{'-slow_' + self.delay.replace('=', '') if self.delay else ''}")
 
 
 def _rank_world():
@@ -147,6 +162,13 @@ def _data(case: Case) -> torch.Tensor:
     return torch.randint(0, VOCAB, (case.steps, case.accum, case.world * MICRO, SEQ), generator=g)
 
 
+def _step_flow(case: Case, s: int) -> tuple[int, tuple, bool]:
+    """(micro-batches, blocks skipped, eval forward first) of step s."""
+    micro = 1 + s % case.accum if case.flow == "accum" else case.accum
+    skip = (1,) if case.flow == "skip" and s % 2 else ()
+    return micro, skip, case.flow == "eval" and s > 0
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     denom = b.float().norm().item()
     diff = (a.float() - b.float()).norm().item()
@@ -157,22 +179,29 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor):
     """Plain PyTorch. fp32: full-batch micro-batches, torch.optim.AdamW. bf16: a bf16 model whose grads go to
     fp32 master params (stepped by plain offload.AdamW, see below), with the same per-rank split and the
     same fp32 reduction order as the runtime, i.e. the same casts."""
-    losses, snaps, norms = [], [], []
-    W, A = case.world, case.accum
+    losses, snaps, norms = [], {}, []
+    W = case.world
+    if case.flow and (case.dtype != "fp32" or case.model != "tiny"):
+        raise ValueError("control-flow cases run the fp32 tiny model")
     if case.dtype == "fp32":
         opt = torch.optim.AdamW(param_groups(model.named_parameters()), lr=case.lr)
         for s in range(case.steps):
+            A, skip, evaluate = _step_flow(case, s)
+            if evaluate:
+                with torch.no_grad():
+                    losses.append(compute_loss(model, data[s, 0], case.model).item())
             total = 0.0
             for k in range(A):
-                loss = compute_loss(model, data[s, k], case.model) / A
+                loss = compute_loss(model, data[s, k], case.model, skip) / A
                 loss.backward()
                 total += loss.item()
-            norms.append(float(torch.nn.utils.clip_grad_norm_(
-                [p for p in model.parameters() if p.requires_grad], case.clip)))
+            if case.clip is not None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(
+                    [p for p in model.parameters() if p.requires_grad], case.clip)))
             opt.step()
             opt.zero_grad()
             losses.append(total)
-            snaps.append({n: p.detach().clone() for n, p in model.named_parameters()})
+            snaps[s] = {n: p.detach().clone() for n, p in model.named_parameters()}
         return losses, snaps, norms
     master = {n: nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()}  # fp32 init values
     model = model.to(torch.bfloat16)
@@ -184,6 +213,7 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor):
 
     opt = offload.AdamW(param_groups(list(master.items())), lr=case.lr)
     trainable = [n for n, p in named if p.requires_grad]
+    A = case.accum
     for s in range(case.steps):
         total = 0.0
         acc = {n: None for n in trainable}  # the reduced fp32 grad shard (all shards: world-size free)
@@ -214,45 +244,55 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor):
                 acc[n] = red if acc[n] is None else acc[n].add_(red)
         for n in trainable:
             master[n].grad = acc[n]
-        norms.append(float(torch.nn.utils.clip_grad_norm_([master[n] for n in trainable], case.clip)))
+        if case.clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_([master[n] for n in trainable], case.clip)))
         opt.step()
         opt.zero_grad()
         with torch.no_grad():
             for n, p in named:
                 p.copy_(master[n])
         losses.append(total)
-        snaps.append({n: master[n].detach().clone() for n in master})
+        snaps[s] = {n: master[n].detach().clone() for n in master}
     return losses, snaps, norms
 
 
-def offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str):
+def offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str, pipeline: bool = True):
     import offload
 
     rank, world = _rank_world()
     assert world == case.world, (world, case.world)
     cfg = offload.Config(params=case.params, optimizer=case.optimizer, compute_dtype=case.dtype,
                          nvme_path=nvme_dir if "nvme" in (case.params, case.optimizer) else None,
-                         device_budget="256MiB", cpu_budget="256MiB")
-    losses, snaps, norms = [], [], []
-    A = case.accum
+                         device_budget="256MiB", cpu_budget=case.cpu_budget, pipeline=pipeline)
+    losses, snaps, norms = [], {}, []
+    mine = slice(rank * MICRO, (rank + 1) * MICRO)
     with offload.init(cfg) as rt:
         rt.wrap(model)
         opt = offload.AdamW(param_groups(model.named_parameters()), lr=case.lr)
         for s in range(case.steps):
+            A, skip, evaluate = _step_flow(case, s)
+            if evaluate:
+                with torch.no_grad():
+                    seen = compute_loss(model, data[s, 0, mine], case.model).detach()
+                if world > 1:
+                    dist.all_reduce(seen)
+                losses.append(seen.item() / world)
             total = torch.zeros(())
             for k in range(A):
                 ctx = rt.no_sync() if (case.no_sync and k < A - 1) else contextlib.nullcontext()
                 with ctx:
-                    loss = compute_loss(model, data[s, k, rank * MICRO:(rank + 1) * MICRO], case.model) / A
+                    loss = compute_loss(model, data[s, k, mine], case.model, skip) / A
                     loss.backward()
                 total += loss.detach()
-            norms.append(float(rt.clip_grad_norm_(case.clip)))
+            if case.clip is not None:
+                norms.append(float(rt.clip_grad_norm_(case.clip)))
             opt.step()
             opt.zero_grad()
             if world > 1:
                 dist.all_reduce(total)
             losses.append(total.item() / world)
-            snaps.append(rt.full_state_dict(model))
+            if (s + 1) % case.snapshot_every == 0 or s == case.steps - 1:
+                snaps[s] = rt.full_state_dict(model)  # waits for every queued update: not every step
         stats = rt.stats()
     return losses, snaps, norms, stats
 
@@ -267,27 +307,58 @@ def run_case(case: Case, nvme_dir: str) -> dict:
         torch.set_num_threads(threads)
 
 
+def _injected(spec: str):
+    """inject.delay for each QUEUE=SECONDS of `spec` (the OFFLOAD_INJECT_DELAY syntax)."""
+    from offload import inject
+    from offload.telemetry import Queue
+
+    stack = contextlib.ExitStack()
+    for item in filter(None, spec.split(",")):
+        queue, _, seconds = item.partition("=")
+        stack.enter_context(inject.delay(Queue(queue), float(seconds)))
+    return stack
+
+
+def _bitwise_mismatches(a, b) -> int:
+    """Tensors (or floats) of two runs' per-step records that are not bit-for-bit equal."""
+    (a_losses, a_snaps, a_norms), (b_losses, b_snaps, b_norms) = a, b
+    bad = sum(x != y for x, y in zip(a_losses + a_norms, b_losses + b_norms))
+    assert a_snaps.keys() == b_snaps.keys()
+    for k in a_snaps:
+        bad += sum(not torch.equal(a_snaps[k][n], b_snaps[k][n]) for n in a_snaps[k])
+    return int(bad)
+
+
 def _run_case(case: Case, nvme_dir: str) -> dict:
     torch.manual_seed(1234)
     ref = make_model(case.model)
     model = copy.deepcopy(ref)
+    sync_model = copy.deepcopy(ref)
     data = _data(case)
     r_losses, r_snaps, r_norms = reference_run(case, ref, data)
-    o_losses, o_snaps, o_norms, stats = offload_run(case, model, data, nvme_dir)
+    # The synchronous runtime (every move waited where it is asked for) is the reference the pipelined one
+    # must match bit for bit, also with one queue made slow: a missing wait shows as a difference.
+    s_losses, s_snaps, s_norms, _ = offload_run(case, sync_model, data, nvme_dir, pipeline=False)
+    with _injected(case.delay):
+        o_losses, o_snaps, o_norms, stats = offload_run(case, model, data, nvme_dir, pipeline=True)
+    mismatches = _bitwise_mismatches((o_losses, o_snaps, o_norms), (s_losses, s_snaps, s_norms))
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(o_losses, r_losses))
-    norm_err = max(abs(a - b) / abs(b) for a, b in zip(o_norms, r_norms))
+    norm_err = max((abs(a - b) / abs(b) for a, b in zip(o_norms, r_norms)), default=0.0)
     param_err, worst = 0.0, ""
-    for o, r in zip(o_snaps, r_snaps):
-        for name, value in r.items():
+    for step, o in o_snaps.items():
+        for name, value in r_snaps[step].items():
             e = _rel(o[name], value)
             if e > param_err or math.isnan(e):
                 param_err, worst = e, name
-    moved = r_snaps[-1]
-    init_change = max(_rel(moved[n], o_snaps[0][n]) for n in moved)  # training really moved the params
-    return {"case": case.name, "steps": len(o_losses), "loss_err": loss_err, "param_err": param_err,
+    first, last = r_snaps[0], r_snaps[case.steps - 1]
+    init_change = max(_rel(last[n], first[n]) for n in last)  # training really moved the params
+    return {"case": case.name, "steps": stats["steps"], "loss_err": loss_err, "param_err": param_err,
             "norm_err": norm_err, "worst_param": worst, "first_loss": r_losses[0], "last_loss": r_losses[-1],
             "moved": init_change, "nvme_read": stats["nvme_read_bytes"], "nvme_written": stats["nvme_written_bytes"],
-            "peak_gathered": stats["peak_gathered_bytes"], "gathered_bound": stats["gathered_bound_bytes"]}
+            "peak_gathered": stats["peak_gathered_bytes"], "gathered_bound": stats["gathered_bound_bytes"],
+            "pipeline_mismatches": mismatches, "plans_made": stats["plans_made"],
+            "peak_cpu": stats["peak_resident_bytes"]["cpu"], "cpu_budget": stats["budgets"]["cpu"],
+            "peak_device": stats["peak_resident_bytes"]["device"], "device_budget": stats["budgets"]["device"]}
 
 
 def transformers_available() -> bool:
