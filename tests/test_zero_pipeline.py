@@ -1,0 +1,179 @@
+"""The pipelined runtime beyond parity (tests/test_zero_parity.py checks it is bit for bit the synchronous one):
+the work really overlaps, the cpu budget is planned (the lanes' working set first, then read-ahead, then
+resident states), states that fit stay resident and stop round-tripping through the disk, and every step
+reports where its time and bytes went."""
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+import offload
+from offload import inject, telemetry
+from offload.telemetry import Queue
+from offload.zero.shards import StateKind
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero_common import SEQ, VOCAB, TinyTransformer, compute_loss, one_torch_thread, small_config  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    yield from one_torch_thread()
+
+
+def _ids(seed):
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _train(cfg, steps, layers=2, delays=(), seed=0):
+    """Train TinyTransformer for `steps` steps under `cfg` (with `delays` injected from the second step on);
+    returns (per-step seconds, losses, final values, rt.stats())."""
+    torch.manual_seed(seed)
+    model = TinyTransformer(layers=layers)
+    times, losses = [], []
+    with offload.init(cfg) as rt, contextlib.ExitStack() as slow:
+        rt.wrap(model)
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        for s in range(steps):
+            if s == 1:  # the first step is traced synchronously: slow from the second on
+                for queue, seconds in delays:
+                    slow.enter_context(inject.delay(queue, seconds))
+            t0 = time.perf_counter()
+            loss = compute_loss(model, _ids(s), "tiny")
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            times.append(time.perf_counter() - t0)
+        values = rt.full_state_dict(model)
+        stats = rt.stats()
+    return times, losses, values, stats
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- overlap ----------------------------------------------------------------------------------------
+def test_slow_queues_overlap_instead_of_adding_up():
+    """FSDP2-style overlap check: every gather, reduce and optimizer chunk is made 20 ms slow. Synchronously
+    the step is their sum; pipelined, gathers run ahead of compute, reduces behind the backward and the
+    optimizer's tail under the next forward. Asserted as a ratio of the two, measured side by side."""
+    delays = [(Queue.GATHER, 0.02), (Queue.REDUCE, 0.02), (Queue.OPTIMIZER, 0.02)]
+    sync = _train(small_config(pipeline=False), steps=4, layers=4, delays=delays)
+    piped = _train(small_config(pipeline=True), steps=4, layers=4, delays=delays)
+    assert _same(sync[2], piped[2]) and sync[1] == piped[1]  # overlapped, yet the same bits
+    t_sync, t_piped = sum(sync[0][1:]), sum(piped[0][1:])
+    assert t_piped < 0.8 * t_sync, (piped[0], sync[0])  # measured: 0.63
+    waits = piped[3]["last_step"]["wait_s"]
+    assert waits.get("gather", 0) > 0  # the training thread did wait, and says on what
+
+
+# ---- the cpu budget ---------------------------------------------------------------------------------
+def test_the_smallest_cpu_budget_accepted_trains_and_one_page_less_is_refused(tmp_path):
+    """The placement's working set (largest unit's param chunks + one chunk of every stepped state + one
+    gradient chunk, page-rounded) is what the lanes may hold at once: exactly that much trains, pipelined,
+    bit for bit as the synchronous runtime (no deadlock between lanes waiting for each other's buffers)."""
+    working = 96 * 1024  # TinyTransformer, fp32, nvme/nvme: 16 KiB gather + 4 x 16 KiB step + 16 KiB reduce
+
+    def cfg(budget, pipeline=True):
+        return small_config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), cpu_budget=budget,
+                            pipeline=pipeline)
+
+    piped = _train(cfg(working), steps=4)
+    sync = _train(cfg(working, pipeline=False), steps=4)
+    assert _same(piped[2], sync[2]) and piped[1] == sync[1]
+    assert piped[3]["peak_resident_bytes"]["cpu"] <= working
+    assert piped[3]["resident_bytes"] == 0  # no room to keep anything: every state paged every step
+    with pytest.raises(MemoryError, match=r"cpu_budget: .* needs 96.00 KiB \(98304 bytes\).*only 92.00 KiB"):
+        _train(cfg(working - 4096), steps=1)
+
+
+def test_states_that_fit_stay_resident_and_stop_paging(tmp_path):
+    """With room in the cpu budget the plan keeps nvme-homed states resident, most traffic saved per byte
+    first (a bf16 param saves 3 bytes of I/O per byte, a gradient or optimizer state 2): once planned, a
+    step reads and writes fewer bytes, and gradients no longer round-trip through the disk."""
+    def cfg(budget):
+        return small_config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), cpu_budget=budget,
+                            compute_dtype="bf16")
+
+    tight = _train(cfg("96KiB"), steps=3)
+    roomy = _train(cfg("8MiB"), steps=3)
+    assert _same(tight[2], roomy[2])  # where a state lives never changes a result
+    t, r = tight[3], roomy[3]
+    assert t["resident_bytes"] == 0 and r["resident_bytes"] > 0
+    per_step = {name: {link: s["last_step"]["links"].get(link, {}).get("bytes", 0)
+                       for link in ("nvme->cpu", "cpu->nvme")} for name, s in (("tight", t), ("roomy", r))}
+    assert per_step["tight"]["nvme->cpu"] > 0 and per_step["tight"]["cpu->nvme"] > 0
+    assert per_step["roomy"]["nvme->cpu"] == per_step["roomy"]["cpu->nvme"] == 0, per_step  # it all fits
+
+
+def test_params_stay_resident_first_when_only_some_states_fit(tmp_path):
+    """A bf16 param saves 3 bytes of I/O per byte held (forward read, backward read, step write), a gradient
+    or optimizer state 2: with room for some, every param is kept and some other state is not."""
+    cfg = small_config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), cpu_budget="160KiB",
+                       compute_dtype="bf16")
+    torch.manual_seed(0)
+    model = TinyTransformer(layers=2)
+    with offload.init(cfg) as rt:
+        rt.wrap(model)
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        for s in range(2):
+            compute_loss(model, _ids(s), "tiny").backward()
+            opt.step()
+            opt.zero_grad()
+        resident = rt.states.resident_keys()
+        params = {(u.uid, c.index) for u in rt.units for c in u.shards.chunks}
+        others = {(u.uid, kind, c.index) for u in rt.units for kind in u.shards.kinds() if kind is not StateKind.PARAM
+                  for c in u.shards.chunks}
+    assert {(k.unit, k.chunk) for k in resident if k.kind is StateKind.PARAM} == params
+    kept_others = {(k.unit, k.kind, k.chunk) for k in resident if k.kind is not StateKind.PARAM}
+    assert kept_others and kept_others < others  # some of the rest fits, not all
+
+
+# ---- telemetry --------------------------------------------------------------------------------------
+def test_every_step_reports_its_split_and_logs_a_line(tmp_path, caplog):
+    cfg = small_config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), cpu_budget="128KiB",
+                       log_every=1)
+    with caplog.at_level(logging.INFO, logger="offload"):
+        _, _, _, stats = _train(cfg, steps=3)
+    last = stats["last_step"]
+    assert stats["steps"] == last["step"] == 3
+    assert last["wall_s"] > 0 and 0 <= last["compute_s"] <= last["wall_s"]
+    assert sum(last["wait_s"].values()) <= last["wall_s"] + 1e-3
+    assert set(last["lane_busy_s"]) <= {"gather", "reduce", "optimizer"} and last["lane_busy_s"]["optimizer"] > 0
+    for link in ("nvme->cpu", "cpu->nvme"):
+        assert last["links"][link]["bytes"] > 0 and last["links"][link]["GBps"] > 0
+    assert last["occupancy"]["cpu"]["peak_bytes"] <= last["occupancy"]["cpu"]["capacity"]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("offload step")]
+    assert len(lines) == 3 and "compute" in lines[-1] and "nvme->cpu" in lines[-1]
+
+
+def test_chrome_trace_has_a_row_per_lane(tmp_path):
+    cfg = small_config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path / "swap"), cpu_budget="128KiB")
+    (tmp_path / "swap").mkdir()
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    with offload.init(cfg) as rt:
+        rt.wrap(model)
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        for s in range(3):
+            if s == 2:
+                telemetry.start_trace()
+            compute_loss(model, _ids(s), "tiny").backward()
+            opt.step()
+            opt.zero_grad()
+        rt.quiesce()
+        n = telemetry.save_trace(tmp_path / "step.json")
+    events = json.loads((tmp_path / "step.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert n == len(spans) > 0
+    rows = {e["tid"] for e in spans}
+    assert {"main", "gather", "reduce", "optimizer", "nvme read", "nvme write"} <= rows, rows
+    assert any(e["name"].startswith("adam:") for e in spans)
+    assert all(e["dur"] >= 0 for e in spans)
