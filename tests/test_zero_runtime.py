@@ -99,6 +99,42 @@ def test_first_forward_materializes_and_training_reduces_loss():
         assert losses[-1] < losses[0] * 0.7, losses
 
 
+def test_torch_transformer_layers_built_inside_block_are_initialized_as_eager():
+    """nn.MultiheadAttention registers torch.empty parameters and initializes them afterwards in its private
+    _reset_parameters (xavier in_proj, zero biases, zero out_proj bias after out_proj's own init): built in
+    the block, the same rules must hold (was: uninitialized memory, NaN loss)."""
+    d, ff = 64, 128
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.TransformerEncoderLayer(d, 4, ff, dropout=0.0, batch_first=True,
+                                                                    norm_first=True) for _ in range(2)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    eager = Stack()
+    with offload.init(_cfg(seed=1)) as rt:
+        model = Stack()
+        out = model(torch.randn(2, 8, d))
+        assert [u.name for u in rt.units] == ["layers.0", "layers.1"]
+        assert torch.isfinite(out).all()
+        sd = rt.full_state_dict(model)
+    xavier = (6 / (d + 3 * d)) ** 0.5  # in_proj is (3d, d)
+    for i in range(2):
+        w = sd[f"layers.{i}.self_attn.in_proj_weight"]
+        assert w.abs().max() <= xavier and w.std() > 0.5 * eager.layers[i].self_attn.in_proj_weight.std()
+        assert torch.equal(sd[f"layers.{i}.self_attn.in_proj_bias"], torch.zeros(3 * d))
+        assert torch.equal(sd[f"layers.{i}.self_attn.out_proj.bias"], torch.zeros(d))  # after out_proj's init
+        assert torch.equal(sd[f"layers.{i}.norm1.weight"], torch.ones(d))
+        assert sd[f"layers.{i}.linear1.weight"].abs().max() <= 1 / d ** 0.5  # nn.Linear's bound, fan_in = d
+    for name, p in eager.named_parameters():
+        assert sd[name].shape == p.shape
+
+
 @pytest.mark.skipif(not transformers_available(), reason="transformers not installed (pip install offload[hf])")
 def test_hf_llama_built_inside_block_uses_hf_init():
     with offload.init(_cfg(seed=3)) as rt:

@@ -9,9 +9,14 @@ so the runtime can find the outermost ones later.
 When the model is first used (its first forward, `offload.AdamW(model.parameters())`, or `rt.wrap`),
 units are materialized one at a time: real tensors for the unit's parameters, initialized by
   1. the root's `_init_weights(module)` for Hugging Face PreTrainedModels (their own init scheme), else
-  2. `module.reset_parameters()` (every torch.nn layer has one), else
-  3. the value the parameter had when it was registered, kept for modules without reset_parameters
+  2. `module.reset_parameters()` (every torch.nn layer has one), or torch's private `_reset_parameters()`
+     (nn.MultiheadAttention, nn.Transformer: they register `torch.empty` parameters and initialize them after,
+     when they are already placeholders), else
+  3. the value the parameter had when it was registered, kept for modules without either
      (custom modules; costs their parameters' bytes while the block is open),
+each module after the modules inside it (post-order, as eager __init__ and HF's `model.apply(_init_weights)`
+finish a parent after its children: nn.MultiheadAttention zeroes its out_proj's bias after out_proj's own
+init),
 under `torch.manual_seed(config.seed + unit index)` in a forked RNG: every rank computes the same values
 (so each can keep its own shard) and the user's RNG stream is untouched. A parameter shared by several
 modules is initialized by the first module that holds it, as in eager construction where the last
@@ -55,7 +60,7 @@ class ConstructionCapture:
         def register_parameter(module, name, param):
             if param is not None and param.device.type != "meta" and not getattr(param, "_offload_keep", False):
                 meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-                if not hasattr(type(module), "reset_parameters"):
+                if _init_method(module) is None:
                     # no way to re-create this value later: keep it (rule 3 in the module docstring)
                     setattr(meta, _STAGED_ATTR, param.detach().clone())
                 param = meta
@@ -157,6 +162,8 @@ def materialize_unit(root: nn.Module, params: list, seed: int) -> list[torch.Ten
             if module not in modules:
                 modules.append(module)
         owners[id(p)] = refs[0][0]
+    post_order = {id(m): i for i, m in enumerate(_post_order(root))}
+    modules.sort(key=lambda m: post_order.get(id(m), -1))
     saved = {}
     for p, refs, _ in params:
         for module, attr in refs:
@@ -178,7 +185,7 @@ def materialize_unit(root: nn.Module, params: list, seed: int) -> list[torch.Ten
         for p, refs, fqn in params:
             staged = getattr(p, _STAGED_ATTR, None)
             owner = owners[id(p)]
-            if hf_init is None and not hasattr(type(owner), "reset_parameters"):
+            if hf_init is None and _init_method(owner) is None:
                 if staged is None:
                     raise RuntimeError(
                         f"offload: cannot initialize parameter {fqn!r} of {type(owner).__name__} built inside "
@@ -193,10 +200,26 @@ def materialize_unit(root: nn.Module, params: list, seed: int) -> list[torch.Ten
     return [real[id(p)].detach() for p, _, _ in params]
 
 
+def _init_method(module: nn.Module):
+    """The module's own initializer: reset_parameters(), else torch's private _reset_parameters(); or None."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        fn = getattr(module, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def _post_order(root: nn.Module):
+    """Every module under root (root included), each after the modules inside it."""
+    for child in root.children():
+        yield from _post_order(child)
+    yield root
+
+
 def _init_module(root: nn.Module, module: nn.Module, hf_init) -> None:
     if hf_init is not None:
         hf_init(module)
         return
-    reset = getattr(module, "reset_parameters", None)
-    if callable(reset):
-        reset()
+    init = _init_method(module)
+    if init is not None:
+        init()
