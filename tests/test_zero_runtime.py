@@ -173,6 +173,17 @@ def test_unit_policies():
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(DIM, 2, 32, batch_first=True), 3,
                                 enable_nested_tensor=False)
     assert [n for n, _ in choose_unit_modules(enc, offload.Config())] == ["layers.0", "layers.1", "layers.2"]
+    # an untied embedding and head at least as large as a block become units of their own (left in the root,
+    # they would stay gathered all step and the root's update would hold back the next forward); a tied pair
+    # stays in the root, and so do the small leftovers
+    big = TinyTransformer(vocab=512)
+    big.head.weight = nn.Parameter(big.head.weight.detach().clone())  # untie
+    assert [n for n, _ in choose_unit_modules(big, offload.Config())] == ["emb", "layers.0", "layers.1", "head"]
+    tied = TinyTransformer(vocab=512)
+    assert [n for n, _ in choose_unit_modules(tied, offload.Config())] == ["layers.0", "layers.1"]
+    with offload.init(_cfg()) as rt:
+        rt.wrap(tied)
+        assert [u.name for u in rt.units] == ["", "layers.0", "layers.1"]  # the tied weight is the root's
 
 
 def test_transformer_encoder_stack_parity():

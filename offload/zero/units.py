@@ -2,7 +2,10 @@
 
 Policies (offload.Config):
 - default: every element of a ModuleList whose elements are >= 2 blocks of one class holding parameters
-  (HF decoder layers, nn.TransformerEncoderLayer stacks); the outermost such lists win.
+  (HF decoder layers, nn.TransformerEncoderLayer stacks); the outermost such lists win. Then every other
+  module holding at least as many parameters as the smallest block (an untied embedding, an LM head) is a
+  unit too, children first: left in the root, it would be gathered for the whole step, and the root's
+  update would hold back the next forward.
 - unit_classes: every instance of the named classes (outermost wins, no nesting).
 - unit_min_bytes: post-order, every submodule whose not-yet-claimed parameters reach the threshold.
 Everything else belongs to the root unit (the wrapped model). A parameter reachable from two units (a
@@ -80,7 +83,45 @@ def choose_unit_modules(root: nn.Module, cfg: Config) -> list[tuple[str, nn.Modu
                     if id(kid) not in taken:
                         chosen.append((f"{name}.{i}" if name else str(i), kid))
                         taken.add(id(kid))
+    if chosen and not cfg.unit_classes:
+        chosen += _large_leftovers(root, chosen)
+        order = {id(m): i for i, (_, m) in enumerate(root.named_modules())}
+        chosen.sort(key=lambda nm: order[id(nm[1])])
     return chosen
+
+
+def _numel(params) -> int:
+    return sum(p.numel() for p in params)
+
+
+def _large_leftovers(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Modules outside the blocks holding at least the smallest block's parameter count (of parameters no
+    module outside them shares: a tied embedding and head stay in the root), children first."""
+    claimed = {id(p) for _, b in blocks for p in b.parameters()}
+    threshold = min(_numel(b.parameters()) for _, b in blocks)
+    block_ids = {id(b) for _, b in blocks}
+    holders: dict[int, set] = {}  # parameter -> the modules holding it directly (a tied weight has several)
+    for module in root.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), set()).add(id(module))
+    picked: list[tuple[str, nn.Module]] = []
+
+    def visit(name: str, module: nn.Module) -> None:
+        if id(module) in block_ids:
+            return
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+        if module is root or any(id(m) in block_ids for m in module.modules()):
+            return  # the root, or a container of blocks: its leftovers stay in the root
+        inside = {id(m) for m in module.modules()}
+        free = [p for p in module.parameters() if id(p) not in claimed and holders[id(p)] <= inside]  # not tied out
+        if free and _numel(free) >= threshold:
+            picked.append((name, module))
+            claimed.update(id(p) for p in free)
+
+    visit("", root)
+    return picked
 
 
 def discover_units(root: nn.Module, cfg: Config) -> list[UnitSpec]:
