@@ -74,6 +74,27 @@ def test_slow_queues_overlap_instead_of_adding_up():
     assert waits.get("gather", 0) > 0  # the training thread did wait, and says on what
 
 
+def test_a_units_gradient_is_reduced_as_soon_as_its_backward_is_done():
+    """The reduce of the last block is queued before backward reaches the first block (was: every reduce
+    waited for the end of the backward pass, because the views' autograd split, made once at construction,
+    was the oldest node and autograd runs the newest first)."""
+    torch.manual_seed(0)
+    model = TinyTransformer(layers=4)
+    log = []
+    with offload.init(small_config()) as rt:
+        rt.wrap(model)
+        for unit in rt.units:
+            def reduce(full_grad, unit=unit, original=unit.reduce):
+                log.append(("reduce", unit.name))
+                original(full_grad)
+            unit.reduce = reduce
+        for i, layer in enumerate(model.layers):
+            layer.register_full_backward_pre_hook(lambda *a, i=i: log.append(("backward", f"layers.{i}")))
+        compute_loss(model, _ids(0), "tiny").backward()
+    order = [entry for entry in log if entry[1] in ("layers.3", "layers.0")]
+    assert order.index(("reduce", "layers.3")) < order.index(("backward", "layers.0")), log
+
+
 # ---- the cpu budget ---------------------------------------------------------------------------------
 def test_the_smallest_cpu_budget_accepted_trains_and_one_page_less_is_refused(tmp_path):
     """The placement's working set (largest unit's param chunks + one chunk of every stepped state + one
@@ -134,6 +155,26 @@ def test_params_stay_resident_first_when_only_some_states_fit(tmp_path):
     assert {(k.unit, k.chunk) for k in resident if k.kind is StateKind.PARAM} == params
     kept_others = {(k.unit, k.kind, k.chunk) for k in resident if k.kind is not StateKind.PARAM}
     assert kept_others and kept_others < others  # some of the rest fits, not all
+
+
+def test_clip_norm_comes_from_the_reduce_without_reading_gradients_back(tmp_path):
+    """Gradients paged to disk: the reduce takes each piece's norm from the bytes it stores, so clipping reads
+    nothing; the norm read back from the chunks (what it falls back to after accumulation) is the same."""
+    cfg = small_config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), cpu_budget="96KiB")
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    with offload.init(cfg) as rt:
+        rt.wrap(model)
+        compute_loss(model, _ids(0), "tiny").backward()
+        rt.quiesce()
+        read0 = rt.stats()["nvme_read_bytes"]
+        cached = rt.clip_grad_norm_(1.0)
+        assert rt.stats()["nvme_read_bytes"] == read0  # nothing read back
+        for unit in rt.units:
+            unit.grad_norms = None  # as after an accumulating reduce
+        read_back = rt.clip_grad_norm_(1.0)
+        assert rt.stats()["nvme_read_bytes"] > read0  # the gradient chunks came back from disk
+    assert torch.equal(cached, read_back)
 
 
 # ---- telemetry --------------------------------------------------------------------------------------

@@ -3,6 +3,9 @@
 Per-parameter norms first, then the norm of those (as torch.nn.utils.clip_grad_norm_ does), so one rank
 reproduces torch bit for bit: a parameter whose shard range spans two gradient chunks is joined into one
 contiguous copy before its norm is taken. Ranks then combine their partial sums (runtime.py).
+When a unit's stored gradient is one reduce's output, the reduce took the L2 norms from the shard it stored
+(ShardedUnit.grad_norms): nothing is read back. Otherwise (accumulated by several reduces, partly zeroed,
+another norm type) the gradient chunks are read here.
 """
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ def local_norms(units, rank: int, norm_type: float) -> list[torch.Tensor]:
         unit.wait_grads()  # the reduces into these chunks must be over
         pieces = [p for p in unit.layout.pieces(rank) if unit.layout.slots[p.slot].requires_grad]
         if not pieces:
+            continue
+        if norm_type == 2 and unit.grad_norms is not None:  # taken by the reduce from the bytes it stored
+            found += [(unit.layout.slots[p.slot].ordinal, unit.grad_norms[p.slot]) for p in pieces]
             continue
         chunks = unit.shards.chunks
         leases = {}

@@ -64,6 +64,10 @@ class ShardedUnit:
         self.used = torch.zeros(len(layout.slots), dtype=torch.bool)
         self.update: cf.Future | None = None  # the optimizer's pending update of this unit
         self.grads: cf.Future | None = None  # the last reduce-lane work on the gradient chunks
+        # {slot: L2 norm of this rank's piece of the slot's gradient}, written on the reduce lane when the stored
+        # gradient is one reduce's output (None: accumulated or partly zeroed since, so unknown). rt.clip_grad_norm_
+        # uses it instead of reading every gradient chunk back (from disk, when they are paged).
+        self.grad_norms: dict[int, torch.Tensor] | None = None
         self._gather: cf.Future | None = None  # the gather in flight (GATHERING)
         dtype = ctx.compute_dtype
         self.nbytes_full = layout.padded_numel * dtype.itemsize
@@ -71,21 +75,31 @@ class ShardedUnit:
         self.flat.requires_grad_(layout.trainable)
         self.placeholders: list[nn.Parameter] = []
         self.views: list[torch.Tensor] = []
-        with torch.enable_grad():  # views keep their autograd link to `flat` even when built under no_grad
-            # One split for all slots: its backward concatenates the slots' grads into the flat grad in one
-            # pass (per-slot slicing would materialize a zero-filled full-size grad for every parameter).
-            sizes = [s.numel for s in layout.slots] + [layout.padded_numel - layout.numel]
-            pieces = self.flat.split(sizes)
-            frozen = self.flat.detach().split(sizes)
-            for slot in layout.slots:
+        self._split_sizes = [s.numel for s in layout.slots] + [layout.padded_numel - layout.numel]
+        self._fresh_views()
+        self.flat.untyped_storage().resize_(0)  # views exist; no bytes until the first gather
+        if layout.trainable:
+            self.flat.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _fresh_views(self) -> None:
+        """New views of `flat` for the modules, one autograd split for all slots: its backward concatenates the
+        slots' grads into the flat grad in one pass (per-slot slicing would materialize a zero-filled full-size
+        grad for every parameter). Made anew at every gather: autograd runs ready nodes newest first, so a split
+        made at construction would run after the whole backward, holding every unit's gradient (and its reduce)
+        until the end; made at the gather, it runs right after the unit's own backward."""
+        with torch.enable_grad():  # the views keep their autograd link to `flat` even when made under no_grad
+            pieces = self.flat.split(self._split_sizes)
+            frozen = self.flat.detach().split(self._split_sizes)
+            views = []
+            for slot in self.layout.slots:
                 base = pieces if slot.requires_grad else frozen
                 view = base[slot.index].view(slot.shape)
                 if slot.requires_grad:
                     view.register_hook(self._used_hook(slot.index))
-                self.views.append(view)
-        self.flat.untyped_storage().resize_(0)  # views exist; no bytes until the first gather
-        if layout.trainable:
-            self.flat.register_post_accumulate_grad_hook(self._on_grad)
+                if slot.index < len(self.placeholders):
+                    view._offload_placeholder = self.placeholders[slot.index]  # model.parameters() while gathered
+                views.append(view)
+        self.views = views
 
     @property
     def label(self) -> str:
@@ -149,6 +163,7 @@ class ShardedUnit:
             self._drop_flat()
             raise
         self.stale = False
+        self._fresh_views()
         self._install(self.views)
         self._transition(UnitState.UNSHARDED)
 
@@ -236,21 +251,24 @@ class ShardedUnit:
         grad, flat.grad = flat.grad, None
         if grad is None:
             return
-        g32 = grad.float() if grad.dtype != torch.float32 else grad
         if not self.ctx.sync_grads:
             if self.local_grad is None:
-                self.local_grad = g32.clone() if g32 is grad else g32
+                self.local_grad = grad.float() if grad.dtype != torch.float32 else grad.clone()
             else:
-                self.local_grad.add_(g32)
+                self.local_grad.add_(grad)  # fp32 += bf16: the bf16 value converts exactly
             return
         if self.local_grad is not None:
-            g32 = self.local_grad.add_(g32)
-            self.local_grad = None
-        self.reduce(g32)
+            full, self.local_grad = self.local_grad.add_(grad), None
+        elif self.ctx.world_size == 1:
+            full = grad  # nothing to reduce: cast into the fp32 shard as it is stored (exact, one pass fewer)
+        else:
+            full = grad.float()  # ranks sum in fp32
+        self.reduce(full)
 
     def reduce(self, full_grad: torch.Tensor) -> None:
-        """Queue: mean over ranks of the full fp32 gradient, this rank's shard added into the stored gradient
-        (or written over it, the first time since zero_grad). `full_grad` travels with the work."""
+        """Queue: mean over ranks of the full gradient (fp32; compute dtype on one rank, where nothing is
+        summed), this rank's shard added into the stored fp32 gradient (or written over it, the first time
+        since zero_grad). `full_grad` travels with the work."""
         overwrite, self.has_grad = not self.has_grad, True
         window = self.ctx.reduce_window  # every unit's reduces in flight, oldest first
         while window and window[0].done():
@@ -270,6 +288,7 @@ class ShardedUnit:
             shard = shard.to("cpu")  # lane thread: the accumulation below reads it
         self._register_grads()
         mode = LeaseMode.OVERWRITE if overwrite else LeaseMode.UPDATE
+        self.grad_norms = self._piece_norms(shard) if overwrite else None
         for c in self.shards.chunks:
             lease = ctx.states.lease(self.shards.spec(StateKind.GRAD, c), Use.HOST, mode)
             acc = lease.wait()
@@ -278,6 +297,15 @@ class ShardedUnit:
             else:
                 acc.add_(shard[c.lo:c.hi])
             lease.release()
+
+    def _piece_norms(self, shard: torch.Tensor) -> dict[int, torch.Tensor]:
+        """L2 norm of each gradient-carrying slot's piece of `shard`, as stored (fp32)."""
+        out = {}
+        for p in self.layout.pieces(self.ctx.rank):
+            if self.layout.slots[p.slot].requires_grad:
+                piece = shard[p.lo:p.hi]
+                out[p.slot] = torch.linalg.vector_norm(piece if piece.dtype == torch.float32 else piece.float(), 2)
+        return out
 
     def _register_grads(self) -> None:
         if not self.shards.grads_registered:
@@ -325,6 +353,7 @@ class ShardedUnit:
 
     def _zero_now(self, ranges: list, after_update: cf.Future | None) -> None:
         _result(after_update)
+        self.grad_norms = None  # some pieces are zeroed now: read them back if a norm is asked for
         for lo, hi in ranges:
             for c, a, b in self.shards.chunks_over(lo, hi):
                 lease = self.ctx.states.lease(self.shards.spec(StateKind.GRAD, c), Use.HOST, LeaseMode.UPDATE)
