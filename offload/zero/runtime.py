@@ -245,9 +245,11 @@ class Runtime:
                                f"{'exited' if self.closed else 'not been entered'})")
 
     def quiesce(self) -> None:
-        """Wait until no background work is queued (before reading or replacing shards wholesale)."""
+        """Wait until no background work is queued and every write-behind has landed (before reading or
+        replacing shards wholesale, and so rt.stats() counts every byte of the steps so far)."""
         for lane in self.ctx.lanes.all():
             lane.drain()
+        self.states.wait_moves()
 
     # ---- wrapping ---------------------------------------------------------------------------
     def _note_module(self) -> None:
@@ -363,7 +365,7 @@ class Runtime:
             p._offload_slot = slot.index
             p._offload_rt = self
             unit.placeholders.append(p)
-            unit.views[slot.index]._offload_placeholder = p  # model.parameters() while gathered
+            unit.views[slot.index]._offload_placeholder = p  # model.parameters() while gathered (later views: unit)
         unit._install(unit.placeholders)
         spec.module._offload_unit_obj = unit
         self.units.append(unit)

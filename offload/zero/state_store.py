@@ -196,6 +196,10 @@ class UnitStateStore:
         for f in futs:
             f.result()  # the caller (a checkpoint, close) needs the bytes home
 
+    def wait_moves(self) -> None:
+        """Wait for every move asked of the store so far (write-behinds included); raises the first failure."""
+        self.store.wait_all()
+
     # ---- lifetime / stats -------------------------------------------------------------------
     def stats(self) -> dict:
         return self.store.stats()
