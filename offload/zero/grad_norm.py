@@ -16,6 +16,31 @@ from .shards import StateKind
 from .state_store import Use
 
 
+class PieceNorms:
+    """Norms of shard pieces (layout.ShardPiece) from the gradient chunks fed in order: a piece inside one chunk
+    is a view of it, one spanning chunks is joined into one contiguous copy first. The reduce (from the chunks
+    it writes) and the read-back below both use it, so their norms agree bit for bit."""
+
+    def __init__(self, pieces, norm_type: float = 2.0):
+        self.pieces = pieces
+        self.norm_type = norm_type
+        self._parts: dict[int, list] = {}
+        self.done: dict[int, torch.Tensor] = {}  # slot -> norm of its piece
+
+    def feed(self, c, g: torch.Tensor) -> None:
+        """Chunk c's fp32 gradient values (valid only during the call: spanning parts are copied)."""
+        for p in self.pieces:
+            a, b = max(p.lo, c.lo), min(p.hi, c.hi)
+            if a >= b:
+                continue
+            inside = p.lo >= c.lo and p.hi <= c.hi
+            self._parts.setdefault(p.slot, []).append(g[a - c.lo:b - c.lo] if inside else g[a - c.lo:b - c.lo].clone())
+            if p.hi <= c.hi:  # the piece ends in this chunk
+                got = self._parts.pop(p.slot)
+                whole = got[0] if len(got) == 1 else torch.cat(got)
+                self.done[p.slot] = torch.linalg.vector_norm(whole, self.norm_type)
+
+
 def local_norms(units, rank: int, norm_type: float) -> list[torch.Tensor]:
     """Norms of every gradient-carrying parameter piece in this rank's shards, in model.parameters() order."""
     found = []
@@ -38,21 +63,12 @@ def local_norms(units, rank: int, norm_type: float) -> list[torch.Tensor]:
                                                   LeaseMode.READ)
             return leases.get(i)
 
-        parts: dict[int, list] = {}
+        norms = PieceNorms(pieces, norm_type)
         for i, c in enumerate(chunks):
             lease(i + 1)  # read the next chunk while this one is summed
-            g = lease(i).wait()
-            for p in pieces:
-                a, b = max(p.lo, c.lo), min(p.hi, c.hi)
-                if a < b:
-                    parts.setdefault(p.slot, []).append(g[a - c.lo:b - c.lo] if (p.lo >= c.lo and p.hi <= c.hi)
-                                                        else g[a - c.lo:b - c.lo].clone())
-            for p in pieces:
-                if p.hi <= c.hi and p.slot in parts and p.hi > c.lo:
-                    got = parts.pop(p.slot)
-                    whole = got[0] if len(got) == 1 else torch.cat(got)
-                    found.append((unit.layout.slots[p.slot].ordinal, torch.linalg.vector_norm(whole, norm_type)))
+            norms.feed(c, lease(i).wait())
             leases.pop(i).release()
         for held in leases.values():
             held.release()
+        found += [(unit.layout.slots[slot].ordinal, n) for slot, n in norms.done.items()]
     return [n for _, n in sorted(found, key=lambda x: x[0])]  # model.parameters() order, as torch
