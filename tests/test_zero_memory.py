@@ -9,6 +9,11 @@ Stated overhead (CPU machine, where the device tier is host memory):
 Measured on the 2-core dev box: peak RSS - baseline = 46 MiB for a 20 MiB cpu budget and 97 MiB of states
 (limit 20 + 37 = 57 MiB). The baseline is taken after a warm-up that loads torch's lazily imported
 machinery (~90 MiB any torch program pays), in a fresh subprocess; the peak is VmHWM reset at the baseline.
+
+That bound holds with OFFLOAD_MALLOC_TUNE=frugal (freed buffers go back to the OS: the default on GPU). On a
+CPU-only run the default is "fast": glibc keeps freed blocks below 32 MiB for reuse (heap free lists held
+58-75 MiB here, from materialization and the step's transients), which no formula of ours bounds; there the
+assertion is a regression guard, 3 x the overhead (measured 95-111 MiB against 20 + 3 x 37 = 131 MiB).
 """
 import json
 import os
@@ -16,12 +21,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 MiB = 2**20
 
 
-def test_nvme_states_4x_cpu_budget_train_within_budget_plus_overhead(tmp_path):
+@pytest.mark.parametrize("malloc", ["frugal", "fast"])
+def test_nvme_states_4x_cpu_budget_train_within_budget_plus_overhead(tmp_path, malloc):
     cpu_budget = 20 * MiB
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent),
+               OFFLOAD_MALLOC_TUNE=malloc)
     probe = Path(__file__).with_name("zero_rss_probe.py")
     proc = subprocess.run([sys.executable, str(probe), str(tmp_path), "256", "8", str(cpu_budget), "64MiB"],
                           env=env, capture_output=True, text=True, timeout=300)
@@ -31,6 +40,8 @@ def test_nvme_states_4x_cpu_budget_train_within_budget_plus_overhead(tmp_path):
     assert r["nvme_read"] > 2 * r["states"] // 4, r  # they really were paged from disk
     assert r["losses"][-1] < r["losses"][0], r  # and it trained
     overhead = r["gathered_bound"] + 6 * r["largest_shard"] + 16 * MiB
+    if malloc == "fast":
+        overhead *= 3  # glibc's free lists on top (see the module docstring): a guard, not a derived bound
     grown = r["peak"] - r["rss0"]
     assert grown <= cpu_budget + overhead, (grown / MiB, (cpu_budget + overhead) / MiB, r)
     assert list(tmp_path.iterdir()) == []  # swap files removed

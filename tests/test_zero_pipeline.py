@@ -218,3 +218,17 @@ def test_chrome_trace_has_a_row_per_lane(tmp_path):
     assert {"main", "gather", "reduce", "optimizer", "nvme read", "nvme write"} <= rows, rows
     assert any(e["name"].startswith("adam:") for e in spans)
     assert all(e["dur"] >= 0 for e in spans)
+
+
+def test_malloc_mode_follows_the_compute_device_and_refuses_bad_values(monkeypatch):
+    from offload.zero.host_memory import malloc_mode
+
+    monkeypatch.delenv("OFFLOAD_MALLOC_TUNE", raising=False)
+    assert malloc_mode(torch.device("cpu")) == "fast"  # activations and gathered units come from malloc
+    assert malloc_mode(torch.device("cuda", 0)) == "frugal"  # host malloc holds only transients
+    for value, mode in (("frugal", "frugal"), ("FAST", "fast"), ("0", "off"), ("off", "off")):
+        monkeypatch.setenv("OFFLOAD_MALLOC_TUNE", value)
+        assert malloc_mode(torch.device("cpu")) == mode
+    monkeypatch.setenv("OFFLOAD_MALLOC_TUNE", "small")
+    with pytest.raises(ValueError, match="OFFLOAD_MALLOC_TUNE='small': expected auto, frugal, fast or off"):
+        offload.init(small_config()).__enter__()

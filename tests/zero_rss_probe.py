@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import offload
 from offload.demo import build_model, make_batch
-from offload.zero.runtime import peak_rss_bytes
+from offload.zero.host_memory import peak_rss_bytes
 
 
 def main():

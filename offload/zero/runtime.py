@@ -29,8 +29,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import resource
-import sys
 
 import torch
 import torch.distributed as dist
@@ -41,6 +39,7 @@ from ..store import Tier
 from ..telemetry import Meter, Queue
 from . import comm, hooks, placement
 from .context import Counters, Lanes, UnitContext
+from .host_memory import peak_rss_bytes, tune_malloc
 from .layout import FlatLayout
 from .materialize import ConstructionCapture, is_meta_model, materialize_unit
 from .optimizer_pipeline import OptimizerPipeline, UnitUpdate
@@ -59,35 +58,6 @@ _ACTIVE: list["Runtime"] = []
 def current() -> "Runtime | None":
     """The innermost open runtime (None outside any offload.init block)."""
     return _ACTIVE[-1] if _ACTIVE else None
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set: VmHWM (per address space, so it does not inherit the parent's peak
-    across fork+exec as ru_maxrss can), else ru_maxrss."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _pin_mmap_threshold() -> None:
-    """glibc raises its mmap threshold to the size of the largest block freed so far (up to 32 MiB), after
-    which multi-MB staging buffers (nvme reads, gathered units) come from the heap and are kept there: RSS
-    grows by several units' worth. Pinning M_MMAP_THRESHOLD at 128 KiB (glibc's initial value) disables
-    that adjustment, so freed buffers go back to the OS. Process-wide; OFFLOAD_MALLOC_TUNE=0 skips it."""
-    if os.environ.get("OFFLOAD_MALLOC_TUNE", "1") == "0" or not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc (musl, ...): nothing to tune
-        pass
 
 
 def init(config: Config | None = None, **fields) -> "Runtime":
@@ -142,6 +112,7 @@ class Runtime:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
+        tune_malloc(self.device)  # first: a bad OFFLOAD_MALLOC_TUNE raises before anything is built
         self.budgets = {"device": self._budget("device_budget"), "cpu": self._budget("cpu_budget"), "nvme": None}
         if cfg.nvme_path:
             need = parse_size(cfg.nvme_budget, "nvme_budget") if cfg.nvme_budget is not None else None
@@ -161,7 +132,6 @@ class Runtime:
         self.ctx.schedule = self.schedule
         self.pipeline = OptimizerPipeline(self.ctx, read_ahead=placement.PIPELINE_CHUNKS - 1 if cfg.pipeline else 0)
         self.step_stats = StepStats(self.meter, self.states, self.ctx.counters, log_every=cfg.log_every)
-        _pin_mmap_threshold()
         # a module was built: the next forward may need to materialize it
         self._capture = ConstructionCapture(on_module=self._note_module,
                                             on_load=lambda m: self.materialize_pending()).__enter__()

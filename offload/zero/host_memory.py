@@ -1,0 +1,96 @@
+"""How the runtime's large host buffers behave in the process's memory (Linux and glibc; no-ops elsewhere).
+
+    tune_malloc(device)      glibc's mmap threshold for the run: RSS near what is in use, or speed
+    advise_huge_pages(t)     t's pages come as 2 MiB transparent huge pages when first touched
+    peak_rss_bytes()         this process's peak resident set
+
+A freshly mapped buffer page-faults every 4 KiB when first written: a gathered unit's flat buffer is one
+each time it is gathered, so it asks for huge pages, 512 times fewer faults (40 MiB fresh + copied: 2.9 ms
+instead of 8.1 ms here).
+"""
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+import torch
+
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_libc = None
+
+
+def _glibc():
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        try:
+            _libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):  # not glibc (musl, ...): nothing to tune
+            _libc = False
+    return _libc
+
+
+MMAP_THRESHOLD = {"frugal": 128 * 1024, "fast": 32 << 20}  # glibc's initial value; its own maximum
+
+
+def malloc_mode(device: torch.device) -> str:
+    """OFFLOAD_MALLOC_TUNE: "auto" (default) is "frugal" when compute runs on a GPU (host malloc then holds
+    only transients: keep RSS tight) and "fast" on a CPU (the "device tier" is host memory: activations,
+    gathered units and gradients all come from malloc); "frugal", "fast", or "off" (leave glibc alone)."""
+    mode = os.environ.get("OFFLOAD_MALLOC_TUNE", "auto").strip().lower()
+    if mode == "auto":
+        return "frugal" if device.type == "cuda" else "fast"
+    if mode in ("0", "off"):
+        return "off"
+    if mode not in MMAP_THRESHOLD:
+        raise ValueError(f"OFFLOAD_MALLOC_TUNE={mode!r}: expected auto, frugal, fast or off")
+    return mode
+
+
+def tune_malloc(device: torch.device) -> str:
+    """Fix glibc's M_MMAP_THRESHOLD for the run (process-wide); returns the mode used.
+
+    glibc serves a malloc above the threshold with a fresh mmap (given back at free, first touch page-faults
+    every 4 KiB) and raises the threshold to the largest block freed so far (up to 32 MiB), after which such
+    blocks come from the heap and are kept for reuse. "frugal" pins it at 128 KiB: freed multi-MB buffers
+    go back to the OS and RSS stays near what is in use, but on a CPU-only run every activation and
+    gradient then page-faults (the 50M-parameter bench: 0.84 s/step instead of 0.59, RSS 0.87 instead of
+    1.16 GiB). "fast" fixes it at 32 MiB from the start: reuse without the creep."""
+    mode = malloc_mode(device)
+    if mode == "off" or not sys.platform.startswith("linux"):
+        return mode
+    libc = _glibc()
+    if libc:
+        libc.mallopt(-3, MMAP_THRESHOLD[mode])  # M_MMAP_THRESHOLD (fixing it also stops the dynamic creep)
+    return mode
+
+
+def advise_huge_pages(t: torch.Tensor) -> None:
+    """Ask for transparent huge pages over the 2 MiB-aligned interior of t's storage (a host buffer about to
+    be written for the first time). Harmless where THP is off or the range is small; CUDA tensors: no-op."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return
+    storage = t.untyped_storage()
+    start = storage.data_ptr()
+    lo = -(-start // _HUGE) * _HUGE
+    hi = (start + storage.nbytes()) // _HUGE * _HUGE
+    libc = _glibc()
+    if libc and hi > lo:
+        libc.madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing but speed
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set: VmHWM (per address space, so it does not inherit the parent's peak
+    across fork+exec as ru_maxrss can), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
