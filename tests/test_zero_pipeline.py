@@ -18,16 +18,12 @@ from offload.telemetry import Queue
 from offload.zero.shards import StateKind
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import SEQ, VOCAB, TinyTransformer, compute_loss, one_torch_thread, small_config  # noqa: E402
+from zero_common import TinyTransformer, compute_loss, one_torch_thread, small_config, token_ids as _ids  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
     yield from one_torch_thread()
-
-
-def _ids(seed):
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
 def _train(cfg, steps, layers=2, delays=(), seed=0):

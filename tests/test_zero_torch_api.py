@@ -12,16 +12,12 @@ import torch.nn as nn
 import offload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import DIM, SEQ, VOCAB, TinyTransformer, compute_loss, one_torch_thread, small_config as _cfg  # noqa: E402
+from zero_common import DIM, TinyTransformer, compute_loss, one_torch_thread, small_config as _cfg, token_ids as _ids  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
     yield from one_torch_thread()
-
-
-def _ids(seed):
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
 def _worst(got: dict, ref: nn.Module) -> float:

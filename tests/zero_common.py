@@ -102,6 +102,11 @@ def make_model(kind: str) -> nn.Module:
     raise ValueError(kind)
 
 
+def token_ids(seed: int, n: int = 2) -> torch.Tensor:
+    """n sequences of SEQ random tokens, from `seed`."""
+    return torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
 def compute_loss(model, ids, kind, skip=()):
     if kind.startswith("llama"):
         return model(input_ids=ids, labels=ids).loss.float()
