@@ -4,8 +4,8 @@ Contenders (one process, interleaved rounds so machine noise hits all alike):
   torch          plain model + torch.optim.AdamW (the reference loop)
   offload <p>/<o> the same model through offload.init with params tier p and optimizer tier o
 Each round runs `--steps` steps per contender after one warm-up step; the table gives the median and best
-per-step time over rounds and the ratio to torch. No target: this shows what the synchronous runtime
-(no prefetch/overlap yet) costs on a CPU-only box.
+per-step time over rounds and the ratio to torch. No target: this shows what the runtime (pipelined, the
+default) costs on a CPU-only box for a small model; bench_offload_step.py is the comparison with DeepSpeed.
 
     PYTHONPATH=. python benchmarks/bench_zero_step.py --rounds 5 --steps 3
 """
