@@ -10,10 +10,11 @@
     # leaving the block waits for queued work, frees every shard, removes swap files, restores nn.Module,
     # and makes the model raise a clear error when used.
 
-The pieces: placement.py decides tiers and chunking, shards.py names every shard, state_store.py owns the
-store and the swap directory, unit.py is one unit's state machine, schedule.py traces the step and drives
-the prefetch, lanes.py runs the gathers, reduces and the optimizer pipeline in the background,
-torch_patches.py keeps plain PyTorch calls working on a wrapped model.
+The pieces: wrap.py shards a model into units, placement.py decides tiers and chunking, shards.py names
+every shard, state_store.py owns the store and the swap directory, unit.py is one unit's state machine,
+schedule.py traces the step and drives the prefetch, lanes.py runs the gathers, reduces and the optimizer
+pipeline in the background, torch_patches.py keeps plain PyTorch calls working on a wrapped model
+(docs/zero-runtime.md has the whole table).
 
 Gradient accumulation: by default every backward reduce-scatters its gradient and adds this rank's shard to
 the stored gradient shard (memory: one shard per unit). Inside `with rt.no_sync():` backward passes
@@ -37,20 +38,18 @@ import torch.nn as nn
 from ..config import Config, parse_size
 from ..store import Tier
 from ..telemetry import Meter, Queue
-from . import comm, hooks, placement
+from . import comm, placement
 from .context import Counters, Lanes, UnitContext
 from .host_memory import peak_rss_bytes, tune_malloc
-from .layout import FlatLayout
-from .materialize import ConstructionCapture, is_meta_model, materialize_unit
+from .materialize import ConstructionCapture
 from .optimizer_pipeline import OptimizerPipeline, UnitUpdate
 from .schedule import Schedule
-from .shards import StateKind, UnitShards
+from .shards import StateKind
 from .state import UnitState
-from .state_store import UnitStateStore, Use, check_nvme_path
+from .state_store import UnitStateStore, check_nvme_path
 from .step_stats import StepStats
-from .torch_patches import patch_model
 from .unit import ShardedUnit
-from .units import discover_units
+from .wrap import shard_model
 
 _ACTIVE: list["Runtime"] = []
 
@@ -253,94 +252,8 @@ class Runtime:
         self._check_open("rt.wrap")
         if getattr(model, "_offload_runtime", None) is self:
             return model
-        cfg = self.config
-        specs = [s for s in discover_units(model, cfg) if s.params]
-        persist = parse_size(cfg.persist_threshold, "persist_threshold")
-        width = self.compute_dtype.itemsize
-        sizes = [placement.UnitSize(u.index, u.name, type(u.module).__name__, u.layout,
-                                    u.name == "" or u.persistent) for u in self.units]
-        new = []
-        for k, s in enumerate(specs):
-            layout = FlatLayout(s.params, self.world_size)
-            new.append(placement.UnitSize(len(self.units) + k, s.name, type(s.module).__name__, layout,
-                                          s.name == "" or layout.padded_numel * width <= persist))
-        in_use = {t: self.states.nbytes_in(t) for t in ("device", "cpu")}
-        place = placement.plan(sizes + new, new, self.params_tier, self.optimizer_tier, self.budgets, in_use,
-                               self.compute_dtype, cfg.bytes_of("chunk_size"), cfg.nvme_path)
-        self.placement = place
-        self.params_tier, self.optimizer_tier = place.tiers.params.value, place.tiers.optimizer.value
-        self.schedule.gather_ahead = place.gather_ahead
-        meta = is_meta_model(model)
-        model_tag = f"model{len(self.models)}:" if self.models else ""  # unit ids stay unique across models
-        base = len(self.units)
-        ordinal = {id(p): i + self._ordinal_base for i, p in enumerate(model.parameters())}
-        self._ordinal_base += len(ordinal)
-        with self._capture.paused() if self._capture else contextlib.nullcontext():
-            for k, (spec, size) in enumerate(zip(specs, new)):
-                index, layout = base + k, size.layout
-                if meta:
-                    values = materialize_unit(model, spec.params, cfg.seed + index)
-                else:
-                    values = [p.detach() for p, _, _ in spec.params]
-                full = layout.flatten(values, torch.float32)
-                del values
-                if not meta:  # every rank must start from the same values
-                    comm.broadcast_(self.group, full, 0)
-                lo, hi = layout.shard_bounds(self.rank)
-                shard = full[lo:hi].clone()
-                del full
-                uid = model_tag + (spec.name or "<root>")
-                shards = UnitShards.build(uid, layout.shard_numel, place.chunk_of(layout.shard_numel),
-                                          self.compute_dtype, place.tiers)
-                self._register_unit(shards, shard)
-                del shard
-                unit = ShardedUnit(self.ctx, index, uid, spec.name, spec.module, layout, shards)
-                self._adopt(unit, spec, ordinal)
-                if layout.padded_numel * width <= persist:
-                    unit.unshard()
-                    unit.persistent = True
-        # Buffers are replicated, not sharded: moved to the compute device, and floating ones cast to the
-        # compute dtype (what model.to(torch.bfloat16) would do).
-        for name, buf in list(model.named_buffers()):
-            dtype = self.compute_dtype if buf.is_floating_point() else buf.dtype
-            if buf.device != self.device or buf.dtype != dtype:
-                mod_name, _, attr = name.rpartition(".")
-                model.get_submodule(mod_name)._buffers[attr] = buf.to(self.device, dtype)
-        patch_model(model, self)
-        model._offload_runtime = self
-        self.models.append(model)
+        shard_model(self, model)
         return model
-
-    def _register_unit(self, shards: UnitShards, shard: torch.Tensor) -> None:
-        futs = []
-        for c in shards.chunks:
-            values = shard[c.lo:c.hi]
-            futs.append(self.states.register(shards.spec(StateKind.PARAM, c), init=values.to(self.compute_dtype)))
-            if not shards.master_is_param:
-                futs.append(self.states.register(shards.spec(StateKind.MASTER, c), init=values))
-        for f in futs:
-            f.result()  # the home copies hold the values before the init tensor goes
-
-    def _adopt(self, unit: ShardedUnit, spec, ordinal: dict) -> None:
-        layout = unit.layout
-        for slot, (p, _, _) in zip(layout.slots, spec.params):
-            slot.ordinal = ordinal[id(p)]
-        for slot, (p, _, _) in zip(layout.slots, spec.params):
-            if p.device.type != "meta":
-                torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"),
-                                                         requires_grad=p.requires_grad))
-            if hasattr(p, "_offload_initial_value"):
-                del p._offload_initial_value
-            p._offload_unit = unit
-            p._offload_slot = slot.index
-            p._offload_rt = self
-            unit.placeholders.append(p)
-            unit.views[slot.index]._offload_placeholder = p  # model.parameters() while gathered (later views: unit)
-        unit._install(unit.placeholders)
-        spec.module._offload_unit_obj = unit
-        self.units.append(unit)
-        self.schedule.units[unit.uid] = unit
-        hooks.install(unit, self.schedule)
 
     def _reserve_bytes(self) -> tuple[int, int]:
         """(cpu bytes the lanes may hold at once to make progress, bytes of param reads worth holding ahead)."""

@@ -1,0 +1,114 @@
+"""Sharding a model into units: discover them, place their states, materialize or take their values unit by
+unit, keep this rank's shard in the store, and put placeholders, hooks and torch patches on the modules.
+Called by Runtime.wrap (`rt` is the open Runtime: its config, store, lanes, schedule and unit list).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from ..config import parse_size
+from . import comm, hooks, placement
+from .layout import FlatLayout
+from .materialize import is_meta_model, materialize_unit
+from .shards import StateKind, UnitShards
+from .torch_patches import patch_model
+from .unit import ShardedUnit
+from .units import discover_units
+
+
+def shard_model(rt, model: nn.Module) -> None:
+    """Shard `model` into units in place. Models built inside the block are materialized unit by unit; an
+    existing model keeps its values (rank 0's, broadcast)."""
+    cfg = rt.config
+    specs = [s for s in discover_units(model, cfg) if s.params]
+    persist = parse_size(cfg.persist_threshold, "persist_threshold")
+    width = rt.compute_dtype.itemsize
+    sizes = [placement.UnitSize(u.index, u.name, type(u.module).__name__, u.layout,
+                                u.name == "" or u.persistent) for u in rt.units]
+    new = []
+    for k, s in enumerate(specs):
+        layout = FlatLayout(s.params, rt.world_size)
+        new.append(placement.UnitSize(len(rt.units) + k, s.name, type(s.module).__name__, layout,
+                                      s.name == "" or layout.padded_numel * width <= persist))
+    in_use = {t: rt.states.nbytes_in(t) for t in ("device", "cpu")}
+    place = placement.plan(sizes + new, new, rt.params_tier, rt.optimizer_tier, rt.budgets, in_use,
+                           rt.compute_dtype, cfg.bytes_of("chunk_size"), cfg.nvme_path)
+    rt.placement = place
+    rt.params_tier, rt.optimizer_tier = place.tiers.params.value, place.tiers.optimizer.value
+    rt.schedule.gather_ahead = place.gather_ahead
+    meta = is_meta_model(model)
+    model_tag = f"model{len(rt.models)}:" if rt.models else ""  # unit ids stay unique across models
+    base = len(rt.units)
+    ordinal = {id(p): i + rt._ordinal_base for i, p in enumerate(model.parameters())}
+    rt._ordinal_base += len(ordinal)
+    with rt._capture.paused() if rt._capture else contextlib.nullcontext():
+        for k, (spec, size) in enumerate(zip(specs, new)):
+            index, layout = base + k, size.layout
+            if meta:
+                values = materialize_unit(model, spec.params, cfg.seed + index)
+            else:
+                values = [p.detach() for p, _, _ in spec.params]
+            full = layout.flatten(values, torch.float32)
+            del values
+            if not meta:  # every rank must start from the same values
+                comm.broadcast_(rt.group, full, 0)
+            lo, hi = layout.shard_bounds(rt.rank)
+            shard = full[lo:hi].clone()
+            del full
+            uid = model_tag + (spec.name or "<root>")
+            shards = UnitShards.build(uid, layout.shard_numel, place.chunk_of(layout.shard_numel),
+                                      rt.compute_dtype, place.tiers)
+            _register_unit(rt, shards, shard)
+            del shard
+            unit = ShardedUnit(rt.ctx, index, uid, spec.name, spec.module, layout, shards)
+            _adopt(rt, unit, spec, ordinal)
+            if layout.padded_numel * width <= persist:
+                unit.unshard()
+                unit.persistent = True
+    # Buffers are replicated, not sharded: moved to the compute device, and floating ones cast to the
+    # compute dtype (what model.to(torch.bfloat16) would do).
+    for name, buf in list(model.named_buffers()):
+        dtype = rt.compute_dtype if buf.is_floating_point() else buf.dtype
+        if buf.device != rt.device or buf.dtype != dtype:
+            mod_name, _, attr = name.rpartition(".")
+            model.get_submodule(mod_name)._buffers[attr] = buf.to(rt.device, dtype)
+    patch_model(model, rt)
+    model._offload_runtime = rt
+    rt.models.append(model)
+    return model
+
+
+def _register_unit(rt, shards: UnitShards, shard: torch.Tensor) -> None:
+    futs = []
+    for c in shards.chunks:
+        values = shard[c.lo:c.hi]
+        futs.append(rt.states.register(shards.spec(StateKind.PARAM, c), init=values.to(rt.compute_dtype)))
+        if not shards.master_is_param:
+            futs.append(rt.states.register(shards.spec(StateKind.MASTER, c), init=values))
+    for f in futs:
+        f.result()  # the home copies hold the values before the init tensor goes
+
+
+def _adopt(rt, unit: ShardedUnit, spec, ordinal: dict) -> None:
+    layout = unit.layout
+    for slot, (p, _, _) in zip(layout.slots, spec.params):
+        slot.ordinal = ordinal[id(p)]
+    for slot, (p, _, _) in zip(layout.slots, spec.params):
+        if p.device.type != "meta":
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"),
+                                                     requires_grad=p.requires_grad))
+        if hasattr(p, "_offload_initial_value"):
+            del p._offload_initial_value
+        p._offload_unit = unit
+        p._offload_slot = slot.index
+        p._offload_rt = rt
+        unit.placeholders.append(p)
+        unit.views[slot.index]._offload_placeholder = p  # model.parameters() while gathered (later views: unit)
+    unit._install(unit.placeholders)
+    spec.module._offload_unit_obj = unit
+    rt.units.append(unit)
+    rt.schedule.units[unit.uid] = unit
+    hooks.install(unit, rt.schedule)
