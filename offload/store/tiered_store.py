@@ -600,6 +600,16 @@ class TieredStore:
             dst.copy_(src, non_blocking=True)
         stream.synchronize()  # the future resolves (and a buffer may be freed) only after the copy is over
 
+    def _copy_down(self, s: _Shard, dst_block, after=None) -> None:
+        """The device working copy -> dst_block (a cpu buffer): DEVICE -> TO_CPU, back to DEVICE on failure;
+        the caller makes the next transition."""
+        self._transition(s, R.DEVICE, R.TO_CPU)
+        try:
+            self._copy(s, Link.DEVICE_TO_CPU, _view(dst_block, s), _view(s.dev_block, s), after)
+        except BaseException:
+            self._transition(s, R.TO_CPU, R.DEVICE)
+            raise
+
     # Moves are generators (see _chain): `yield handle` submits an I/O and is resumed once it is over;
     # `yield _TO_WORKER` hands the rest to a worker thread. Each undoes its residency on failure.
 
@@ -669,12 +679,7 @@ class TieredStore:
                 # st is DEVICE: the working copy comes down to cpu
                 if read:
                     yield _TO_WORKER  # copies run in a worker, never in the caller
-                    self._transition(s, R.DEVICE, R.TO_CPU)
-                    try:
-                        self._copy(s, Link.DEVICE_TO_CPU, _view(blk, s), _view(s.dev_block, s), after)
-                    except BaseException:
-                        self._transition(s, R.TO_CPU, R.DEVICE)
-                        raise
+                    self._copy_down(s, blk, after)
                     self._transition(s, R.TO_CPU, R.CPU)
                 else:
                     self._transition(s, R.DEVICE, R.CPU)
@@ -737,12 +742,7 @@ class TieredStore:
         stg = new.get("cpu")
         if stg is None:
             raise StoreError(f"shard {s.name!r}: moved while this writeback was being queued; write back again")
-        self._transition(s, R.DEVICE, R.TO_CPU)
-        try:
-            self._copy(s, Link.DEVICE_TO_CPU, _view(stg, s), _view(s.dev_block, s), after)
-        except BaseException:
-            self._transition(s, R.TO_CPU, R.DEVICE)
-            raise
+        self._copy_down(s, stg, after)
         self._transition(s, R.TO_CPU, R.WRITING)
         try:
             yield from self._write(s, stg)

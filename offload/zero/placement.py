@@ -15,6 +15,7 @@ import torch
 
 from ..config import format_size
 from ..store import Tier
+from ..store.swap_file import SLOT_ALIGN
 from .layout import FlatLayout
 from .shards import StateTiers, chunk_bounds
 from .state_store import check_nvme_path
@@ -23,7 +24,6 @@ CHUNK_ALIGN = 2048  # elements: chunk boundaries on 4 KiB of bf16 / 8 KiB of fp3
 MIN_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 64 << 20
 PIPELINE_CHUNKS = 2  # chunks of optimizer state the pipeline holds at once (one stepped, one read ahead)
-PAGE = 4096  # the store rounds every buffer up to whole pages
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ def chunk_numel_for(cpu_budget: int, setting: int | None) -> int:
 
 
 def _pages(nbytes: int) -> int:
-    return -(-nbytes // PAGE) * PAGE
+    """Bytes the store holds for a buffer of nbytes (whole pages)."""
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def host_working_set(unit_chunks: list[list[int]], width: int, params_nvme: bool, optimizer_nvme: bool) -> int:
