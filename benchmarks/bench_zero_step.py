@@ -1,4 +1,4 @@
-"""Training-step time of the ZeRO-3 runtime vs plain PyTorch, on the `offload demo` model.
+"""Training-step time of the ZeRO-3 runtime vs plain PyTorch, on a small GPT (tests/tiny_gpt.py).
 
 Contenders (one process, interleaved rounds so machine noise hits all alike):
   torch          plain model + torch.optim.AdamW (the reference loop)
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import statistics
 import tempfile
 import time
@@ -21,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 import offload
-from offload.demo import build_model, make_batch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from tiny_gpt import build_model, make_batch  # noqa: E402  (the small GPT the tests' RSS probe uses too)
 
 TIERS = [("device", "cpu"), ("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme")]
 
@@ -76,7 +79,7 @@ def main() -> None:
                         step(i + 1)
                     times[f"offload {p}/{o}"].append((time.perf_counter() - t0) / args.steps)
     n = sum(p.numel() for p in build_model(vocab, args.dim, args.layers, seq).parameters())
-    print(f"# demo model: {n / 1e6:.2f} M params ({args.layers} blocks x dim {args.dim}), batch {batch} x seq {seq}, "
+    print(f"# tiny_gpt model: {n / 1e6:.2f} M params ({args.layers} blocks x dim {args.dim}), batch {batch} x seq {seq}, "
           f"threads {args.threads}, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
     print(f"# seconds per step, median / best over {args.rounds} interleaved rounds of {args.steps} steps")
     base = statistics.median(times["torch"])

@@ -55,10 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     env.set_defaults(func=_cmd_env)
     # Each later subcommand adds itself here: from .x.cli import add_x_parser; add_x_parser(sub)
     from .bench.cli import add_bench_parser
-    from .demo import add_demo_parser
+    from .finetune.cli import add_finetune_parser
 
     add_bench_parser(sub)
-    add_demo_parser(sub)
+    add_finetune_parser(sub)
     return parser
 
 

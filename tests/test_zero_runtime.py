@@ -135,7 +135,7 @@ def test_torch_transformer_layers_built_inside_block_are_initialized_as_eager():
         assert sd[name].shape == p.shape
 
 
-@pytest.mark.skipif(not transformers_available(), reason="transformers not installed (pip install offload[hf])")
+@pytest.mark.skipif(not transformers_available(), reason="transformers not installed")
 def test_hf_llama_built_inside_block_uses_hf_init():
     with offload.init(_cfg(seed=3)) as rt:
         model = make_llama()

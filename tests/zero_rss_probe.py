@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import offload
-from offload.demo import build_model, make_batch
+from tiny_gpt import build_model, make_batch
 from offload.zero.host_memory import peak_rss_bytes
 
 

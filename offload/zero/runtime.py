@@ -246,13 +246,18 @@ class Runtime:
             self.wrap(root)
         return roots
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, weights=None) -> nn.Module:
         """Shard `model` into units (in place) and return it. Models built inside the block are materialized
-        unit by unit; an existing model keeps its values (rank 0's, broadcast)."""
+        unit by unit; an existing model keeps its values (rank 0's, broadcast). `weights(name, meta_param)`,
+        when given, returns each parameter's value as its unit is sharded (streamed loading, e.g.
+        offload.finetune.checkpoint.SafetensorsWeights)."""
         self._check_open("rt.wrap")
         if getattr(model, "_offload_runtime", None) is self:
+            if weights is not None:
+                raise RuntimeError("rt.wrap(model, weights=...): the model is already sharded; pass weights on "
+                                   "the first wrap, before its first forward or offload.AdamW(model.parameters())")
             return model
-        shard_model(self, model)
+        shard_model(self, model, weights)
         return model
 
     def _reserve_bytes(self) -> tuple[int, int]:

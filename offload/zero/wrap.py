@@ -19,9 +19,11 @@ from .unit import ShardedUnit
 from .units import discover_units
 
 
-def shard_model(rt, model: nn.Module) -> None:
+def shard_model(rt, model: nn.Module, weights=None) -> None:
     """Shard `model` into units in place. Models built inside the block are materialized unit by unit; an
-    existing model keeps its values (rank 0's, broadcast)."""
+    existing model keeps its values (rank 0's, broadcast). `weights`, a callable (qualified name, meta
+    parameter) -> host tensor, gives every parameter's value instead (each rank reads its own copy, unit by
+    unit: a model streamed from safetensors never exists whole in memory)."""
     cfg = rt.config
     specs = [s for s in discover_units(model, cfg) if s.params]
     persist = parse_size(cfg.persist_threshold, "persist_threshold")
@@ -47,13 +49,15 @@ def shard_model(rt, model: nn.Module) -> None:
     with rt._capture.paused() if rt._capture else contextlib.nullcontext():
         for k, (spec, size) in enumerate(zip(specs, new)):
             index, layout = base + k, size.layout
-            if meta:
+            if weights is not None:
+                values = [weights(fqn, p) for p, _, fqn in spec.params]
+            elif meta:
                 values = materialize_unit(model, spec.params, cfg.seed + index)
             else:
                 values = [p.detach() for p, _, _ in spec.params]
             full = layout.flatten(values, torch.float32)
             del values
-            if not meta:  # every rank must start from the same values
+            if not meta and weights is None:  # every rank must start from the same values
                 comm.broadcast_(rt.group, full, 0)
             lo, hi = layout.shard_bounds(rt.rank)
             shard = full[lo:hi].clone()

@@ -1,0 +1,201 @@
+"""Hugging Face model directories in and out, without ever holding the model whole.
+
+In: `HFModelDir(path)` checks the directory (config.json; model.safetensors, or shards named by
+model.safetensors.index.json, every one present) and reads only the safetensors headers; `check(model)`
+compares every parameter's name and shape with them before any byte is loaded; `weights` hands
+`rt.wrap(model, weights=...)` one tensor at a time, so the runtime streams the file into its store unit by
+unit (peak host memory: about one unit plus the budgets, not the model).
+
+Out: `save_pretrained(rt, model, out_dir, ...)` gathers one unit at a time (a collective: every rank
+calls it; rank 0 writes), fills safetensors files up to `max_shard_bytes` each (several files get an
+index, as transformers writes them), then config.json and the tokenizer. Files are written under a
+temporary name and renamed into place, so a reader never sees a half-written file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from .errors import InputError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class ModelDirError(InputError):
+    """A model directory that cannot be loaded; the message names the path and the fix."""
+
+
+def _alias_names(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every qualified name it has (tied weights have several)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+class HFModelDir:
+    def __init__(self, path: str | os.PathLike, flag: str = "--model"):
+        self.path = Path(path)
+        self.flag = flag
+        where = f"{flag} {self.path}"
+        if not self.path.is_dir():
+            raise ModelDirError(f"{where}: not a directory; give a Hugging Face model directory "
+                                "(config.json + model.safetensors, as model.save_pretrained(DIR) writes it)")
+        if not (self.path / "config.json").is_file():
+            raise ModelDirError(f"{where}: no config.json; a Hugging Face model directory holds config.json and "
+                                "model.safetensors (save one with model.save_pretrained(DIR))")
+        index = self.path / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as exc:
+                raise ModelDirError(f"{where}: {INDEX_NAME} is not a safetensors index ({exc}); re-save the "
+                                    "model with save_pretrained") from None
+            files = sorted(set(weight_map.values()))
+            for f in files:
+                if Path(f).is_absolute() or ".." in Path(f).parts:
+                    raise ModelDirError(f"{where}: {INDEX_NAME} names {f!r}, outside the directory")
+            missing = [f for f in files if not (self.path / f).is_file()]
+            if missing:
+                raise ModelDirError(f"{where}: {INDEX_NAME} names shard(s) {missing} that are not in the "
+                                    "directory; copy the missing files (or download the model again)")
+        elif (self.path / SINGLE_NAME).is_file():
+            files = [SINGLE_NAME]
+        else:
+            found = sorted(p.name for p in self.path.iterdir())
+            raise ModelDirError(f"{where}: neither {SINGLE_NAME} nor {INDEX_NAME} (found {found}); weights must be "
+                                "safetensors (model.save_pretrained(DIR, safe_serialization=True))")
+        from safetensors import safe_open
+
+        self.entries: dict[str, tuple[str, tuple[int, ...]]] = {}  # tensor name -> (file, shape)
+        for f in files:
+            try:
+                with safe_open(str(self.path / f), framework="pt") as fh:
+                    for name in fh.keys():
+                        self.entries[name] = (f, tuple(fh.get_slice(name).get_shape()))
+            except Exception as exc:  # safetensors raises its own error types for a bad header
+                raise ModelDirError(f"{where}: {f} is not a readable safetensors file ({exc})") from None
+
+    def config(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(self.path))
+
+    def check(self, model: nn.Module) -> list[str]:
+        """Raise (naming file, tensor and shapes) unless every parameter of `model` is in the files with its
+        shape; return the names in the files that the model does not use (ignored, as transformers does)."""
+        errors, used = [], set()
+        for p_id, names in _alias_names(model).items():
+            p = next(p for n, p in model.named_parameters(remove_duplicate=False) if n == names[0])
+            hit = next((n for n in names if n in self.entries), None)
+            if hit is None:
+                errors.append(f"{names[0]} is missing")
+                continue
+            used.add(hit)
+            f, shape = self.entries[hit]
+            if shape != tuple(p.shape):
+                errors.append(f"{hit} in {f} has shape {list(shape)} but the config gives {list(p.shape)}")
+        if errors:
+            shown = "; ".join(errors[:8]) + (f"; ... {len(errors) - 8} more" if len(errors) > 8 else "")
+            raise ModelDirError(f"{self.flag} {self.path}: the safetensors do not match config.json: {shown}. The "
+                                "weights and config.json must come from the same model")
+        return sorted(set(self.entries) - used)
+
+    def weights(self, model: nn.Module):
+        """A callable (name, meta parameter) -> fp32 host tensor, for rt.wrap(model, weights=...)."""
+        from safetensors import safe_open
+
+        aliases = _alias_names(model)
+
+        def read(name: str, meta: torch.Tensor) -> torch.Tensor:
+            hit = next(n for n in aliases.get(id(meta), [name]) if n in self.entries)
+            f, _ = self.entries[hit]
+            # opened per tensor: the mapping (and the page cache it pins in this process's RSS) goes with it
+            with safe_open(str(self.path / f), framework="pt") as fh:
+                return fh.get_tensor(hit).to(torch.float32)
+
+        return read
+
+
+def _persistent_buffers(model: nn.Module):
+    for mod_name, mod in model.named_modules():
+        for attr, buf in mod._buffers.items():
+            if buf is not None and attr not in mod._non_persistent_buffers_set:
+                yield (f"{mod_name}.{attr}" if mod_name else attr), buf
+
+
+def save_pretrained(rt, model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
+                    max_shard_bytes: int = 2 << 30, dtype: torch.dtype = torch.float32) -> Path:
+    """Write `model` (wrapped by `rt`) as a Hugging Face directory `out_dir`. Collective; rank 0 writes.
+    Returns the directory."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    writer = rt.rank == 0
+    tmp = out / f".partial-{os.getpid()}"
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    parts: list[dict[str, str]] = []  # tensor name -> part file, per part
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = total = 0
+
+    def flush():
+        nonlocal pending, pending_bytes
+        if pending and writer:
+            name = f"part-{len(parts)}.safetensors"
+            save_file(pending, str(tmp / name), metadata={"format": "pt"})
+            parts.append({k: name for k in pending})
+        pending, pending_bytes = {}, 0
+
+    def tensors():
+        last = None
+        for name, value in rt.iter_full_params(model):  # one unit gathered at a time (all ranks)
+            if value is not last:  # a tied weight comes once per name, the same tensor: stored once, under its
+                yield name, value  # first name (as transformers does)
+            last = value
+        yield from _persistent_buffers(model)
+
+    for name, value in tensors():
+        if not writer:
+            continue  # the other ranks take part in the gathers only
+        t = value.detach().to("cpu", dtype if value.is_floating_point() else value.dtype).contiguous()
+        if pending and pending_bytes + t.nbytes > max_shard_bytes:
+            flush()
+        pending[name] = t
+        pending_bytes += t.nbytes
+        total += t.nbytes
+    flush()
+    if not writer:
+        return out
+    n = len(parts)
+    final_names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map = {}
+    for part, final in zip(parts, final_names):
+        weight_map.update({k: final for k in part})
+    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_NAME]:
+        if stale.exists():
+            stale.unlink()
+    for i, final in enumerate(final_names):
+        os.replace(tmp / f"part-{i}.safetensors", tmp / final)
+    if n > 1:
+        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
+                                                  "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    config = getattr(model, "config", None)
+    if config is not None:
+        config = config.__class__.from_dict(config.to_dict())  # a copy: the live model's config stays as it is
+        config.dtype = dtype
+        config.save_pretrained(str(tmp))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    for f in sorted(tmp.iterdir()):
+        os.replace(f, out / f.name)
+    tmp.rmdir()
+    return out

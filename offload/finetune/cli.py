@@ -1,0 +1,130 @@
+"""`offload finetune`: the command-line face of offload.finetune.finetune (job.py), with a progress bar
+and a summary. With no arguments it fine-tunes the built-in small Llama on the Python standard library's
+sources, params and optimizer states paged through a temporary swap directory, in a few minutes on a laptop.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+
+from ..config import format_size
+from .errors import InputError
+from .job import FinetuneConfig, FinetuneResult
+
+
+def result_json(r: FinetuneResult) -> dict:
+    out = dataclasses.asdict(r)
+    out["output"] = str(r.output)
+    return out
+
+
+def _progress_bar(enabled: bool, tokens_per_step: int):
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(step, total, loss, last):
+        nonlocal bar
+        if not enabled:
+            return
+        if bar is None:
+            bar = tqdm(total=total, desc="finetune", unit="step", dynamic_ncols=True)
+        links = last.get("links", {})
+        wall = last.get("wall_s") or 0.0
+        rates = {"R": links.get("nvme->cpu", {}).get("bytes", 0), "W": links.get("cpu->nvme", {}).get("bytes", 0)}
+        post = {"loss": f"{loss:.3f}"}
+        if wall > 0:
+            post["tok/s"] = f"{tokens_per_step / wall:.0f}"
+            post["nvme GB/s"] = f"R {rates['R'] / wall / 1e9:.2f} W {rates['W'] / wall / 1e9:.2f}"
+        bar.set_postfix(post, refresh=False)
+        bar.update(1)
+        if step == total:
+            bar.close()
+
+    return update
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    from .job import finetune
+
+    fields = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    cfg = FinetuneConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0:
+        print(f"offload finetune: model {cfg.model or 'built-in Llama (random init)'}, data "
+              f"{cfg.data or 'the Python standard library sources'}, output {cfg.output}", flush=True)
+    tokens = cfg.micro_batch * cfg.grad_accum * int(os.environ.get("WORLD_SIZE", "1")) * cfg.seq_len
+    try:
+        r = finetune(cfg, progress=_progress_bar(rank0, tokens))
+    except InputError as exc:
+        print(f"offload finetune: error: {exc}", file=sys.stderr)
+        return 2
+    if not rank0:
+        return 0
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result_json(r), f, indent=2)
+    timed = r.step_seconds[1:] or r.step_seconds
+    step_s = statistics.median(timed)
+    print(f"\n{r.n_params / 1e6:.1f}M parameters, params on {r.params_tier}, optimizer on {r.optimizer_tier}, "
+          f"{r.world_size} rank(s); {len(r.losses)} steps of {r.tokens_per_step} tokens")
+    print(f"train loss      {r.losses[0]:.4f} (step 1) -> {r.losses[-1]:.4f} (step {len(r.losses)})")
+    print(f"held-out loss   {r.eval_loss_before:.4f} before -> {r.eval_loss_after:.4f} after")
+    print(f"step time       {step_s:.3f} s median ({r.tokens_per_step / step_s:.0f} tokens/s); first step "
+          f"{r.step_seconds[0]:.2f} s; set-up {r.load_seconds:.1f} s")
+    if r.step_split:
+        parts = [f"{k} {v:.3f} s" for k, v in sorted(r.step_split.items(), key=lambda kv: -kv[1]) if v >= 5e-4]
+        print("  per step      " + ", ".join(parts))
+    print(f"peak host RSS   {format_size(r.peak_rss_bytes)}")
+    moved = {k: v for k, v in r.bytes_moved.items() if v and (r.world_size > 1 or k not in ("all-gather", "reduce-scatter"))}
+    print("bytes moved" + (" (rank 0)" if r.world_size > 1 else "") + ":  " +
+          ", ".join(f"{k} {format_size(v)}" for k, v in moved.items()))
+    if r.ignored_weights:
+        print(f"ignored {len(r.ignored_weights)} tensor(s) in the weights that the model does not use: "
+              f"{r.ignored_weights[:5]}")
+    print(f"saved to        {r.output}  (AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained)")
+    return 0
+
+
+def add_finetune_parser(sub) -> None:
+    p = sub.add_parser("finetune", help="fine-tune a Hugging Face causal LM with states paged to disk",
+                       description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = FinetuneConfig()
+    p.add_argument("--model", help="Hugging Face model directory (config.json + safetensors); default: the built-in "
+                                   "27M-parameter Llama, randomly initialized")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the model's; built-in: a BPE trained on the data)")
+    p.add_argument("--data", help="plain text, or JSONL with a \"text\" field or \"prompt\"/\"response\" fields "
+                                  "(loss on the response); default: the Python standard library's sources")
+    p.add_argument("--output", default=d.output, help="where the fine-tuned model is written (safetensors)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="optimizer steps (default 150)")
+    length.add_argument("--epochs", type=float, help="passes over the training data")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per forward, per rank")
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum)
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (linear warmup, then cosine)")
+    p.add_argument("--warmup-steps", type=int, help="default: 5%% of the steps")
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm)
+    p.add_argument("--params", choices=("device", "cpu", "nvme", "auto"), help="parameter tier (default nvme)")
+    p.add_argument("--optimizer", choices=("device", "cpu", "nvme", "auto"),
+                   help="tier of the fp32 master and AdamW moments (default nvme)")
+    p.add_argument("--nvme-path", help="swap directory on the drive to page to (default: a temporary directory)")
+    p.add_argument("--cpu-budget", help="host bytes for states, e.g. 8GiB (default: 256MiB built-in, else auto)")
+    p.add_argument("--device-budget", help="accelerator bytes for states (default auto)")
+    p.add_argument("--compute-dtype", choices=("fp32", "bf16"), help="default bf16")
+    p.add_argument("--grad-checkpointing", action="store_true", help="the model's own activation checkpointing")
+    p.add_argument("--config", dest="offload_config",
+                   help="an offload Config JSON or a DeepSpeed JSON (zero_optimization); flags override it")
+    p.add_argument("--save-every", type=int, default=d.save_every, help="also save OUTPUT/checkpoint-STEP")
+    p.add_argument("--max-shard-size", default=d.max_shard_size, help="largest safetensors file written")
+    p.add_argument("--eval-blocks", type=int, default=d.eval_blocks, help="held-out blocks for the eval loss")
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="the built-in tokenizer's vocabulary")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--json", help="also write the result (losses, times, bytes) to this JSON file")
+    p.set_defaults(func=run_finetune)

@@ -1,0 +1,316 @@
+"""The fine-tune job behind `offload finetune`, as a function a script or notebook can call:
+
+    from offload.finetune import FinetuneConfig, finetune
+    result = finetune(FinetuneConfig(model="path/to/hf-model", data="train.jsonl", steps=500,
+                                     output="out", nvme_path="/mnt/nvme/swap"))
+    result.eval_loss_after, result.output   # then AutoModelForCausalLM.from_pretrained(result.output)
+
+With no model it builds a small Llama (tens of millions of parameters) from a config and, with no data,
+trains it on the Python standard library's sources with a byte-level BPE trained on the spot (corpus.py,
+tokenizer.py). The model is built inside `offload.init` (parameters are meta placeholders), so a real
+model streams from its safetensors into the store unit by unit (checkpoint.py). The loop is plain
+PyTorch: forward, loss, backward per micro-batch, then clip, step, schedule. Launch it with torchrun for
+ZeRO-3 over ranks: each rank trains on its slice of every global batch (batches.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..config import Config, format_size, parse_size
+from .batches import IGNORE, Sampler, TokenBlocks, build_blocks, split_heldout
+from .checkpoint import HFModelDir, save_pretrained
+from .corpus import DataError, read_data_file, stdlib_corpus
+from .errors import InputError
+from .tokenizer import load_tokenizer, train_bpe
+
+# The built-in model: a Llama of 27M parameters, small enough to train for a few hundred steps on 2 cores.
+BUILTIN_LLAMA = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
+                     num_key_value_heads=4, tie_word_embeddings=False)
+BUILTIN_VOCAB = 8192
+
+
+@dataclasses.dataclass
+class FinetuneConfig:
+    """One fine-tune run. Sizes take units ("256MiB"); None means the default described."""
+
+    model: str | None = None  # Hugging Face model directory; None: the built-in small Llama, randomly initialized
+    tokenizer: str | None = None  # tokenizer directory; None: the model's own (or, built-in: a BPE trained here)
+    data: str | None = None  # plain text or JSONL file; None: the Python standard library's sources
+    output: str = "offload-finetune"  # the fine-tuned model goes here (Hugging Face safetensors + config + tokenizer)
+    steps: int | None = None  # optimizer steps; None: `epochs` if given, else 150
+    epochs: float | None = None
+    seq_len: int = 256
+    micro_batch: int = 4  # sequences per forward, per rank
+    grad_accum: int = 1
+    lr: float = 1e-3
+    warmup_steps: int | None = None  # None: 5% of the steps
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    # Runtime settings: None takes the --config file's value if it sets one, else the default named here.
+    params: str | None = None  # tier of the parameters: device, cpu, nvme or auto (default nvme)
+    optimizer: str | None = None  # tier of the fp32 master and AdamW moments (default nvme)
+    nvme_path: str | None = None  # swap directory (default: a temporary directory, removed at the end)
+    cpu_budget: str | None = None  # default 256MiB for the built-in model (so shards really page), else auto
+    device_budget: str | None = None  # default auto
+    compute_dtype: str | None = None  # default bf16
+    grad_checkpointing: bool = False
+    offload_config: str | None = None  # an offload Config JSON or a DeepSpeed JSON; the flags above override
+    save_every: int = 0  # also save to OUTPUT/checkpoint-STEP every this many steps (0: only at the end)
+    max_shard_size: str = "2GiB"
+    eval_blocks: int = 32  # held-out blocks (the tail of the data) for the evaluation loss
+    vocab_size: int = BUILTIN_VOCAB  # the built-in tokenizer's vocabulary
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "micro_batch", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise InputError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+        if self.steps is not None and self.steps < 1:
+            raise InputError(f"--steps must be at least 1 (got {self.steps})")
+        if self.epochs is not None and self.epochs <= 0:
+            raise InputError(f"--epochs must be positive (got {self.epochs})")
+        if self.steps is not None and self.epochs is not None:
+            raise InputError("give --steps or --epochs, not both")
+        if not self.lr > 0:
+            raise InputError(f"--lr must be positive (got {self.lr})")
+        if self.eval_blocks < 1:
+            raise InputError(f"--eval-blocks must be at least 1 (got {self.eval_blocks})")
+        try:
+            parse_size(self.max_shard_size, "--max-shard-size")
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+
+
+@dataclasses.dataclass
+class FinetuneResult:
+    losses: list[float]  # training loss per step (mean over the global batch's tokens)
+    eval_loss_before: float
+    eval_loss_after: float
+    output: Path
+    n_params: int
+    tokens_per_step: int
+    step_seconds: list[float]
+    step_split: dict[str, float]  # mean seconds per step: compute, and the wait on each queue
+    load_seconds: float
+    peak_rss_bytes: int
+    bytes_moved: dict[str, int]  # per link, rank 0
+    params_tier: str
+    optimizer_tier: str
+    world_size: int
+    ignored_weights: list[str] = dataclasses.field(default_factory=list)
+
+
+_RUNTIME_FIELDS = ("params", "optimizer", "nvme_path", "cpu_budget", "device_budget", "compute_dtype")
+
+
+def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
+    """The runtime's Config: each field from the flag if given, else the --config file if it sets it, else
+    the fine-tune's default."""
+    defaults = dict(params="nvme", optimizer="nvme", nvme_path=default_nvme_path, device_budget="auto",
+                    compute_dtype="bf16", cpu_budget="256MiB" if cfg.model is None else "auto")
+    base = Config(seed=cfg.seed)
+    if cfg.offload_config is not None:
+        import json
+
+        path = Path(cfg.offload_config)
+        try:
+            loaded = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise InputError(f"--config {path}: cannot read it as JSON ({exc})") from None
+        if not isinstance(loaded, dict):
+            raise InputError(f"--config {path}: expected a JSON object (an offload Config or a DeepSpeed config)")
+        if "zero_optimization" in loaded:
+            base = Config.from_deepspeed(loaded, seed=cfg.seed)
+        else:
+            unknown = set(loaded) - {f.name for f in dataclasses.fields(Config)}
+            if unknown:
+                raise InputError(f"--config {path}: unknown offload.Config fields {sorted(unknown)}; see "
+                                 "offload.Config (or give a DeepSpeed JSON with a zero_optimization section)")
+            base = Config(**{"seed": cfg.seed, **loaded})
+    unset = Config()
+    chosen = {}
+    for name in _RUNTIME_FIELDS:
+        flag, from_file = getattr(cfg, name), getattr(base, name)
+        chosen[name] = flag if flag is not None else (
+            from_file if from_file != getattr(unset, name) else defaults[name])
+    return dataclasses.replace(base, **chosen)
+
+
+def _load_examples(cfg: FinetuneConfig):
+    return stdlib_corpus() if cfg.data is None else read_data_file(cfg.data)
+
+
+def _check_nvme_space(cfg: Config, n_params: int, world: int) -> None:
+    """Before the first byte is written: room for the swap files of every rank on this node (one drive)."""
+    if "nvme" not in (cfg.params, cfg.optimizer):
+        return
+    from ..zero.state_store import check_nvme_path
+
+    per_param = 0
+    if cfg.params == "nvme":
+        per_param += 2 + (4 if cfg.compute_dtype == "bf16" else 0)  # compute-dtype copy (+ fp32 master)
+    if cfg.optimizer == "nvme":
+        per_param += 8 + 4  # two fp32 moments and the gradient shard
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    need = math.ceil(n_params / world) * per_param * local
+    try:
+        check_nvme_path(cfg.nvme_path, need, "--nvme-path (the params and optimizer states of this node's ranks)")
+    except OSError as exc:
+        raise InputError(str(exc).replace("offload.Config.nvme_path", "--nvme-path")) from None
+
+
+def _loss_sum(model, batch: TokenBlocks, device) -> torch.Tensor:
+    logits = model(input_ids=batch.inputs.to(device)).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), batch.labels.to(device).flatten(), ignore_index=IGNORE,
+                           reduction="sum")
+
+
+def _all_sum(rt, value: torch.Tensor) -> torch.Tensor:
+    from ..zero import comm
+
+    return comm.all_reduce_(rt.group, value.detach().float().cpu().clone(), "sum") if rt.world_size > 1 \
+        else value.detach().float().cpu()
+
+
+def evaluate(rt, model, blocks: TokenBlocks, micro_batch: int) -> float:
+    """Mean loss per label token over `blocks` (each rank takes every world_size-th micro-batch)."""
+    total = torch.zeros(())
+    with torch.no_grad():
+        starts = list(range(0, len(blocks), micro_batch))
+        for k, lo in enumerate(starts):
+            if k % rt.world_size != rt.rank:
+                continue
+            total += _loss_sum(model, blocks.take(torch.arange(lo, min(lo + micro_batch, len(blocks)))),
+                               rt.device).cpu()
+        # a rank without a batch still joins every gather: the same number of forwards on every rank
+        for _ in range(math.ceil(len(starts) / rt.world_size) - len(starts[rt.rank::rt.world_size])):
+            model(input_ids=blocks.inputs[:1].to(rt.device))
+    tokens = int((blocks.labels != IGNORE).sum())
+    return float(_all_sum(rt, total)) / max(1, tokens)
+
+
+def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneResult:
+    """Run the fine-tune (module docstring). `progress(step, total, loss, stats)` is called after each step
+    (the CLI draws its progress bar with it); `on_trained(rt, model)` once training ends, while the runtime
+    is still open (to inspect or evaluate the model before it is saved and the runtime closes)."""
+    import offload
+    from transformers import AutoModelForCausalLM, LlamaConfig, get_cosine_with_min_lr_schedule_with_warmup
+
+    t_load = time.perf_counter()
+    # ---- everything that can be wrong with the input is found before training starts
+    model_dir = HFModelDir(cfg.model) if cfg.model is not None else None
+    examples = _load_examples(cfg)
+    if cfg.tokenizer is not None:
+        tokenizer = load_tokenizer(cfg.tokenizer, "--tokenizer")
+    elif model_dir is not None:
+        tokenizer = load_tokenizer(model_dir.path, "--model")
+    else:
+        tokenizer = train_bpe(examples, cfg.vocab_size)
+    if model_dir is not None:
+        hf_config = model_dir.config()
+    else:
+        hf_config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=max(1024, cfg.seq_len),
+                                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id, **BUILTIN_LLAMA)
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if limit is not None and cfg.seq_len > limit:
+        raise InputError(f"--seq-len {cfg.seq_len} is above the model's maximum ({limit}, max_position_embeddings "
+                         f"in {cfg.model}/config.json); give --seq-len {limit} or less")
+    if len(tokenizer) > hf_config.vocab_size:
+        raise InputError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                         f"{hf_config.vocab_size}; use the tokenizer the model was trained with")
+    blocks = build_blocks(examples, tokenizer, cfg.seq_len)
+    if len(blocks) < cfg.eval_blocks + 1:
+        raise DataError(f"--data {cfg.data or '(stdlib)'}: {len(blocks)} blocks of --seq-len {cfg.seq_len} tokens, "
+                        f"too few to hold out --eval-blocks {cfg.eval_blocks} and train on the rest; give more "
+                        "text, a shorter --seq-len or fewer --eval-blocks")
+    train, heldout = split_heldout(blocks, cfg.eval_blocks)
+    with torch.device("meta"):  # the shapes alone: to check the weights and the swap space before any byte moves
+        shapes_only = AutoModelForCausalLM.from_config(hf_config)
+    n_params = sum(p.numel() for p in shapes_only.parameters())
+    ignored = model_dir.check(shapes_only) if model_dir is not None else []
+    del shapes_only
+
+    owned_swap = tempfile.TemporaryDirectory(prefix="offload-finetune-")  # used unless a swap dir is given
+    rcfg = runtime_config(cfg, owned_swap.name)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    _check_nvme_space(rcfg, n_params, world)
+    try:
+        with offload.init(rcfg) as rt:
+            model = AutoModelForCausalLM.from_config(hf_config)  # meta placeholders: nothing allocated yet
+            if model_dir is not None:
+                rt.wrap(model, weights=model_dir.weights(model))
+            else:
+                rt.wrap(model)
+            if cfg.grad_checkpointing:
+                kwargs = {"use_reentrant": False}
+                if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+                    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+                else:
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+                model.config.use_cache = False
+            opt = offload.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            sampler = Sampler(len(train), cfg.micro_batch, cfg.grad_accum, rt.world_size, cfg.seed)
+            steps = cfg.steps or (math.ceil(cfg.epochs * len(train) / sampler.global_batch) if cfg.epochs else 150)
+            warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, steps // 20)
+            sched = get_cosine_with_min_lr_schedule_with_warmup(opt, warmup, steps, min_lr_rate=cfg.min_lr_ratio)
+            load_s = time.perf_counter() - t_load
+            model.train()
+            eval_before = evaluate(rt, model, heldout, cfg.micro_batch)
+            losses, step_s = [], []
+            split: dict[str, float] = {}
+            for step in range(steps):
+                t0 = time.perf_counter()
+                tokens = int((train.labels[sampler.step_indices(step)] != IGNORE).sum())
+                local = torch.zeros(())
+                for micro in range(cfg.grad_accum):
+                    batch = train.take(sampler.indices(step, micro, rt.rank))
+                    loss_sum = _loss_sum(model, batch, rt.device)
+                    # the reduce averages over ranks: world_size / tokens makes the gradient the global token mean
+                    (loss_sum * (rt.world_size / max(1, tokens))).backward()
+                    local += loss_sum.detach().cpu()
+                rt.clip_grad_norm_(cfg.max_grad_norm)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                loss = float(_all_sum(rt, local)) / max(1, tokens)
+                losses.append(loss)
+                step_s.append(time.perf_counter() - t0)
+                last = rt.stats()["last_step"] or {}
+                if step > 0:  # the first step traces and materializes: not representative
+                    split["compute"] = split.get("compute", 0.0) + last.get("compute_s", 0.0)
+                    for queue, s in last.get("wait_s", {}).items():
+                        split[f"wait {queue}"] = split.get(f"wait {queue}", 0.0) + s
+                if progress is not None:
+                    progress(step + 1, steps, loss, last)
+                if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < steps:
+                    save_pretrained(rt, model, Path(cfg.output) / f"checkpoint-{step + 1}", tokenizer,
+                                    parse_size(cfg.max_shard_size, "--max-shard-size"))
+            eval_after = evaluate(rt, model, heldout, cfg.micro_batch)
+            if on_trained is not None:
+                on_trained(rt, model)
+            out = save_pretrained(rt, model, cfg.output, tokenizer, parse_size(cfg.max_shard_size, "--max-shard-size"))
+            stats = rt.stats()
+            world = rt.world_size
+    finally:
+        owned_swap.cleanup()
+    n_timed = max(1, steps - 1)
+    return FinetuneResult(
+        losses=losses, eval_loss_before=eval_before, eval_loss_after=eval_after, output=out, n_params=n_params,
+        tokens_per_step=sampler.global_batch * cfg.seq_len, step_seconds=step_s,
+        step_split={k: v / n_timed for k, v in split.items()}, load_seconds=load_s,
+        peak_rss_bytes=stats["peak_rss_bytes"],
+        bytes_moved={"nvme read": stats["nvme_read_bytes"], "nvme written": stats["nvme_written_bytes"],
+                     "host->device": stats["host_to_device_bytes"], "device->host": stats["device_to_host_bytes"],
+                     "all-gather": stats["allgather_bytes"], "reduce-scatter": stats["reduce_scatter_bytes"]},
+        params_tier=stats["params_tier"], optimizer_tier=stats["optimizer_tier"], world_size=world,
+        ignored_weights=ignored)

@@ -1,0 +1,255 @@
+"""`offload finetune` and offload.finetune.finetune: the README's main job.
+
+Covered: the default run shortened (exit 0, loss falls, the output loads with transformers and gives the
+runtime's logits), a model saved by transformers gives transformers' first-step loss (fp32: 1e-5 relative;
+bf16: 2e-2 relative, the bf16 rounding of weights and activations), streaming load memory, torchrun with
+2 ranks giving the 1-process losses, and every bad input named before training starts.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from offload.cli import main  # noqa: E402
+from offload.finetune import FinetuneConfig, finetune  # noqa: E402
+from offload.finetune.batches import IGNORE, Sampler, build_blocks, split_heldout  # noqa: E402
+from offload.finetune.corpus import Example, read_data_file, stdlib_corpus  # noqa: E402
+from offload.finetune.tokenizer import train_bpe  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "train.txt"
+    path.write_text("\n\n".join(e.text for e in stdlib_corpus(max_chars=200_000)))
+    return path
+
+
+def _save_tiny(path: Path, tokenizer, tie=True, **overrides) -> Path:
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tie)
+    cfg.update(overrides)
+    LlamaForCausalLM(LlamaConfig(**cfg)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, text_file) -> Path:
+    """A 2-layer Llama saved by transformers (tied embedding), with a byte-level BPE of 400 tokens."""
+    tok = train_bpe([Example(text_file.read_text()[:100_000])], 400)
+    return _save_tiny(tmp_path_factory.mktemp("tiny"), tok)
+
+
+def _first_batch(model_dir: Path, data: Path, cfg: FinetuneConfig):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    train, _ = split_heldout(build_blocks(read_data_file(data), tok, cfg.seq_len), cfg.eval_blocks)
+    return train.take(Sampler(len(train), cfg.micro_batch, cfg.grad_accum, 1, cfg.seed).indices(0, 0, 0))
+
+
+# ---- the default run, shortened ----------------------------------------------------------------
+def test_default_run_shortened(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["finetune", "--steps", "6", "--eval-blocks", "8", "--output", str(out),
+               "--json", str(tmp_path / "r.json")])
+    text = capsys.readouterr().out
+    assert rc == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    losses = r["losses"]
+    assert len(losses) == 6 and all(map(lambda x: x == x and abs(x) < 100, losses))
+    assert losses[-1] < losses[0] - 0.3  # from ln(8192) = 9.0: falls fast at lr 1e-3
+    assert r["eval_loss_after"] < r["eval_loss_before"] - 0.3
+    assert 20e6 < r["n_params"] < 60e6  # "tens of millions"
+    assert (r["params_tier"], r["optimizer_tier"]) == ("nvme", "nvme")
+    assert r["bytes_moved"]["nvme read"] > 6 * r["n_params"] * 2  # every step pages the params in
+    assert "held-out loss" in text and "peak host RSS" in text and "nvme read" in text
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert model.num_parameters() == r["n_params"] and len(tok) <= model.config.vocab_size
+    ids = torch.tensor([tok("def main():\n    return 0\n")["input_ids"]])
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_output_gives_the_runtimes_logits(tmp_path, tiny_model, text_file):
+    """The saved model, loaded by transformers, computes the trained runtime model's logits; a small
+    --max-shard-size gives several files and an index."""
+    captured = {}
+    ids = torch.arange(2 * 24).view(2, 24) % 300
+
+    def on_trained(rt, model):
+        with torch.no_grad():
+            captured["logits"] = model(input_ids=ids).logits.float()
+
+    cfg = FinetuneConfig(model=str(tiny_model), data=str(text_file), steps=3, seq_len=64, compute_dtype="fp32",
+                         output=str(tmp_path / "out"), max_shard_size="100KiB", cpu_budget="8MiB")
+    r = finetune(cfg, on_trained=on_trained)
+    files = sorted(p.name for p in r.output.iterdir())
+    assert "model.safetensors.index.json" in files and "model-00002-of-00005.safetensors" in files
+    assert not any(f.startswith(".partial") for f in files)
+    loaded = AutoModelForCausalLM.from_pretrained(r.output)
+    assert loaded.config.tie_word_embeddings and loaded.dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, captured["logits"], rtol=1e-5, atol=1e-5)
+    assert r.losses[-1] < r.losses[0]
+
+
+@pytest.mark.parametrize("dtype,rtol", [("fp32", 1e-5), ("bf16", 2e-2)])
+def test_first_step_loss_matches_transformers(tmp_path, tiny_model, text_file, dtype, rtol):
+    cfg = FinetuneConfig(model=str(tiny_model), data=str(text_file), steps=1, seq_len=64, compute_dtype=dtype,
+                         output=str(tmp_path / "out"), cpu_budget="8MiB")
+    r = finetune(cfg)
+    batch = _first_batch(tiny_model, text_file, cfg)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model)
+    with torch.no_grad():
+        logits = ref(input_ids=batch.inputs).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE)
+    assert r.losses[0] == pytest.approx(expected.item(), rel=rtol)
+
+
+# ---- streaming load ----------------------------------------------------------------------------
+def test_streaming_load_peak_rss(tmp_path):
+    """A model of 327 MB fp32 (5x the 64 MiB cpu budget) streams in: RSS grows by at most the budget + 3
+    units (fp32) + 32 MiB, which is well under the model's size."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=768, intermediate_size=2048,
+                                         num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                                         max_position_embeddings=128, tie_word_embeddings=False))
+    expected = model.model.layers[0].mlp.up_proj.weight[0, :4].tolist()
+    model_bytes = sum(p.numel() for p in model.parameters()) * 4
+    model.save_pretrained(tmp_path / "big", max_shard_size="150MB")
+    del model
+    (tmp_path / "swap").mkdir()
+    budget = 64 << 20
+    proc = subprocess.run([sys.executable, str(TESTS / "finetune_rss_probe.py"), str(tmp_path / "big"),
+                           str(tmp_path / "swap"), str(budget)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["first"] == expected  # the values are the file's
+    bound = budget + 3 * r["largest_unit_fp32"] + (32 << 20)
+    assert bound < model_bytes / 1.8  # the bound is meaningful: holding the model whole would break it
+    assert r["peak"] - r["rss0"] <= bound, r
+
+
+# ---- ranks -------------------------------------------------------------------------------------
+def test_torchrun_two_ranks_same_losses(tmp_path, tiny_model, text_file):
+    common = ["--model", str(tiny_model), "--data", str(text_file), "--steps", "3", "--seq-len", "64",
+              "--compute-dtype", "fp32", "--cpu-budget", "8MiB", "--eval-blocks", "4"]
+    assert main(["finetune", *common, "--micro-batch", "4", "--output", str(tmp_path / "one"),
+                 "--json", str(tmp_path / "one.json")]) == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "offload.cli", "finetune", *common, "--micro-batch", "2", "--output", str(tmp_path / "two"),
+           "--json", str(tmp_path / "two.json")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert two["world_size"] == 2 and two["tokens_per_step"] == one["tokens_per_step"]
+    # the same samples per step; the sum over ranks and the reduce change only the rounding
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert two["eval_loss_after"] == pytest.approx(one["eval_loss_after"], rel=1e-4)
+
+
+# ---- data --------------------------------------------------------------------------------------
+def test_pairs_take_the_loss_on_the_response_only(tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    blocks = build_blocks([Example("question: 1+1?", " answer: 2")], tok, 32)
+    prompt = tok("question: 1+1?", add_special_tokens=False)["input_ids"]
+    response = tok(" answer: 2", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    labels = blocks.labels[0]
+    # label i is the token at position i + 1: the first labelled one is the response's first token
+    assert labels[:len(prompt) - 1].eq(IGNORE).all()
+    assert labels[len(prompt) - 1:len(prompt) - 1 + len(response)].tolist() == response
+    assert labels[len(prompt) - 1 + len(response):].eq(IGNORE).all()
+
+
+def test_sampler_global_batch_is_the_same_for_every_world_size():
+    one = Sampler(50, micro_batch=4, grad_accum=2, world_size=1, seed=3)
+    two = Sampler(50, micro_batch=2, grad_accum=2, world_size=2, seed=3)
+    for step in range(20):  # crosses epochs (50 blocks, 8 per step)
+        for micro in range(2):
+            a = one.indices(step, micro, 0)
+            b = torch.cat([two.indices(step, micro, r) for r in range(2)])
+            assert torch.equal(a, b)
+    seen = torch.cat([one.step_indices(s) for s in range(7)])[:50]  # the first epoch: each block once
+    assert sorted(seen.tolist()) == list(range(50))
+
+
+# ---- bad input: a clear error before training, naming the path or flag and the fix ----------------
+def _fails(capsys, args, *needles):
+    assert main(["finetune", *args]) == 2
+    err = capsys.readouterr().err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def test_model_directory_errors(tmp_path, capsys, tiny_model, text_file):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    data = ["--data", str(text_file), "--seq-len", "64", "--output", str(tmp_path / "out")]
+    _fails(capsys, ["--model", str(empty), *data], str(empty), "no config.json", "save_pretrained")
+    # shapes that do not match the config
+    wrong = tmp_path / "wrong"
+    shutil.copytree(tiny_model, wrong)
+    cfg = json.loads((wrong / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (wrong / "config.json").write_text(json.dumps(cfg))
+    _fails(capsys, ["--model", str(wrong), *data], "model.layers.0.mlp.up_proj.weight", "[128, 64]", "[96, 64]",
+           "same model")
+    # a shard named in the index that is missing
+    sharded = tmp_path / "sharded"
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    _save_tiny(sharded, tok)
+    AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(sharded, max_shard_size="100KB")
+    (sharded / "model.safetensors").unlink(missing_ok=True)
+    victim = sorted(sharded.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    _fails(capsys, ["--model", str(sharded), *data], victim.name, "not in the directory")
+    # a sequence length above the model's maximum (128)
+    _fails(capsys, ["--model", str(tiny_model), *data, "--seq-len", "256"], "--seq-len 256", "128",
+           "max_position_embeddings")
+    assert not (tmp_path / "out").exists()
+
+
+def test_data_file_errors(tmp_path, capsys, tiny_model):
+    model = ["--model", str(tiny_model), "--output", str(tmp_path / "out")]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    _fails(capsys, [*model, "--data", str(empty)], str(empty), "empty")
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\u00e9 ol\u00e9".encode("latin-1"))
+    _fails(capsys, [*model, "--data", str(latin)], str(latin), "not UTF-8", "byte 3", "iconv")
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text('{"text": "a"}\n{"body": "b"}\n')
+    _fails(capsys, [*model, "--data", str(jsonl)], f"{jsonl}, line 2", '"text"', "body")
+    _fails(capsys, [*model, "--data", str(tmp_path / "nope.txt")], "nope.txt", "no such file")
+    assert not (tmp_path / "out").exists()
+
+
+def test_nvme_path_without_space(tmp_path, capsys, tiny_model, text_file, monkeypatch):
+    from offload.zero import state_store
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(state_store.shutil, "disk_usage",  # the drive reports 1 MiB free
+                        lambda p: real(p)._replace(free=1 << 20))
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    _fails(capsys, ["--model", str(tiny_model), "--data", str(text_file), "--seq-len", "64", "--nvme-path", str(swap),
+                    "--output", str(tmp_path / "out")], "--nvme-path", str(swap), "1.00 MiB", "free space")
+    assert list(swap.iterdir()) == []
+    _fails(capsys, ["--model", str(tiny_model), "--data", str(text_file), "--seq-len", "64", "--nvme-path", str(tmp_path / "missing"),
+                    "--output", str(tmp_path / "out")], str(tmp_path / "missing"), "mkdir -p")
