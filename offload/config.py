@@ -174,6 +174,23 @@ _DS_TOP_IGNORED = {
 
 
 def _from_deepspeed(cls, ds: dict, overrides: dict) -> Config:
+    fields, ignored = deepspeed_fields(ds)
+    fields.update(overrides)
+    cfg = cls(**fields)
+    cfg.deepspeed_ignored = tuple(ignored)
+    if ignored:
+        warnings.warn(
+            "offload.Config.from_deepspeed: these DeepSpeed keys have no effect in offload (it plans buckets, "
+            "prefetch and pinning itself): " + ", ".join(ignored),
+            UserWarning,
+            stacklevel=3,
+        )
+    return cfg
+
+
+def deepspeed_fields(ds: dict) -> tuple[dict[str, Any], list[str]]:
+    """(the Config fields a DeepSpeed config, or its zero_optimization section, sets; the keys it ignores).
+    Raises ValueError naming an unknown key or a contradiction."""
     ignored: list[str] = []
     if "zero_optimization" in ds:
         zero = dict(ds["zero_optimization"] or {})
@@ -183,8 +200,7 @@ def _from_deepspeed(cls, ds: dict, overrides: dict) -> Config:
     fields: dict[str, Any] = {}
     for key, value in top.items():
         if key == "bf16":
-            if (value or {}).get("enabled", False):
-                fields["compute_dtype"] = "bf16"
+            fields["compute_dtype"] = "bf16" if (value or {}).get("enabled", False) else "fp32"
         elif key == "fp16":
             if (value or {}).get("enabled", False):
                 raise ValueError("from_deepspeed: fp16.enabled=true is not supported; use bf16 or fp32")
@@ -234,14 +250,4 @@ def _from_deepspeed(cls, ds: dict, overrides: dict) -> Config:
             ignored.append(f"zero_optimization.{key}")
         else:
             raise ValueError(f"from_deepspeed: unknown key zero_optimization.{key}")
-    fields.update(overrides)
-    cfg = cls(**fields)
-    cfg.deepspeed_ignored = tuple(ignored)
-    if ignored:
-        warnings.warn(
-            "offload.Config.from_deepspeed: these DeepSpeed keys have no effect in offload (it plans buckets, "
-            "prefetch and pinning itself): " + ", ".join(ignored),
-            UserWarning,
-            stacklevel=2,
-        )
-    return cfg
+    return fields, ignored

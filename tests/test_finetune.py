@@ -95,8 +95,9 @@ def test_output_gives_the_runtimes_logits(tmp_path, tiny_model, text_file):
             captured["logits"] = model(input_ids=ids).logits.float()
 
     cfg = FinetuneConfig(model=str(tiny_model), data=str(text_file), steps=3, seq_len=64, compute_dtype="fp32",
-                         output=str(tmp_path / "out"), max_shard_size="100KiB", cpu_budget="8MiB")
+                         output=str(tmp_path / "out"), max_shard_size="100KiB", cpu_budget="8MiB", save_every=2)
     r = finetune(cfg, on_trained=on_trained)
+    assert AutoModelForCausalLM.from_pretrained(r.output / "checkpoint-2").num_parameters() > 0  # --save-every
     files = sorted(p.name for p in r.output.iterdir())
     assert "model.safetensors.index.json" in files and "model-00002-of-00005.safetensors" in files
     assert not any(f.startswith(".partial") for f in files)
@@ -161,6 +162,28 @@ def test_torchrun_two_ranks_same_losses(tmp_path, tiny_model, text_file):
     # the same samples per step; the sum over ranks and the reduce change only the rounding
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert two["eval_loss_after"] == pytest.approx(one["eval_loss_after"], rel=1e-4)
+
+
+# ---- settings ----------------------------------------------------------------------------------
+def test_runtime_settings_from_flags_config_file_and_defaults(tmp_path):
+    from offload.finetune.job import runtime_config
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"bf16": {"enabled": False}, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "cpu"},
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}))
+    c = runtime_config(FinetuneConfig(model="m", offload_config=str(ds)), "/tmp/default-swap")
+    assert (c.params, c.optimizer, c.nvme_path) == ("cpu", "nvme", str(tmp_path))  # from the file
+    assert c.cpu_budget == "auto" and c.compute_dtype == "fp32"  # the fine-tune's default; the file's bf16: off
+    c = runtime_config(FinetuneConfig(model="m", offload_config=str(ds), params="nvme", cpu_budget="1GiB"), "/x")
+    assert (c.params, c.cpu_budget) == ("nvme", "1GiB")  # flags win
+    c = runtime_config(FinetuneConfig(), "/tmp/default-swap")  # the built-in model: small budget, both on disk
+    assert (c.params, c.optimizer, c.cpu_budget, c.nvme_path, c.compute_dtype) == (
+        "nvme", "nvme", "256MiB", "/tmp/default-swap", "bf16")
+    ours = tmp_path / "offload.json"
+    ours.write_text(json.dumps({"optimizer": "cpu", "chunk_size": "4MiB", "nosuch": 1}))
+    with pytest.raises(ValueError, match=r"--config .*offload.json: unknown offload.Config fields \['nosuch'\]"):
+        runtime_config(FinetuneConfig(offload_config=str(ours)), "/x")
 
 
 # ---- data --------------------------------------------------------------------------------------

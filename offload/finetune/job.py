@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..config import Config, format_size, parse_size
+from ..config import Config, deepspeed_fields, parse_size
 from .batches import IGNORE, Sampler, TokenBlocks, build_blocks, split_heldout
 from .checkpoint import HFModelDir, save_pretrained
 from .corpus import DataError, read_data_file, stdlib_corpus
@@ -117,7 +117,7 @@ def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
     the fine-tune's default."""
     defaults = dict(params="nvme", optimizer="nvme", nvme_path=default_nvme_path, device_budget="auto",
                     compute_dtype="bf16", cpu_budget="256MiB" if cfg.model is None else "auto")
-    base = Config(seed=cfg.seed)
+    from_file: dict = {}
     if cfg.offload_config is not None:
         import json
 
@@ -129,20 +129,22 @@ def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
         if not isinstance(loaded, dict):
             raise InputError(f"--config {path}: expected a JSON object (an offload Config or a DeepSpeed config)")
         if "zero_optimization" in loaded:
-            base = Config.from_deepspeed(loaded, seed=cfg.seed)
+            try:
+                from_file, _ = deepspeed_fields(loaded)
+            except ValueError as exc:
+                raise InputError(f"--config {path}: {exc}") from None
         else:
             unknown = set(loaded) - {f.name for f in dataclasses.fields(Config)}
             if unknown:
                 raise InputError(f"--config {path}: unknown offload.Config fields {sorted(unknown)}; see "
                                  "offload.Config (or give a DeepSpeed JSON with a zero_optimization section)")
-            base = Config(**{"seed": cfg.seed, **loaded})
-    unset = Config()
-    chosen = {}
-    for name in _RUNTIME_FIELDS:
-        flag, from_file = getattr(cfg, name), getattr(base, name)
-        chosen[name] = flag if flag is not None else (
-            from_file if from_file != getattr(unset, name) else defaults[name])
-    return dataclasses.replace(base, **chosen)
+            from_file = loaded
+    chosen = {name: getattr(cfg, name) if getattr(cfg, name) is not None else from_file.get(name, defaults[name])
+              for name in _RUNTIME_FIELDS}
+    try:
+        return Config(**{"seed": cfg.seed, **from_file, **chosen})
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"the runtime settings: {exc}") from None
 
 
 def _load_examples(cfg: FinetuneConfig):
