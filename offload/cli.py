@@ -55,10 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     env.set_defaults(func=_cmd_env)
     # Each later subcommand adds itself here: from .x.cli import add_x_parser; add_x_parser(sub)
     from .bench.cli import add_bench_parser
+    from .checkpoint.export import add_export_parser
     from .finetune.cli import add_finetune_parser
 
     add_bench_parser(sub)
     add_finetune_parser(sub)
+    add_export_parser(sub)
     return parser
 
 

@@ -39,6 +39,7 @@ class Queue(enum.Enum):
     OPTIMIZER = "optimizer"  # a unit's pending update (the next gather of a unit waits for its own)
     COLLECTIVE = "collective"  # collectives run on the training thread (clip norm, flags)
     SPACE = "space"  # budget space: a buffer could not be had until a release freed it
+    CHECKPOINT = "checkpoint"  # writing or reading a checkpoint (rt.save_checkpoint / load_checkpoint)
 
 
 class Lane(enum.Enum):

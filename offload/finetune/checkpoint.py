@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from ..checkpoint.hf_writer import INDEX_NAME, SINGLE_NAME, write_hf_weights
 from .errors import InputError
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 
 
 class ModelDirError(InputError):
@@ -132,70 +130,30 @@ def _persistent_buffers(model: nn.Module):
 
 def save_pretrained(rt, model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
                     max_shard_bytes: int = 2 << 30, dtype: torch.dtype = torch.float32) -> Path:
-    """Write `model` (wrapped by `rt`) as a Hugging Face directory `out_dir`. Collective; rank 0 writes.
-    Returns the directory."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    writer = rt.rank == 0
-    tmp = out / f".partial-{os.getpid()}"
-    if writer:
-        out.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    parts: list[dict[str, str]] = []  # tensor name -> part file, per part
-    pending: dict[str, torch.Tensor] = {}
-    pending_bytes = total = 0
-
-    def flush():
-        nonlocal pending, pending_bytes
-        if pending and writer:
-            name = f"part-{len(parts)}.safetensors"
-            save_file(pending, str(tmp / name), metadata={"format": "pt"})
-            parts.append({k: name for k in pending})
-        pending, pending_bytes = {}, 0
+    """Write `model` (wrapped by `rt`) as a Hugging Face directory `out_dir`. Collective: every rank takes
+    part in the gathers (one unit at a time); rank 0 writes. Returns the directory."""
 
     def tensors():
         last = None
         for name, value in rt.iter_full_params(model):  # one unit gathered at a time (all ranks)
             if value is not last:  # a tied weight comes once per name, the same tensor: stored once, under its
-                yield name, value  # first name (as transformers does)
+                yield name, value.to(dtype)  # first name (as transformers does)
             last = value
-        yield from _persistent_buffers(model)
+        for name, buf in _persistent_buffers(model):
+            yield name, buf.detach().cpu()
 
-    for name, value in tensors():
-        if not writer:
-            continue  # the other ranks take part in the gathers only
-        t = value.detach().to("cpu", dtype if value.is_floating_point() else value.dtype).contiguous()
-        if pending and pending_bytes + t.nbytes > max_shard_bytes:
-            flush()
-        pending[name] = t
-        pending_bytes += t.nbytes
-        total += t.nbytes
-    flush()
-    if not writer:
-        return out
-    n = len(parts)
-    final_names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    weight_map = {}
-    for part, final in zip(parts, final_names):
-        weight_map.update({k: final for k in part})
-    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_NAME]:
-        if stale.exists():
-            stale.unlink()
-    for i, final in enumerate(final_names):
-        os.replace(tmp / f"part-{i}.safetensors", tmp / final)
-    if n > 1:
-        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
-                                                  "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    config = getattr(model, "config", None)
-    if config is not None:
-        config = config.__class__.from_dict(config.to_dict())  # a copy: the live model's config stays as it is
-        config.dtype = dtype
-        config.save_pretrained(str(tmp))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
-    for f in sorted(tmp.iterdir()):
-        os.replace(f, out / f.name)
-    tmp.rmdir()
-    return out
+    if rt.rank != 0:
+        for _ in tensors():  # the other ranks take part in the gathers only
+            pass
+        return Path(out_dir)
+
+    def add_files(tmp: Path) -> None:
+        config = getattr(model, "config", None)
+        if config is not None:
+            config = config.__class__.from_dict(config.to_dict())  # a copy: the live model's config stays as is
+            config.dtype = dtype
+            config.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+
+    return write_hf_weights(out_dir, tensors(), max_shard_bytes, add_files)

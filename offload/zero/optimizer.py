@@ -10,6 +10,8 @@ the optimizer lane. When compute is bf16 the kernel writes the new bf16 param ch
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..optim.adamw import AdamW, _check_hyper, register_sharded
@@ -91,6 +93,7 @@ class ShardedAdamW(AdamW):
         if len(runtimes) > 1:
             raise ValueError("offload.AdamW: parameters from several offload runtimes")
         self.rt = runtimes.pop()
+        self.rt.optimizers.append(weakref.ref(self))  # checkpoints save and load every optimizer of the run
 
     # ---- helpers ----------------------------------------------------------------------------
     def _unit_plan(self):

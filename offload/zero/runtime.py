@@ -91,6 +91,8 @@ class Runtime:
         self.pipeline: OptimizerPipeline | None = None
         self.meter = Meter()
         self.step_stats: StepStats | None = None
+        self.optimizers: list = []  # weak references to the sharded optimizers over this runtime, in creation order
+        self.last_checkpoint_seconds: float | None = None
 
     # ---- lifetime ---------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -372,6 +374,31 @@ class Runtime:
         self.schedule.after_step()
         self.step_stats.end_step()
 
+    # ---- checkpoints (checkpoint.py) ---------------------------------------------------------
+    def save_checkpoint(self, root, extra: dict | None = None, lr_scheduler=None, keep_last: int | None = None,
+                        tag: str | None = None, add_files=None):
+        """Save a resumable checkpoint under `root` (ROOT/step-N, then ROOT/latest): this rank's fp32 master
+        and Adam moments, every optimizer's step counts and hyper-parameters, `lr_scheduler`'s state (one or a
+        list), RNG states and the JSON `extra` (e.g. the data cursor). Atomic; `keep_last` prunes older ones;
+        `add_files(dir)` puts auxiliary files (config.json, a tokenizer) in it. Collective: every rank calls it,
+        between steps."""
+        self._check_open("rt.save_checkpoint")
+        from .checkpoint import save_checkpoint
+
+        with self.meter.waiting(Queue.CHECKPOINT):
+            return save_checkpoint(self, root, extra, _as_list(lr_scheduler), keep_last, tag, add_files)
+
+    def load_checkpoint(self, root, lr_scheduler=None) -> dict:
+        """Load the checkpoint `root/latest` names (or the checkpoint directory `root`) into this run, once the
+        model, the optimizer(s) and `lr_scheduler` exist; returns the saved `extra`. Verifies checksums and
+        shapes before writing anything; loads from another world size or placement. Collective."""
+        self._check_open("rt.load_checkpoint")
+        self.materialize_pending()
+        from .checkpoint import load_checkpoint
+
+        with self.meter.waiting(Queue.CHECKPOINT):
+            return load_checkpoint(self, root, _as_list(lr_scheduler))
+
     # ---- inspection -------------------------------------------------------------------------
     def iter_full_params(self, model: nn.Module | None = None):
         """(qualified name, fp32 host tensor) for every parameter of `model` (default: every wrapped model),
@@ -456,3 +483,7 @@ class Runtime:
                     spec = u.shards.spec(kind, c)
                     if spec.key in keys:
                         yield spec.nbytes
+
+
+def _as_list(x) -> list:
+    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]

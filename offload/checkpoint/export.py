@@ -1,0 +1,80 @@
+"""`offload export CKPT OUT`: a checkpoint's fp32 master weights, consolidated over its ranks, as a Hugging
+Face directory for inference (safetensors, sharded with an index when large, plus the config and tokenizer
+files the run stored in the checkpoint). No runtime and no model code are needed: the manifest has every
+unit's slots (names, shapes, offsets), and each unit is assembled from the rank files' slices one at a time.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..config import format_size, parse_size
+from .files import CheckpointError, safe_member
+from .hf_writer import write_hf_weights
+from .manifest import rank_file, verified
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def export_checkpoint(ckpt, out, max_shard_bytes: int = 2 << 30, dtype: torch.dtype = torch.float32) -> Path:
+    from safetensors import safe_open
+
+    path, manifest = verified(ckpt)
+    world = manifest["world_size"]
+    handles = [safe_open(str(path / rank_file(r, world)), framework="pt") for r in range(world)]
+
+    def tensors():
+        for unit in manifest["units"]:
+            numel, shard = unit["numel"], unit["padded_numel"] // world
+            full = torch.empty(numel, dtype=torch.float32)
+            for r, h in enumerate(handles):
+                lo, hi = r * shard, min((r + 1) * shard, numel)
+                if lo < hi:
+                    full[lo:hi] = h.get_slice(f"{unit['uid']}/master")[0:hi - lo]
+            for slot in unit["slots"]:
+                n = 1
+                for d in slot["shape"]:
+                    n *= d
+                yield slot["name"], full[slot["offset"]:slot["offset"] + n].view(slot["shape"]).to(dtype)
+
+    def add_files(tmp: Path) -> None:
+        for name in manifest.get("aux", []):
+            shutil.copyfile(safe_member(path, name, "the manifest's aux files"), tmp / name)
+        if dtype != torch.float32 and (tmp / "config.json").is_file():
+            import json
+
+            config = json.loads((tmp / "config.json").read_text())
+            config["dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+
+    return write_hf_weights(out, tensors(), max_shard_bytes, add_files)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    import sys
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, parse_size(args.max_shard_size, "--max-shard-size"),
+                                _DTYPES[args.dtype])
+    except CheckpointError as exc:
+        print(f"offload export: error: {exc}", file=sys.stderr)
+        return 2
+    size = sum(p.stat().st_size for p in Path(out).glob("*.safetensors"))
+    print(f"exported {args.checkpoint} -> {out} ({format_size(size)} of {args.dtype} weights, "
+          f"{time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def add_export_parser(sub) -> None:
+    p = sub.add_parser("export", help="a checkpoint's weights as a Hugging Face directory (safetensors)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="a checkpoint directory, or the directory of checkpoints (its `latest`)")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32")
+    p.add_argument("--max-shard-size", default="2GiB")
+    p.set_defaults(func=_cmd_export)

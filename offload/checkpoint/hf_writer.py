@@ -1,0 +1,66 @@
+"""Writing weights as a Hugging Face directory: safetensors files of at most `max_shard_bytes` each
+(model.safetensors, or model-0000k-of-0000n.safetensors with model.safetensors.index.json, as transformers
+names them), filled from an iterator so one file's tensors are in memory at a time. Everything is written
+under OUT/.partial-PID and renamed into OUT at the end, so a reader never sees a half-written file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def write_hf_weights(out_dir: str | os.PathLike, tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int,
+                     add_files: Callable[[Path], None] | None = None) -> Path:
+    """Write `tensors` (name, host tensor) into `out_dir`; `add_files(tmp_dir)` writes config.json, tokenizer
+    files and the like beside them before the rename. Returns out_dir."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    parts: list[list[str]] = []
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = total = 0
+
+    def flush():
+        nonlocal pending, pending_bytes
+        if pending:
+            save_file(pending, str(tmp / f"part-{len(parts)}.safetensors"), metadata={"format": "pt"})
+            parts.append(list(pending))
+        pending, pending_bytes = {}, 0
+
+    for name, t in tensors:
+        t = t.detach().contiguous()
+        if pending and pending_bytes + t.nbytes > max_shard_bytes:
+            flush()
+        pending[name] = t
+        pending_bytes += t.nbytes
+        total += t.nbytes
+    flush()
+    n = len(parts)
+    finals = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for i, final in enumerate(finals):
+        os.replace(tmp / f"part-{i}.safetensors", tmp / final)
+    if n > 1:
+        weight_map = {name: final for names, final in zip(parts, finals) for name in names}
+        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
+                                                  "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    if add_files is not None:
+        add_files(tmp)
+    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_NAME]:
+        if stale.exists():  # the weights of an earlier save, which the new ones replace
+            stale.unlink()
+    for f in sorted(tmp.iterdir()):
+        os.replace(f, out / f.name)
+    tmp.rmdir()
+    return out

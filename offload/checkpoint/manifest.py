@@ -1,0 +1,83 @@
+"""The layout of one checkpoint on disk, shared by the runtime's load (offload/zero/checkpoint.py) and
+`offload export`: its directory, the manifest, the per-rank tensor files and their verification.
+
+    ROOT/latest                  the name of the newest complete checkpoint (moved last)
+    ROOT/<tag>/manifest.json     what the run was, and the size and sha256 of every file
+    ROOT/<tag>/rank-RRRRR-of-WWWWW.safetensors   rank R's shard (of world W) of every unit: "<uid>/master",
+                                 "<uid>/exp_avg", "<uid>/exp_avg_sq" (fp32, the flat layout's shard) and
+                                 "rng/..." (its torch generator states)
+    ROOT/<tag>/<aux files>       config.json, tokenizer files (when the run gave them; export copies them)
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .files import CheckpointError, check_owned_dir, open_private, safe_member, sha256_of
+
+FORMAT = "offload-checkpoint/1"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+
+def rank_file(rank: int, world: int) -> str:
+    return f"rank-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def resolve(root) -> Path:
+    """The checkpoint directory for `root`: the one `root/latest` names, or `root` itself."""
+    root = Path(root)
+    check_owned_dir(root, "checkpoint directory")
+    if (root / LATEST).is_file():
+        with open_private(root / LATEST, write=False) as f:
+            tag = f.read().decode().strip()
+        path = safe_member(root, tag, f"{root / LATEST}")
+        if not (path / MANIFEST).is_file():
+            raise CheckpointError(f"{root / LATEST} names {tag!r}, which has no {MANIFEST}; the checkpoint "
+                                  "directory was changed by hand")
+        return path
+    if (root / MANIFEST).is_file():
+        return root
+    raise CheckpointError(f"{root}: neither a checkpoint ({MANIFEST}) nor a directory of checkpoints ({LATEST}); "
+                          "give the directory passed to save_checkpoint")
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        with open_private(path / MANIFEST, write=False) as f:
+            manifest = json.loads(f.read().decode())
+    except ValueError as exc:
+        raise CheckpointError(f"{path / MANIFEST}: not valid JSON ({exc}); the checkpoint is corrupt") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path / MANIFEST}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    for name in manifest["files"]:
+        safe_member(path, name, str(path / MANIFEST))
+    return manifest
+
+
+def verify_files(path: Path, manifest: dict, names) -> None:
+    """Size and sha256 of each of `names` against the manifest (a truncated or bit-flipped file fails)."""
+    for name in names:
+        want = manifest["files"][name]
+        f = safe_member(path, name, str(path / MANIFEST))
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing; the checkpoint is incomplete (use an earlier one)")
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"{f}: {size} bytes, the manifest says {want['bytes']}: truncated or "
+                                  "overwritten; use an earlier checkpoint")
+        if sha256_of(f) != want["sha256"]:
+            raise CheckpointError(f"{f}: sha256 differs from the manifest: the file is corrupt (bit rot, a bad "
+                                  "disk or an edit); use an earlier checkpoint")
+
+
+def verified(root) -> tuple[Path, dict]:
+    """(the checkpoint directory for `root`, its manifest) with every rank file's size and checksum checked."""
+    path = resolve(root)
+    manifest = read_manifest(path)
+    names = [rank_file(r, manifest["world_size"]) for r in range(manifest["world_size"])]
+    missing = [n for n in names if n not in manifest["files"]]
+    if missing:
+        raise CheckpointError(f"{path / MANIFEST}: lists no {missing}; the checkpoint is incomplete")
+    verify_files(path, manifest, names)
+    return path, manifest

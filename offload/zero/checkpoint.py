@@ -1,0 +1,325 @@
+"""rt.save_checkpoint / rt.load_checkpoint: a resumable run, sharded per rank, nothing pickled.
+
+    ROOT/latest                         the name of the newest complete checkpoint (moved last)
+    ROOT/step-120/manifest.json         world size, units and their slots, placement, dtype policy, versions,
+                                        optimizer hyper-parameters and per-parameter step counts, LR
+                                        schedulers, python/numpy RNG per rank, the user's `extra`, and the
+                                        size and sha256 of every file
+    ROOT/step-120/rank-00000-of-00002.safetensors   this rank's fp32 master and Adam moments of every unit
+                                        (its shard of the flat layout) and its torch RNG states
+
+Writing: every rank streams its shards chunk by chunk (leases, bounded memory) into ROOT/.tmp-step-120,
+each file fsynced with its checksum computed on the way; rank 0 then writes the manifest, renames the
+directory into place, and moves `latest`. A process killed at any moment leaves the previous checkpoint
+and `latest` as they were (a stale .tmp-* directory is removed by the next save). Checkpoints are taken
+between steps: the gradients of an unfinished accumulation are not saved.
+
+Loading (after the model and optimizer exist): every file's size and checksum are verified, and every unit's
+slot names and shapes compared with the model, before a single byte is written into the store. A
+checkpoint saved with another world size or placement loads: each rank reads its new shard's range from
+whichever old rank files hold it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.files import (CheckpointError, TensorFileWriter, atomic_write_text, check_owned_dir, fsync_dir,
+                                make_private_dir, safe_member)
+from ..checkpoint.manifest import FORMAT, LATEST, MANIFEST, rank_file, verified
+from ..config import format_size
+from .. import inject
+from ..store import LeaseMode
+from ..telemetry import Queue
+from .shards import StateKind
+from .state import UnitState
+from .state_store import Use
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _param_key(p) -> str:
+    unit = p._offload_unit
+    return f"{unit.uid}:{unit.layout.slots[p._offload_slot].fqn}"
+
+
+def _all_gather(rt, obj) -> list:
+    if not rt.group.distributed:
+        return [obj]
+    out = [None] * rt.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _barrier(rt) -> None:
+    if rt.group.distributed:
+        dist.barrier()
+
+
+def _optimizers(rt) -> list:
+    return [o for o in (r() for r in rt.optimizers) if o is not None]
+
+
+def _rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
+    """(JSON part: python and numpy; tensors: torch CPU and CUDA generator states)."""
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, state, gauss = random.getstate()
+    json_part = {"python": [version, list(state), gauss],
+                 "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    tensors = {"rng/torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng/cuda{i}"] = s
+    return json_part, tensors
+
+
+def _set_rng_state(json_part: dict, tensors: dict[str, torch.Tensor]) -> None:
+    import numpy as np
+
+    version, state, gauss = json_part["python"]
+    random.setstate((version, tuple(state), gauss))
+    kind, keys, pos, has_gauss, cached = json_part["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["rng/torch"])
+    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("rng/cuda"))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
+
+
+# ---- save ---------------------------------------------------------------------------------------
+def save_checkpoint(rt, root, extra: dict | None = None, lr_schedulers=(), keep_last: int | None = None,
+                    tag: str | None = None, add_files=None) -> Path:
+    """Write a checkpoint under `root` (module docstring); collective. `add_files(dir)` (rank 0) writes
+    auxiliary files into the checkpoint before it is sealed (config.json, tokenizer: `offload export` copies
+    them). Returns its directory."""
+    t0 = time.perf_counter()
+    root = Path(root)
+    tag = tag or f"step-{rt.step_stats.steps}"
+    safe_member(root, tag, "save_checkpoint(tag=...)")
+    try:
+        extra_json = json.loads(json.dumps(extra or {}))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"save_checkpoint(extra=...): must be JSON-serializable (no pickles): {exc}") from None
+    rt.quiesce()  # every queued update is in the shards written below
+    tmp, final = root / f".tmp-{tag}", root / tag
+    if rt.rank == 0:
+        make_private_dir(root, "checkpoint directory")
+        for stale in root.glob(".tmp-*"):  # a save killed before its rename
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(mode=0o700)
+    _barrier(rt)
+    check_owned_dir(tmp, "checkpoint directory")
+    name = rank_file(rt.rank, rt.world_size)
+    rng_json, rng_tensors = _rng_state()
+    # each rank counts steps for the parameters in its own shard: the manifest takes the union
+    steps = [{_param_key(p): int(st["step"]) for p, st in opt.state.items() if "step" in st} for opt in _optimizers(rt)]
+    status = {"file": name, "rng": rng_json, "steps": steps}
+    try:
+        status.update(_writerank_file(rt, tmp / name, rng_tensors))
+    except OSError as exc:
+        status["error"] = (f"rank {rt.rank}: writing {tmp / name} failed: {exc.strerror or exc} (errno {exc.errno}); "
+                           f"{format_size(shutil.disk_usage(root).free)} free under {root}; free space or choose "
+                           "another directory. The previous checkpoint is untouched")
+    statuses = _all_gather(rt, status)
+    errors = [s["error"] for s in statuses if "error" in s]
+    if errors:
+        if rt.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError("; ".join(errors))
+    if rt.rank == 0:
+        manifest = _manifest(rt, tag, statuses, extra_json, lr_schedulers)
+        if add_files is not None:
+            add_files(tmp)
+        manifest["aux"] = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name not in manifest["files"])
+        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        fsync_dir(tmp)
+        if final.exists():  # the same tag saved again: the new one replaces it
+            old = root / f".tmp-old-{tag}"
+            os.replace(final, old)
+            shutil.rmtree(old)
+        os.replace(tmp, final)
+        fsync_dir(root)
+        atomic_write_text(root / LATEST, tag + "\n")
+        if keep_last:
+            _prune(root, keep_last, keep=tag)
+    _barrier(rt)
+    rt.last_checkpoint_seconds = time.perf_counter() - t0
+    return final
+
+
+def _writerank_file(rt, path: Path, rng_tensors: dict[str, torch.Tensor]) -> dict:
+    writer = TensorFileWriter(path, metadata={"format": FORMAT})
+    plan = []
+    for unit in rt.units:
+        kinds = [unit.shards.master_kind()] + ([StateKind.EXP_AVG, StateKind.EXP_AVG_SQ]
+                                               if unit.shards.moments_registered else [])
+        for kind in kinds:
+            label = "master" if kind is unit.shards.master_kind() else kind.value
+            writer.add(f"{unit.uid}/{label}", torch.float32, unit.shards.shard_numel)
+            plan.append((unit, kind))
+    for key, t in rng_tensors.items():
+        writer.add(key, t.dtype, t.numel())
+    writer.open()
+    try:
+        for unit, kind in plan:
+            for c in unit.shards.chunks:  # one chunk in memory at a time
+                lease = rt.states.lease(unit.shards.spec(kind, c), Use.HOST, LeaseMode.READ)
+                try:
+                    writer.write(lease.wait().float())
+                finally:
+                    lease.release()
+                inject.pause(Queue.CHECKPOINT)  # a slow disk (tests: a kill lands mid-write)
+        for t in rng_tensors.values():
+            writer.write(t)
+        size, digest = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"bytes": size, "sha256": digest}
+
+
+def _manifest(rt, tag: str, statuses: list[dict], extra: dict, lr_schedulers) -> dict:
+    import offload
+
+    schedulers = []
+    for s in lr_schedulers:
+        sd = {k: v for k, v in s.state_dict().items() if k != "lr_lambdas"}  # lambdas are code, rebuilt by the user
+        try:
+            schedulers.append(json.loads(json.dumps(sd)))
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"save_checkpoint: the state of {type(s).__name__} is not JSON ({exc})") from None
+    optimizers = []
+    for k, opt in enumerate(_optimizers(rt)):
+        groups = []
+        for g in opt.param_groups:
+            hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
+                     if k != "params" and isinstance(v, (int, float, str, bool, tuple, list, type(None)))}
+            groups.append({**hyper, "params": [_param_key(p) for p in g["params"]]})
+        steps = {}
+        for status in statuses:
+            steps.update(status["steps"][k])
+        optimizers.append({"param_groups": groups, "steps": steps})
+    return {
+        "format": FORMAT,
+        "tag": tag,
+        "optimizer_steps": rt.step_stats.steps,
+        "versions": {"offload": offload.__version__, "torch": torch.__version__},
+        "world_size": rt.world_size,
+        "compute_dtype": rt.config.compute_dtype,
+        "placement": {"params": rt.params_tier, "optimizer": rt.optimizer_tier},
+        "units": [{"uid": u.uid, "numel": u.layout.numel, "padded_numel": u.layout.padded_numel,
+                   "moments": u.shards.moments_registered,
+                   "slots": [{"name": s.fqn, "shape": list(s.shape), "offset": s.offset} for s in u.layout.slots]}
+                  for u in rt.units],
+        "optimizers": optimizers,
+        "lr_schedulers": schedulers,
+        "rng": [s["rng"] for s in statuses],
+        "extra": extra,
+        "files": {s["file"]: {"bytes": s["bytes"], "sha256": s["sha256"]} for s in statuses},
+    }
+
+
+def _prune(root: Path, keep_last: int, keep: str) -> None:
+    done = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+                   and (p / MANIFEST).is_file()), key=lambda p: p.stat().st_mtime)
+    for old in done[:-keep_last]:
+        if old.name != keep:
+            shutil.rmtree(old)
+
+
+# ---- load ---------------------------------------------------------------------------------------
+def _check_units(rt, manifest: dict, path: Path) -> dict:
+    saved = {u["uid"]: u for u in manifest["units"]}
+    errors = []
+    for unit in rt.units:
+        entry = saved.get(unit.uid)
+        if entry is None:
+            errors.append(f"unit {unit.uid!r} is not in the checkpoint")
+            continue
+        mine = [(s.fqn, list(s.shape)) for s in unit.layout.slots]
+        theirs = [(s["name"], s["shape"]) for s in entry["slots"]]
+        if mine != theirs:
+            diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), None)
+            errors.append(f"unit {unit.uid or '<root>'!r}: " + (
+                f"model {diff[0][0]} {diff[0][1]} but checkpoint {diff[1][0]} {diff[1][1]}" if diff else
+                f"model has {len(mine)} parameters, checkpoint {len(theirs)}"))
+    extra = sorted(set(saved) - {u.uid for u in rt.units})
+    if extra:
+        errors.append(f"units {extra} are in the checkpoint but not in the model")
+    if errors:
+        raise CheckpointError(f"{path}: the checkpoint does not fit this model: " + "; ".join(errors[:6]) +
+                              ". Build the same model (same config) before load_checkpoint")
+    return saved
+
+
+def load_checkpoint(rt, root, lr_schedulers=()) -> dict:
+    """Load the checkpoint at `root` (module docstring) into the open runtime; collective. Returns `extra`."""
+    from safetensors import safe_open
+
+    t0 = time.perf_counter()
+    path, manifest = verified(root)
+    old_world = manifest["world_size"]
+    names = [rank_file(r, old_world) for r in range(old_world)]
+    saved = _check_units(rt, manifest, path)
+    optimizers = _optimizers(rt)
+    if len(manifest["optimizers"]) != len(optimizers):
+        raise CheckpointError(f"{path}: saved with {len(manifest['optimizers'])} optimizer(s), this run has "
+                              f"{len(optimizers)}; create the same optimizers before load_checkpoint")
+    rt.quiesce()  # nothing may be updating the shards written below
+    handles = [safe_open(str(path / n), framework="pt") for n in names]
+    try:
+        for unit in rt.units:
+            entry = saved[unit.uid]
+            old_shard = entry["padded_numel"] // old_world
+            lo, hi = unit.layout.shard_bounds(rt.rank)
+            labels = ["master"] + (list(_MOMENTS) if entry["moments"] else [])
+            for label in labels:
+                buf = torch.zeros(unit.shards.shard_numel, dtype=torch.float32)
+                for r, h in enumerate(handles):  # the old ranks whose shards overlap this rank's new one
+                    a, b = max(lo, r * old_shard), min(hi, (r + 1) * old_shard, unit.layout.numel)
+                    if a < b:
+                        buf[a - lo:b - lo] = h.get_slice(f"{unit.uid}/{label}")[a - r * old_shard:b - r * old_shard]
+                if label == "master":
+                    unit.write_shard(StateKind.PARAM, buf)  # cast to the compute dtype, as the kernel writes it
+                    if not unit.shards.master_is_param:
+                        unit.write_shard(StateKind.MASTER, buf)
+                else:
+                    rt.register_moments(unit)
+                    unit.write_shard(StateKind.EXP_AVG if label == "exp_avg" else StateKind.EXP_AVG_SQ, buf)
+            if unit.state is UnitState.UNSHARDED:
+                unit.stale = True  # a gathered (persistent) unit re-gathers before its next use
+        own = handles[min(rt.rank, old_world - 1)]
+        rng_tensors = {k: own.get_tensor(k) for k in own.keys() if k.startswith("rng/")}
+    finally:
+        del handles
+    for opt, saved_opt in zip(optimizers, manifest["optimizers"]):
+        if len(saved_opt["param_groups"]) != len(opt.param_groups):
+            raise CheckpointError(f"{path}: an optimizer has {len(opt.param_groups)} param groups, the checkpoint "
+                                  f"{len(saved_opt['param_groups'])}")
+        for group, sg in zip(opt.param_groups, saved_opt["param_groups"]):
+            for k, v in sg.items():
+                if k != "params" and k in group:
+                    group[k] = tuple(v) if isinstance(group[k], tuple) else v
+        for g in opt.param_groups:
+            for p in g["params"]:
+                step = saved_opt["steps"].get(_param_key(p))
+                if step is None:
+                    opt.state.pop(p, None)
+                else:
+                    opt.state[p]["step"] = step
+    for sched, sd in zip(lr_schedulers, manifest["lr_schedulers"]):
+        sched.load_state_dict({**sched.state_dict(), **sd})
+    _set_rng_state(manifest["rng"][min(rt.rank, old_world - 1)], rng_tensors)
+    rt.step_stats.steps = manifest["optimizer_steps"]
+    _barrier(rt)
+    rt.last_checkpoint_seconds = time.perf_counter() - t0
+    return manifest["extra"]

@@ -1,0 +1,64 @@
+"""A training run that checkpoints and resumes, for test_checkpoint.py (1 process, or torchrun workers).
+
+    python checkpoint_worker.py SPEC.json
+SPEC: {"out": file, "nvme": dir, "ckpt": dir, "steps": total steps, "save_at": [steps after which to save],
+       "resume": bool, "save_loaded_to": dir, "params": tier, "optimizer": tier, "compute_dtype": ...,
+       "keep_last": n}
+Data come from the global torch RNG (so a resume must restore it); the LR follows a warmup schedule (so a
+resume must restore the scheduler); the loop position travels in `extra`. Writes the per-step losses and
+the final fp32 parameters (out + ".safetensors").
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import offload  # noqa: E402
+from zero_common import SEQ, VOCAB, TinyTransformer, param_groups  # noqa: E402
+
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    torch.manual_seed(100 + rank)
+    cfg = offload.Config(params=spec.get("params", "nvme"), optimizer=spec.get("optimizer", "nvme"),
+                         nvme_path=spec["nvme"], compute_dtype=spec.get("compute_dtype", "fp32"),
+                         cpu_budget="64MiB", device_budget="16MiB", seed=7)
+    losses = {}
+    with offload.init(cfg) as rt:
+        model = TinyTransformer()
+        opt = offload.AdamW(param_groups(model.named_parameters()), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+        start = 0
+        if spec.get("resume"):
+            extra = rt.load_checkpoint(spec["ckpt"], lr_scheduler=sched)
+            start = extra["next_step"]
+            if spec.get("save_loaded_to"):  # resharding checks: the loaded state, saved again as it is
+                rt.save_checkpoint(spec["save_loaded_to"], extra=extra, lr_scheduler=sched)
+        for step in range(start, spec["steps"]):
+            ids = torch.randint(0, VOCAB, (2, SEQ))
+            logits = model(ids)
+            loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), ids.reshape(-1))
+            loss.backward()
+            rt.clip_grad_norm_(1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses[step] = loss.item()
+            if step + 1 in spec.get("save_at", []):
+                rt.save_checkpoint(spec["ckpt"], extra={"next_step": step + 1}, lr_scheduler=sched,
+                                   keep_last=spec.get("keep_last"))
+                print(f"saved {step + 1}", flush=True)
+        final = rt.full_state_dict(model)
+    if rank == 0:
+        json.dump({"losses": losses, "checkpoint_s": rt.last_checkpoint_seconds}, open(spec["out"], "w"))
+        save_file({k: v.clone() for k, v in final.items()}, spec["out"] + ".safetensors")  # tied: own copies
+
+
+if __name__ == "__main__":
+    main()

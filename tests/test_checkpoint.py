@@ -1,0 +1,261 @@
+"""rt.save_checkpoint / rt.load_checkpoint / offload export: exact resume, resharding, faults, safety.
+
+Runs that must survive a kill are real processes (tests/checkpoint_worker.py), killed with SIGKILL while a
+checkpoint is being written (slowed by OFFLOAD_INJECT_DELAY=checkpoint=...) or while a step runs.
+"""
+import json
+import os
+import resource
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import offload
+from offload.checkpoint import CheckpointError
+from offload.checkpoint.export import export_checkpoint
+from offload.checkpoint.manifest import rank_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero_common import SEQ, VOCAB, TinyTransformer, small_config  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+WORKER = TESTS / "checkpoint_worker.py"
+
+
+def _worker(tmp: Path, name: str, world: int = 1, env: dict | None = None, **spec) -> dict:
+    spec.setdefault("nvme", str(tmp / "nvme"))
+    (tmp / "nvme").mkdir(exist_ok=True)
+    spec["out"] = str(tmp / f"{name}.json")
+    (tmp / f"{name}.spec.json").write_text(json.dumps(spec))
+    launch = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc_per_node", str(world)]
+    proc = subprocess.run([*launch, str(WORKER), str(tmp / f"{name}.spec.json")], capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp / f"{name}.json").read_text())
+    from safetensors.torch import load_file
+
+    out["params"] = load_file(spec["out"] + ".safetensors")
+    return out
+
+
+def _same(a: dict, b: dict, steps) -> None:
+    assert [a["losses"][str(s)] for s in steps] == [b["losses"][str(s)] for s in steps]  # bit for bit
+    assert a["params"].keys() == b["params"].keys()
+    assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+
+
+def _flats(ckpt: Path) -> dict:
+    """Every (unit, state) of a checkpoint as one unpadded fp32 vector, whatever its world size."""
+    from safetensors import safe_open
+
+    path = ckpt / (ckpt / "latest").read_text().strip() if (ckpt / "latest").exists() else ckpt
+    m = json.loads((path / "manifest.json").read_text())
+    world, out = m["world_size"], {}
+    files = [safe_open(str(path / rank_file(r, world)), framework="pt") for r in range(world)]
+    for u in m["units"]:
+        for label in ["master"] + (["exp_avg", "exp_avg_sq"] if u["moments"] else []):
+            out[(u["uid"], label)] = torch.cat([f.get_tensor(f"{u['uid']}/{label}") for f in files])[:u["numel"]]
+    return out
+
+
+# ---- exact resume ------------------------------------------------------------------------------
+@pytest.mark.parametrize("compute_dtype", ["fp32", "bf16"])
+def test_resume_is_exact_one_rank(tmp_path, compute_dtype):
+    full = _worker(tmp_path, "full", steps=8, ckpt=str(tmp_path / "unused"), compute_dtype=compute_dtype)
+    ckpt = tmp_path / "ckpt"
+    first = _worker(tmp_path, "first", steps=5, save_at=[3, 5], keep_last=1, ckpt=str(ckpt),
+                    compute_dtype=compute_dtype)
+    resumed = _worker(tmp_path, "resumed", steps=8, resume=True, ckpt=str(ckpt), compute_dtype=compute_dtype)
+    assert sorted(resumed["losses"]) == ["5", "6", "7"]
+    _same(full, resumed, range(5, 8))
+    # keep_last=1 pruned step-3; latest names step-5; private modes
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-5"]
+    assert (ckpt / "latest").read_text().strip() == "step-5"
+    assert stat.S_IMODE(os.stat(ckpt).st_mode) == 0o700 and stat.S_IMODE(os.stat(ckpt / "step-5").st_mode) == 0o700
+    assert all(stat.S_IMODE(os.stat(f).st_mode) == 0o600 for f in (ckpt / "step-5").iterdir())
+    # offload export: the consolidated weights are the run's parameters at the save
+    out = export_checkpoint(ckpt, tmp_path / "exported")
+    from safetensors.torch import load_file
+
+    exported = load_file(out / "model.safetensors")
+    for name, value in exported.items():
+        assert torch.equal(value, first["params"][name]), name
+
+
+def test_resume_is_exact_two_ranks_and_reshards(tmp_path):
+    full = _worker(tmp_path, "full", world=2, steps=7, ckpt=str(tmp_path / "unused"))
+    ckpt = tmp_path / "ckpt"
+    _worker(tmp_path, "first", world=2, steps=4, save_at=[4], ckpt=str(ckpt))
+    resumed = _worker(tmp_path, "resumed", world=2, steps=7, resume=True, ckpt=str(ckpt))
+    _same(full, resumed, range(4, 7))
+    # 2 ranks (nvme) -> 1 rank (cpu) -> 2 ranks (nvme): every master and moment element lands where it was
+    one = tmp_path / "one"
+    _worker(tmp_path, "to1", steps=4, resume=True, ckpt=str(ckpt), save_loaded_to=str(one), params="cpu",
+            optimizer="cpu")
+    two = tmp_path / "two"
+    _worker(tmp_path, "to2", world=2, steps=4, resume=True, ckpt=str(one), save_loaded_to=str(two))
+    original, via_one, back = _flats(ckpt), _flats(one), _flats(two)
+    assert json.loads((one / "step-4" / "manifest.json").read_text())["world_size"] == 1
+    assert original.keys() == via_one.keys() == back.keys()
+    for k in original:
+        assert torch.equal(original[k], via_one[k]) and torch.equal(original[k], back[k]), k
+
+
+# ---- kills -------------------------------------------------------------------------------------
+def _spawn(tmp: Path, name: str, env: dict, **spec) -> subprocess.Popen:
+    (tmp / "nvme").mkdir(exist_ok=True)
+    spec.update(nvme=str(tmp / "nvme"), out=str(tmp / f"{name}.json"))
+    (tmp / f"{name}.spec.json").write_text(json.dumps(spec))
+    return subprocess.Popen([sys.executable, str(WORKER), str(tmp / f"{name}.spec.json")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+
+
+def _wait_for(cond, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("when", ["during_checkpoint_write", "during_step"])
+def test_kill_9_loses_nothing_checkpointed(tmp_path, when):
+    full = _worker(tmp_path, "full", steps=8, ckpt=str(tmp_path / "unused"))
+    ckpt = tmp_path / "ckpt"
+    if when == "during_checkpoint_write":  # a slow disk: each chunk of the second save takes 0.5 s
+        proc = _spawn(tmp_path, "victim", {"OFFLOAD_INJECT_DELAY": "checkpoint=0.5"}, steps=8, save_at=[3, 5],
+                      ckpt=str(ckpt))
+        _wait_for(lambda: (ckpt / ".tmp-step-5").is_dir() and any((ckpt / ".tmp-step-5").iterdir()),
+                  "the second checkpoint's first bytes")
+    else:  # slow steps: killed in the middle of one, after the checkpoint at step 3
+        proc = _spawn(tmp_path, "victim", {"OFFLOAD_INJECT_DELAY": "optimizer=0.05"}, steps=1000, save_at=[3],
+                      ckpt=str(ckpt))
+        assert proc.stdout.readline().strip() == "saved 3"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert (ckpt / "latest").read_text().strip() == "step-3"  # the last complete checkpoint
+    resumed = _worker(tmp_path, "resumed", steps=8, resume=True, save_at=[6], ckpt=str(ckpt))
+    _same(full, resumed, range(3, 8))
+    assert not any(p.name.startswith(".tmp") for p in ckpt.iterdir())  # the next save removed the partial one
+
+
+# ---- in-process faults -------------------------------------------------------------------------
+def _train(rt, model, opt, steps: int, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+        F.cross_entropy(model(ids).float().reshape(-1, VOCAB), ids.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.fixture
+def saved_run(tmp_path):
+    """An open runtime with a trained TinyTransformer and a checkpoint of it under tmp/ckpt."""
+    with offload.init(small_config()) as rt:
+        model = TinyTransformer()
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        _train(rt, model, opt, 2)
+        rt.save_checkpoint(tmp_path / "ckpt", extra={"cursor": 2})
+        yield rt, model, opt, tmp_path / "ckpt"
+
+
+def _unchanged(rt, model, before) -> bool:
+    after = rt.full_state_dict(model)
+    return all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_corrupt_or_truncated_files_are_detected_before_any_write(saved_run):
+    rt, model, opt, ckpt = saved_run
+    _train(rt, model, opt, 1, seed=1)  # the live state now differs from the checkpoint's
+    before = rt.full_state_dict(model)
+    rank_path = ckpt / "step-2" / rank_file(0, 1)
+    data = bytearray(rank_path.read_bytes())
+    data[len(data) // 2] ^= 0x10  # one flipped bit
+    rank_path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"rank-00000-of-00001.safetensors: sha256 differs .* corrupt"):
+        rt.load_checkpoint(ckpt)
+    rank_path.write_bytes(bytes(data[:-100]))
+    with pytest.raises(CheckpointError, match=r"bytes, the manifest says .*truncated"):
+        rt.load_checkpoint(ckpt)
+    assert _unchanged(rt, model, before)
+    manifest = json.loads((ckpt / "step-2" / "manifest.json").read_text())
+    manifest["files"]["../../etc/passwd"] = manifest["files"].pop(rank_file(0, 1))
+    (ckpt / "step-2" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"'\.\./\.\./etc/passwd', which is not a plain file name"):
+        rt.load_checkpoint(ckpt)
+    (ckpt / "latest").write_text("../elsewhere\n")
+    with pytest.raises(CheckpointError, match="not a plain file name"):
+        rt.load_checkpoint(ckpt)
+
+
+def test_loads_back_exactly_and_returns_extra(saved_run):
+    rt, model, opt, ckpt = saved_run
+    saved = rt.full_state_dict(model)
+    _train(rt, model, opt, 2, seed=5)
+    assert rt.load_checkpoint(ckpt) == {"cursor": 2}
+    assert _unchanged(rt, model, saved)
+    with pytest.raises(CheckpointError, match="JSON-serializable"):
+        rt.save_checkpoint(ckpt, extra={"bad": object()})
+
+
+def test_disk_full_during_checkpoint_keeps_the_previous_one(saved_run):
+    """The write fails part-way (here: EFBIG from RLIMIT_FSIZE, what a full disk's ENOSPC looks like to the
+    writer): a clear error naming the file, no partial checkpoint, `latest` still on the previous one."""
+    rt, model, opt, ckpt = saved_run
+    before = rt.full_state_dict(model)
+    _train(rt, model, opt, 1, seed=2)
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails, not kills
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, old_limit[1]))
+    try:
+        with pytest.raises(CheckpointError, match=r"rank 0: writing .*\.tmp-step-3/rank-00000-of-00001\.safetensors "
+                                                  r"failed: .*free under .*previous checkpoint is untouched"):
+            rt.save_checkpoint(ckpt)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-2"]
+    assert rt.load_checkpoint(ckpt) == {"cursor": 2}
+    assert _unchanged(rt, model, before)
+
+
+def test_refuses_symlinks_and_directories_of_other_users(saved_run, tmp_path):
+    rt, model, opt, ckpt = saved_run
+    link = tmp_path / "planted"
+    link.symlink_to(tmp_path / "victim-target", target_is_directory=True)
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        rt.save_checkpoint(link)
+    assert not (tmp_path / "victim-target").exists()
+    if os.getuid() == 0:  # only root can make a directory owned by someone else
+        foreign = tmp_path / "foreign"
+        foreign.mkdir()
+        os.chown(foreign, 65534, 65534)
+        with pytest.raises(CheckpointError, match="owned by uid 65534"):
+            rt.save_checkpoint(foreign)
+        os.chown(ckpt, 65534, 65534)
+        with pytest.raises(CheckpointError, match="owned by uid 65534"):
+            rt.load_checkpoint(ckpt)
+
+
+def test_another_model_is_refused_before_any_write(tmp_path, saved_run):
+    _, _, _, ckpt = saved_run
+    with offload.init(small_config()) as rt:
+        model = TinyTransformer(d=24)
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        before = rt.full_state_dict(model)
+        with pytest.raises(CheckpointError, match=r"does not fit this model: unit '<root>': model emb.weight \[32, 24\] but "
+                                                  r"checkpoint emb.weight \[32, 16\]"):
+            rt.load_checkpoint(ckpt)
+        assert _unchanged(rt, model, before)
+        del opt
