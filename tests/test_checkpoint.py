@@ -230,6 +230,25 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one(saved_run):
     assert _unchanged(rt, model, before)
 
 
+def test_full_filesystem_during_checkpoint_keeps_the_previous_one(tmp_path):
+    """A real ENOSPC: the checkpoint root on a 192 KiB tmpfs holds one checkpoint (125 KiB) but not two."""
+    from _aio_support import mounted
+
+    with mounted(tmp_path / "mnt", "tmpfs", "size=192k") as mnt:
+        root = Path(mnt) / "ckpt"
+        with offload.init(small_config()) as rt:
+            model = TinyTransformer()
+            opt = offload.AdamW(model.parameters(), lr=1e-2)
+            _train(rt, model, opt, 1)
+            rt.save_checkpoint(root, extra={"cursor": 1})
+            _train(rt, model, opt, 1)
+            with pytest.raises(CheckpointError, match=r"writing .*rank-00000-of-00001\.safetensors failed: No space "
+                                                      r"left on device .*free under"):
+                rt.save_checkpoint(root)
+            assert sorted(p.name for p in root.iterdir()) == ["latest", "step-1"]
+            assert rt.load_checkpoint(root) == {"cursor": 1}
+
+
 def test_refuses_symlinks_and_directories_of_other_users(saved_run, tmp_path):
     rt, model, opt, ckpt = saved_run
     link = tmp_path / "planted"

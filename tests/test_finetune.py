@@ -276,3 +276,22 @@ def test_nvme_path_without_space(tmp_path, capsys, tiny_model, text_file, monkey
     assert list(swap.iterdir()) == []
     _fails(capsys, ["--model", str(tiny_model), "--data", str(text_file), "--seq-len", "64", "--nvme-path", str(tmp_path / "missing"),
                     "--output", str(tmp_path / "out")], str(tmp_path / "missing"), "mkdir -p")
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+def test_resume_goes_on_exactly_and_exports(tmp_path, tiny_model, text_file):
+    common = dict(model=str(tiny_model), data=str(text_file), steps=4, seq_len=64, compute_dtype="fp32",
+                  cpu_budget="8MiB", eval_blocks=4)
+    a = finetune(FinetuneConfig(**common, output=str(tmp_path / "a"), checkpoint_every=2, keep_checkpoints=2))
+    ckpts = tmp_path / "a" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-2", "step-4"]
+    b = finetune(FinetuneConfig(**common, output=str(tmp_path / "b"), resume=str(ckpts / "step-2")))
+    assert b.first_step == 2 and b.losses == a.losses[2:]  # bit for bit
+    # the newest checkpoint, exported, is the saved model
+    assert main(["export", str(ckpts), str(tmp_path / "exported")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    for (n, p), (m, q) in zip(exported.named_parameters(), final.named_parameters()):
+        assert n == m and torch.equal(p, q), n
+    with pytest.raises(ValueError, match=r"--resume .*seq_len 64 -> 32"):
+        finetune(FinetuneConfig(**{**common, "seq_len": 32}, output=str(tmp_path / "c"), resume=str(ckpts)))

@@ -31,8 +31,8 @@ def _progress_bar(enabled: bool, tokens_per_step: int):
         nonlocal bar
         if not enabled:
             return
-        if bar is None:
-            bar = tqdm(total=total, desc="finetune", unit="step", dynamic_ncols=True)
+        if bar is None:  # a resumed run starts part-way
+            bar = tqdm(total=total, initial=step - 1, desc="finetune", unit="step", dynamic_ncols=True)
         links = last.get("links", {})
         wall = last.get("wall_s") or 0.0
         rates = {"R": links.get("nvme->cpu", {}).get("bytes", 0), "W": links.get("cpu->nvme", {}).get("bytes", 0)}
@@ -72,7 +72,8 @@ def run_finetune(args: argparse.Namespace) -> int:
     step_s = statistics.median(timed)
     print(f"\n{r.n_params / 1e6:.1f}M parameters, params on {r.params_tier}, optimizer on {r.optimizer_tier}, "
           f"{r.world_size} rank(s); {len(r.losses)} steps of {r.tokens_per_step} tokens")
-    print(f"train loss      {r.losses[0]:.4f} (step 1) -> {r.losses[-1]:.4f} (step {len(r.losses)})")
+    print(f"train loss      {r.losses[0]:.4f} (step {r.first_step + 1}) -> {r.losses[-1]:.4f} "
+          f"(step {r.first_step + len(r.losses)})")
     print(f"held-out loss   {r.eval_loss_before:.4f} before -> {r.eval_loss_after:.4f} after")
     print(f"step time       {step_s:.3f} s median ({r.tokens_per_step / step_s:.0f} tokens/s); first step "
           f"{r.step_seconds[0]:.2f} s; set-up {r.load_seconds:.1f} s")
@@ -86,6 +87,9 @@ def run_finetune(args: argparse.Namespace) -> int:
     if r.ignored_weights:
         print(f"ignored {len(r.ignored_weights)} tensor(s) in the weights that the model does not use: "
               f"{r.ignored_weights[:5]}")
+    for c in r.checkpoints[-1:]:
+        print(f"checkpoint      {c['path']} ({format_size(c['bytes'])} in {c['seconds']:.2f} s; "
+              f"{len(r.checkpoints)} saved, resume with --resume)")
     print(f"saved to        {r.output}  (AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained)")
     return 0
 
@@ -123,6 +127,11 @@ def add_finetune_parser(sub) -> None:
                    help="an offload Config JSON or a DeepSpeed JSON (zero_optimization); flags override it")
     p.add_argument("--save-every", type=int, default=d.save_every, help="also save OUTPUT/checkpoint-STEP")
     p.add_argument("--max-shard-size", default=d.max_shard_size, help="largest safetensors file written")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help="a resumable checkpoint every this many steps (0: none)")
+    p.add_argument("--checkpoint-dir", help="where checkpoints go (default OUTPUT/checkpoints)")
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    p.add_argument("--resume", help="go on from this checkpoint (or the newest in this directory of checkpoints)")
     p.add_argument("--eval-blocks", type=int, default=d.eval_blocks, help="held-out blocks for the eval loss")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="the built-in tokenizer's vocabulary")
     p.add_argument("--seed", type=int, default=d.seed)

@@ -8,7 +8,7 @@
 With no model it builds a small Llama (tens of millions of parameters) from a config and, with no data,
 trains it on the Python standard library's sources with a byte-level BPE trained on the spot (corpus.py,
 tokenizer.py). The model is built inside `offload.init` (parameters are meta placeholders), so a real
-model streams from its safetensors into the store unit by unit (checkpoint.py). The loop is plain
+model streams from its safetensors into the store unit by unit (hf_model_dir.py). The loop is plain
 PyTorch: forward, loss, backward per micro-batch, then clip, step, schedule. Launch it with torchrun for
 ZeRO-3 over ranks: each rank trains on its slice of every global batch (batches.py).
 """
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..config import Config, deepspeed_fields, parse_size
 from .batches import IGNORE, Sampler, TokenBlocks, build_blocks, split_heldout
-from .checkpoint import HFModelDir, save_pretrained
+from .hf_model_dir import HFModelDir, save_pretrained
 from .corpus import DataError, read_data_file, stdlib_corpus
 from .errors import InputError
 from .tokenizer import load_tokenizer, train_bpe
@@ -65,6 +65,10 @@ class FinetuneConfig:
     grad_checkpointing: bool = False
     offload_config: str | None = None  # an offload Config JSON or a DeepSpeed JSON; the flags above override
     save_every: int = 0  # also save to OUTPUT/checkpoint-STEP every this many steps (0: only at the end)
+    checkpoint_every: int = 0  # a resumable checkpoint (rt.save_checkpoint) every this many steps (0: none)
+    checkpoint_dir: str | None = None  # default OUTPUT/checkpoints
+    keep_checkpoints: int = 2  # the newest this many are kept
+    resume: str | None = None  # a checkpoint directory (or a directory of them: its `latest`) to go on from
     max_shard_size: str = "2GiB"
     eval_blocks: int = 32  # held-out blocks (the tail of the data) for the evaluation loss
     vocab_size: int = BUILTIN_VOCAB  # the built-in tokenizer's vocabulary
@@ -92,7 +96,8 @@ class FinetuneConfig:
 
 @dataclasses.dataclass
 class FinetuneResult:
-    losses: list[float]  # training loss per step (mean over the global batch's tokens)
+    losses: list[float]  # training loss per step run here (mean over the global batch's tokens)
+    first_step: int  # the index of losses[0]: 0, or the step a resumed run went on from
     eval_loss_before: float
     eval_loss_after: float
     output: Path
@@ -107,6 +112,7 @@ class FinetuneResult:
     optimizer_tier: str
     world_size: int
     ignored_weights: list[str] = dataclasses.field(default_factory=list)
+    checkpoints: list[dict] = dataclasses.field(default_factory=list)  # {"path", "bytes", "seconds"} per save
 
 
 _RUNTIME_FIELDS = ("params", "optimizer", "nvme_path", "cpu_budget", "device_budget", "compute_dtype")
@@ -181,6 +187,23 @@ def _all_sum(rt, value: torch.Tensor) -> torch.Tensor:
 
     return comm.all_reduce_(rt.group, value.detach().float().cpu().clone(), "sum") if rt.world_size > 1 \
         else value.detach().float().cpu()
+
+
+def _resume(rt, cfg: FinetuneConfig, sched, run_key: dict) -> int:
+    """Load --resume into the run; the step to go on from. The data order and schedule must be the same."""
+    extra = rt.load_checkpoint(cfg.resume, lr_scheduler=sched)
+    saved = extra.get("run", {})
+    differ = [f"{k} {saved.get(k)} -> {v}" for k, v in run_key.items() if saved.get(k) != v]
+    if differ:
+        raise InputError(f"--resume {cfg.resume}: the run differs from the checkpoint's ({', '.join(differ)}); resume "
+                         "with the same data, --seq-len, --micro-batch x ranks, --grad-accum, --seed and --steps")
+    return int(extra["next_step"])
+
+
+def _hf_files(model, tokenizer, directory: Path) -> None:
+    """config.json and the tokenizer beside a checkpoint, so `offload export` gives a loadable directory."""
+    model.config.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
 
 
 def evaluate(rt, model, blocks: TokenBlocks, micro_batch: int) -> float:
@@ -265,12 +288,16 @@ def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneRes
             steps = cfg.steps or (math.ceil(cfg.epochs * len(train) / sampler.global_batch) if cfg.epochs else 150)
             warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, steps // 20)
             sched = get_cosine_with_min_lr_schedule_with_warmup(opt, warmup, steps, min_lr_rate=cfg.min_lr_ratio)
+            run_key = {"seq_len": cfg.seq_len, "global_micro_batch": cfg.micro_batch * rt.world_size,
+                       "grad_accum": cfg.grad_accum, "seed": cfg.seed, "steps": steps, "train_blocks": len(train)}
+            start = _resume(rt, cfg, sched, run_key) if cfg.resume is not None else 0
+            ckpt_dir = Path(cfg.checkpoint_dir or Path(cfg.output) / "checkpoints")
             load_s = time.perf_counter() - t_load
             model.train()
             eval_before = evaluate(rt, model, heldout, cfg.micro_batch)
-            losses, step_s = [], []
+            losses, step_s, checkpoints = [], [], []
             split: dict[str, float] = {}
-            for step in range(steps):
+            for step in range(start, steps):
                 t0 = time.perf_counter()
                 tokens = int((train.labels[sampler.step_indices(step)] != IGNORE).sum())
                 local = torch.zeros(())
@@ -288,7 +315,7 @@ def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneRes
                 losses.append(loss)
                 step_s.append(time.perf_counter() - t0)
                 last = rt.stats()["last_step"] or {}
-                if step > 0:  # the first step traces and materializes: not representative
+                if step > start:  # the first step traces and materializes: not representative
                     split["compute"] = split.get("compute", 0.0) + last.get("compute_s", 0.0)
                     for queue, s in last.get("wait_s", {}).items():
                         split[f"wait {queue}"] = split.get(f"wait {queue}", 0.0) + s
@@ -297,6 +324,12 @@ def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneRes
                 if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < steps:
                     save_pretrained(rt, model, Path(cfg.output) / f"checkpoint-{step + 1}", tokenizer,
                                     parse_size(cfg.max_shard_size, "--max-shard-size"))
+                if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                    saved = rt.save_checkpoint(ckpt_dir, extra={"next_step": step + 1, "run": run_key},
+                                               lr_scheduler=sched, keep_last=cfg.keep_checkpoints,
+                                               add_files=lambda d: _hf_files(model, tokenizer, d))
+                    checkpoints.append({"path": str(saved), "seconds": round(rt.last_checkpoint_seconds, 3),
+                                        "bytes": sum(f.stat().st_size for f in saved.iterdir())})
             eval_after = evaluate(rt, model, heldout, cfg.micro_batch)
             if on_trained is not None:
                 on_trained(rt, model)
@@ -305,9 +338,9 @@ def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneRes
             world = rt.world_size
     finally:
         owned_swap.cleanup()
-    n_timed = max(1, steps - 1)
+    n_timed = max(1, len(losses) - 1)
     return FinetuneResult(
-        losses=losses, eval_loss_before=eval_before, eval_loss_after=eval_after, output=out, n_params=n_params,
+        losses=losses, first_step=steps - len(losses), eval_loss_before=eval_before, eval_loss_after=eval_after, output=out, n_params=n_params,
         tokens_per_step=sampler.global_batch * cfg.seq_len, step_seconds=step_s,
         step_split={k: v / n_timed for k, v in split.items()}, load_seconds=load_s,
         peak_rss_bytes=stats["peak_rss_bytes"],
@@ -315,4 +348,4 @@ def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneRes
                      "host->device": stats["host_to_device_bytes"], "device->host": stats["device_to_host_bytes"],
                      "all-gather": stats["allgather_bytes"], "reduce-scatter": stats["reduce_scatter_bytes"]},
         params_tier=stats["params_tier"], optimizer_tier=stats["optimizer_tier"], world_size=world,
-        ignored_weights=ignored)
+        ignored_weights=ignored, checkpoints=checkpoints)

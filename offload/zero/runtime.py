@@ -252,7 +252,7 @@ class Runtime:
         """Shard `model` into units (in place) and return it. Models built inside the block are materialized
         unit by unit; an existing model keeps its values (rank 0's, broadcast). `weights(name, meta_param)`,
         when given, returns each parameter's value as its unit is sharded (streamed loading, e.g.
-        offload.finetune.checkpoint.SafetensorsWeights)."""
+        offload.finetune.hf_model_dir.SafetensorsWeights)."""
         self._check_open("rt.wrap")
         if getattr(model, "_offload_runtime", None) is self:
             if weights is not None:
