@@ -7,6 +7,8 @@ _LAZY = {
     "Config": ("offload.config", "Config"),
     "init": ("offload.zero.runtime", "init"),
     "Runtime": ("offload.zero.runtime", "Runtime"),
+    "CollectiveError": ("offload.zero.watchdog", "CollectiveError"),
+    "CheckpointError": ("offload.checkpoint.files", "CheckpointError"),
 }
 
 

@@ -25,6 +25,26 @@ def parse_size(value: str | int | float, field: str = "size") -> int:
     return _parse_size(value, f"offload.Config.{field}")
 
 
+_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: str | int | float, field: str) -> float:
+    """Seconds from "30s" / "10min" / "1.5h" / "250ms" / a number of seconds. Raises ValueError naming `field`."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        text = str(value).strip()
+        unit = next((u for u in sorted(_DURATION_UNITS, key=len, reverse=True) if text.endswith(u)), None)
+        try:
+            seconds = float(text[:-len(unit)] if unit else text) * (_DURATION_UNITS[unit] if unit else 1.0)
+        except ValueError:
+            raise ValueError(f"offload.Config.{field}: {value!r} is not a duration; give e.g. '30s', '10min' or "
+                             "a number of seconds") from None
+    if not seconds > 0:
+        raise ValueError(f"offload.Config.{field}: {value!r} must be positive")
+    return seconds
+
+
 def format_size(nbytes: int | float) -> str:
     """Human-readable size with binary units (for messages)."""
     return format_bytes(nbytes)
@@ -54,6 +74,10 @@ class Config:
       waited where it is asked for (the synchronous reference; results are bitwise the same).
     chunk_size: fp32 bytes per chunk of a unit's shard, the piece that is paged and stepped at once
       (None: cpu_budget / 64, between 1MiB and 64MiB).
+    collective_timeout: how long a rank waits in one collective before it stops with an error naming the
+      collective, the unit, and which rank is behind and where (the watchdog, offload/zero/watchdog.py).
+    swap_checksums: a CRC-32 of every swap slot written, checked when it is read back (a corrupt drive raises
+      SwapCorruptError instead of training on wrong numbers; costs one CRC pass over the nvme traffic).
     log_every: log one line of step telemetry (logger "offload") every this many optimizer steps (0: never).
     """
 
@@ -71,6 +95,8 @@ class Config:
     pipeline: bool = True
     chunk_size: str | int | None = None
     log_every: int = 0
+    collective_timeout: str | int | float = "10min"
+    swap_checksums: bool = True
     # Keys of an imported DeepSpeed config that have no effect here (filled by from_deepspeed).
     deepspeed_ignored: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
@@ -108,11 +134,14 @@ class Config:
                 )
         if not isinstance(self.seed, int):
             raise ValueError(f"offload.Config.seed: expected an int, got {self.seed!r}")
+        if not isinstance(self.swap_checksums, bool):
+            raise ValueError(f"offload.Config.swap_checksums: expected True or False, got {self.swap_checksums!r}")
         if not isinstance(self.pipeline, bool):
             raise ValueError(f"offload.Config.pipeline: expected True or False, got {self.pipeline!r}")
         if self.chunk_size is not None and parse_size(self.chunk_size, "chunk_size") < 4096:
             raise ValueError(f"offload.Config.chunk_size: {self.chunk_size!r} is below 4096 bytes; give at least "
                              "'1MiB' (or None for the default)")
+        parse_duration(self.collective_timeout, "collective_timeout")
         if not isinstance(self.log_every, int) or self.log_every < 0:
             raise ValueError(f"offload.Config.log_every: expected an int >= 0, got {self.log_every!r}")
 

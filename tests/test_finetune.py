@@ -7,7 +7,6 @@ bf16: 2e-2 relative, the bf16 rounding of weights and activations), streaming lo
 """
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys

@@ -1,6 +1,7 @@
 """Faults of the NVMe tier: each gives a clear error, and nothing already stored is corrupted."""
 import errno
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -8,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from offload.store import Residency, StoreConfig, SwapSpaceError, TieredStore
+from offload.store import Residency, StoreConfig, SwapCorruptError, SwapSpaceError, TieredStore
 from offload.store.aio import AioError
 
 from _aio_support import mounted
@@ -96,6 +97,39 @@ def test_truncated_swap_file(tmp_path):
         # the shard stays usable: a new working copy written back restores the slot
         st.register("c", 10, home="cpu").result()
         assert st.fetch("c", "device").result().sum() == 0
+
+
+def test_bit_flipped_swap_slot_is_detected(tmp_path):
+    """A byte changed on disk under a shard's slot: the read raises SwapCorruptError naming the file and the
+    offset, the shard stays on nvme, and its neighbour reads back intact."""
+    with TieredStore(cfg(tmp_path / "s")) as st:
+        a, b = torch.randn(5000), torch.randn(5000)
+        st.register("a", 5000, home="nvme", init=a).result()
+        st.register("b", 5000, home="nvme", init=b).result()
+        path = st.swap_paths()[0]
+        fd = os.open(path, os.O_RDWR)
+        try:
+            byte = os.pread(fd, 1, 20480 + 100)  # inside b's slot (20480..40960)
+            os.pwrite(fd, bytes([byte[0] ^ 0x04]), 20480 + 100)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with pytest.raises(SwapCorruptError, match=rf"shard 'b': 20480 bytes read back from {re.escape(path)} at "
+                                                   r"offset 20480 differ from what was written \(CRC-32"):
+            st.fetch("b", "cpu").result()
+        assert st.residency("b") is Residency.NVME
+        assert torch.equal(st.fetch("a", "cpu").result(), a)
+
+
+def test_swap_checksums_can_be_turned_off(tmp_path):
+    with TieredStore(cfg(tmp_path / "s", checksums=False)) as st:
+        st.register("a", 5000, home="nvme", init=torch.ones(5000)).result()
+        path = st.swap_paths()[0]
+        fd = os.open(path, os.O_RDWR)
+        os.pwrite(fd, b"\0\0\0\0", 0)  # a[0] becomes 0.0: without checksums, read as it is
+        os.fsync(fd)
+        os.close(fd)
+        assert st.fetch("a", "cpu").result()[0].item() == 0.0
 
 
 def test_symlink_planted_at_swap_path(tmp_path):

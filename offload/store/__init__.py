@@ -18,10 +18,10 @@ from .links import Link
 from .residency import Residency, Tier
 from .sizes import format_bytes, parse_size
 from .swap_file import SwapSpaceError
-from .tiered_store import ShardInfo, StoreConfig, StoreError, TieredStore
+from .tiered_store import ShardInfo, StoreConfig, StoreError, SwapCorruptError, TieredStore
 
 __all__ = [
-    "TieredStore", "StoreConfig", "StoreError", "ShardInfo", "Residency", "Tier",
+    "TieredStore", "StoreConfig", "StoreError", "SwapCorruptError", "ShardInfo", "Residency", "Tier",
     "PinnedArena", "ArenaBlock", "ArenaFullError", "ArenaBusyError", "SwapSpaceError", "Lease", "LeaseMode", "Link",
     "parse_size", "format_bytes", "resolve_budget", "AUTO_FRACTION",
 ]

@@ -28,6 +28,7 @@ each reduce is a collective; so must the order in which units run (each gather i
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import os
 
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..config import Config, parse_size
+from ..config import Config, parse_duration, parse_size
 from ..store import Tier
 from ..telemetry import Meter, Queue
 from . import comm, placement
@@ -49,6 +50,7 @@ from .state import UnitState
 from .state_store import UnitStateStore, check_nvme_path
 from .step_stats import StepStats
 from .unit import ShardedUnit
+from .watchdog import Watchdog
 from .wrap import shard_model
 
 _ACTIVE: list["Runtime"] = []
@@ -93,6 +95,7 @@ class Runtime:
         self.step_stats: StepStats | None = None
         self.optimizers: list = []  # weak references to the sharded optimizers over this runtime, in creation order
         self.last_checkpoint_seconds: float | None = None
+        self.watchdog: Watchdog | None = None
 
     # ---- lifetime ---------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -120,11 +123,13 @@ class Runtime:
             check_nvme_path(cfg.nvme_path, need, "nvme_budget")
             if need is not None:
                 self.budgets["nvme"] = need
-        self.states = UnitStateStore(self.device, self.budgets, cfg.nvme_path, self.group.rank)
+        self.states = UnitStateStore(self.device, self.budgets, cfg.nvme_path, self.group.rank, cfg.swap_checksums)
         # the store resolved "auto" budgets (and rounded to pages): plan against what it enforces
         self.budgets = {t: self.states.capacity(t) for t in ("device", "cpu")} | {"nvme": self.budgets["nvme"]}
         # each lane issues its collectives on a group of its own (created in the same order on every rank)
-        gather_group, reduce_group = comm.sub_group(self.group), comm.sub_group(self.group)
+        timeout = parse_duration(cfg.collective_timeout, "collective_timeout")
+        gather_group = comm.sub_group(self.group, "gather", timeout)
+        reduce_group = comm.sub_group(self.group, "reduce", timeout)
         lanes = Lanes.create(self.meter, threaded=cfg.pipeline)
         self.ctx = UnitContext(self.device, self.compute_dtype, self.group, gather_group, reduce_group, self.states,
                                lanes, self.meter, Counters(), schedule=None)
@@ -163,6 +168,8 @@ class Runtime:
             unit.free()
         if self.states is not None:
             self.states.close()
+        if self.watchdog is not None:
+            self.watchdog.close()
         if self._owns_pg and dist.is_initialized():
             dist.destroy_process_group()
         self.closed = True
@@ -173,14 +180,18 @@ class Runtime:
             raise error
 
     def _setup_group(self) -> comm.Group:
-        if dist.is_available() and dist.is_initialized():
-            return comm.Group(dist.get_rank(), dist.get_world_size())
+        """The data-parallel group (the default one), its collectives watched (watchdog.py)."""
+        timeout = parse_duration(self.config.collective_timeout, "collective_timeout")
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1:  # launched by torchrun: join its group
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if not (dist.is_available() and dist.is_initialized()) and world > 1:  # launched by torchrun: join
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout))
             self._owns_pg = True
-            return comm.Group(dist.get_rank(), dist.get_world_size())
-        return comm.Group(0, 1)
+        if not (dist.is_available() and dist.is_initialized()):
+            return comm.Group(0, 1)
+        # a group the user created keeps its own timeout; the lanes' groups take collective_timeout
+        self.watchdog = Watchdog(dist.get_rank(), dist.get_world_size(), timeout)
+        return comm.Group(dist.get_rank(), dist.get_world_size(), watchdog=self.watchdog)
 
     def _budget(self, field: str) -> int | None:
         """A set budget in bytes; None for "auto" (the store resolves it), except that ranks sharing a host
@@ -304,9 +315,10 @@ class Runtime:
             if not self.group.distributed:
                 total = local
             elif math.isinf(norm_type):
-                total = comm.all_reduce_(self.group, local.clone(), "max")
+                total = comm.all_reduce_(self.group, local.clone(), "max", what="clip_grad_norm_")
             else:
-                total = comm.all_reduce_(self.group, local ** norm_type, "sum") ** (1.0 / norm_type)
+                total = comm.all_reduce_(self.group, local ** norm_type, "sum",
+                                         what="clip_grad_norm_") ** (1.0 / norm_type)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # fp32, exactly as torch computes it
         self.grad_scale = float(coef)
         return total
@@ -336,7 +348,7 @@ class Runtime:
             return
         flags = torch.cat([u.used.to(torch.int32) for u in self.units])
         with self.meter.waiting(Queue.COLLECTIVE):
-            comm.all_reduce_(self.group, flags, "max")
+            comm.all_reduce_(self.group, flags, "max", what="which parameters got gradients (opt.step)")
         offset = 0
         for u in self.units:
             n = u.used.numel()

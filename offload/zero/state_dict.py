@@ -49,7 +49,7 @@ def gather_full(rt, unit) -> torch.Tensor:
     """The unit's full padded flat value in fp32 on the host (collective; the runtime is quiet)."""
     shard = unit.read_shard(unit.shards.master_kind())
     full = torch.empty(unit.layout.padded_numel, dtype=torch.float32)
-    comm.all_gather_into(rt.group, full, shard)
+    comm.all_gather_into(rt.group, full, shard, what=f"state dict of {unit.label}")
     return full
 
 

@@ -103,7 +103,8 @@ class HostCopyLease:
 
 
 class UnitStateStore:
-    def __init__(self, device: torch.device, budgets: dict, nvme_path: str | None, rank: int = 0):
+    def __init__(self, device: torch.device, budgets: dict, nvme_path: str | None, rank: int = 0,
+                 checksums: bool = True):
         self.device = torch.device(device)
         self.run_dir: Path | None = None
         if nvme_path:
@@ -120,6 +121,7 @@ class UnitStateStore:
             # page-locking only pays for DMA to a GPU; without one it would just pin RSS
             lock_memory="auto" if self.device.type == "cuda" else False,
             alloc_timeout=ALLOC_TIMEOUT_S,
+            checksums=checksums,
         )
         try:
             self.store = TieredStore(cfg)

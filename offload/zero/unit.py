@@ -192,7 +192,7 @@ class ShardedUnit:
                     send = torch.empty(self.shards.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
                     for c, lease in zip(self.shards.chunks, leases):
                         send[c.lo:c.hi].copy_(lease.wait())
-                comm.all_gather_into(ctx.gather_group, out, send)
+                comm.all_gather_into(ctx.gather_group, out, send, what=f"gather of {self.label}")
             ctx.counters.add("allgather_bytes", self.nbytes_full)
         finally:
             for lease in leases:
@@ -285,7 +285,7 @@ class ShardedUnit:
     def _reduce_now(self, full_grad: torch.Tensor, overwrite: bool, after_update: cf.Future | None) -> None:
         _result(after_update)  # the last update reads the gradient chunks: it must be over before they change
         ctx = self.ctx
-        shard = comm.reduce_scatter_mean(ctx.reduce_group, full_grad)
+        shard = comm.reduce_scatter_mean(ctx.reduce_group, full_grad, what=f"gradient of {self.label}")
         ctx.counters.add("reduce_scatter_bytes", full_grad.numel() * 4)
         if shard.device.type != "cpu":
             shard = shard.to("cpu")  # lane thread: the accumulation below reads it

@@ -1,0 +1,133 @@
+"""The collective watchdog: a rank that stalls or dies stops the others within `Config.collective_timeout`,
+with an error that says where each rank was, instead of a silent 30-minute hang.
+
+Every collective of the runtime runs through `Watchdog.run(group, collective, what, fn)`, which counts it
+per group (main, gather, reduce: each group's collectives are in the same order on every rank) and notes
+what this rank is waiting in. A heartbeat thread publishes that position to the process group's store
+once a second. The process groups are created with the timeout, so a collective that waits too long (or
+whose peer died) raises inside `fn`; the watchdog then reads every rank's last position and raises
+CollectiveError naming this rank's collective and unit and, for each other rank, its last collective and
+whether its heartbeat is fresh (alive but stuck in its own code) or stale (dead or frozen). After one
+failure every later collective fails at once with the same message, so closing the runtime does not wait
+out the timeout again for each queued one.
+
+On NCCL the collectives are asynchronous: the group's timeout applies, and NCCL's own watchdog reports it.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+HEARTBEAT_S = 1.0
+_KEY = "offload/watchdog/rank{}"
+
+
+class CollectiveError(RuntimeError):
+    pass
+
+
+class Watchdog:
+    def __init__(self, rank: int, world_size: int, timeout_s: float):
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.entered: dict[str, int] = {}  # group name -> collectives entered
+        self.waiting: dict[int, tuple] = {}  # thread id -> (group, collective, what, count, since)
+        self.last: tuple | None = None  # the last collective entered: (group, collective, what, count, when)
+        self.broken: str | None = None
+        self._lock = threading.Lock()
+        self._store = _default_store() if world_size > 1 else None
+        self._stop = threading.Event()
+        self._thread = None
+        if self._store is not None:
+            self._thread = threading.Thread(target=self._beat, name="offload-watchdog", daemon=True)
+            self._thread.start()
+
+    def run(self, group: str, collective: str, what: str, fn):
+        if self.broken is not None:
+            raise CollectiveError(self.broken)
+        tid = threading.get_ident()
+        with self._lock:
+            count = self.entered.get(group, 0) + 1
+            self.entered[group] = count
+            self.waiting[tid] = (group, collective, what, count, time.time())
+            self.last = self.waiting[tid]
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - a timeout, a dead peer's closed connection, an abort
+            with self._lock:
+                if self.broken is None:
+                    self.broken = self._describe(group, collective, what, count, exc)
+            raise CollectiveError(self.broken) from exc
+        finally:
+            with self._lock:
+                self.waiting.pop(tid, None)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # ---- the heartbeat and the report ---------------------------------------------------------
+    def _position(self) -> dict:
+        with self._lock:
+            return {"t": time.time(), "entered": dict(self.entered),
+                    "waiting": [list(w) for w in self.waiting.values()], "last": list(self.last or ())}
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._store.set(_KEY.format(self.rank), json.dumps(self._position()))
+            except Exception:  # noqa: BLE001 - the store went with a dead launcher: nothing left to report to
+                return
+
+    def _describe(self, group: str, collective: str, what: str, count: int, exc: BaseException) -> str:
+        waited = time.time() - self.waiting.get(threading.get_ident(), (0, 0, 0, 0, time.time()))[4]
+        head = (f"offload: rank {self.rank} gave up after {waited:.1f} s in {collective} #{count} on the {group} "
+                f"group ({what or 'no unit'}); collective_timeout is {self.timeout_s:g} s. ")
+        peers = self._peers(group, count)
+        cause = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        return head + (" ".join(peers) if peers else "The other ranks' positions are unknown.") + f" ({cause})"
+
+    def _read(self, r: int) -> dict | None:
+        key = _KEY.format(r)
+        try:
+            return json.loads(self._store.get(key)) if self._store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store is gone (the launcher died): nothing to read
+            return None
+
+    def _peers(self, group: str, count: int) -> list[str]:
+        """One sentence per other rank. Alive or not is told by whether its heartbeat moves within
+        2.5 heartbeats (a rank that just died still has a recent one)."""
+        if self._store is None:
+            return []
+        others = [r for r in range(self.world_size) if r != self.rank]
+        first = {r: self._read(r) for r in others}
+        time.sleep(2.5 * HEARTBEAT_S)
+        now, out = time.time(), []
+        for r in others:
+            pos = self._read(r)
+            if pos is None:
+                out.append(f"Rank {r} never reported (it died or froze before its first heartbeat).")
+                continue
+            alive = first[r] is None or pos["t"] != first[r]["t"]
+            theirs = pos["entered"].get(group, 0)
+            where = ", ".join(f"{c} #{n} on the {g} group ({w or 'no unit'}) for {now - since:.1f} s"
+                              for g, c, w, n, since in pos["waiting"]) or "in no collective"
+            state = "alive" if alive else f"silent for {now - pos['t']:.1f} s (dead or frozen)"
+            behind = (f"behind (it has entered {theirs} of the {group} group's collectives, this rank {count}) "
+                      if theirs < count else "")
+            last = pos["last"]
+            last_txt = f"; its last collective was {last[1]} #{last[3]} on the {last[0]} group ({last[2] or 'no unit'})" \
+                if last else ""
+            out.append(f"Rank {r} is {behind}{state}, {where}{last_txt}.")
+        return out
+
+
+def _default_store():
+    """The default process group's key-value store (torch's private accessor), or None."""
+    try:
+        import torch.distributed.distributed_c10d as c10d
+
+        return c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - another launcher, another torch: the watchdog still names this rank
+        return None

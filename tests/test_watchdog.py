@@ -1,0 +1,60 @@
+"""A rank that stalls or dies: the other stops within collective_timeout, saying where everyone was."""
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import offload
+from offload.config import parse_duration
+
+WORKER = Path(__file__).resolve().parent / "watchdog_worker.py"
+
+
+def _run(tmp_path, mode):
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(WORKER), str(tmp_path), mode], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return proc, time.monotonic() - t0
+
+
+def _stamp(out: str, pattern: str) -> float:
+    m = re.search(pattern + r" at ([0-9.]+)", out)
+    assert m, out
+    return float(m.group(1))
+
+
+def test_a_stalled_rank_stops_the_other_with_where_each_was(tmp_path):
+    proc, wall = _run(tmp_path, "stall")
+    assert proc.returncode != 0
+    out = proc.stdout
+    # rank 0 gives up 3 s (the timeout) after rank 1 stalls, plus 2.5 s to see whether rank 1 is alive
+    waited = _stamp(out, "rank 0 error") - _stamp(out, "rank 1 stalls")
+    assert 3.0 <= waited < 60.0, out  # the upper bound only guards against a hang on a busy machine
+    assert wall < 120.0  # not the 120 s the stalled rank sleeps, nor torch's 30-minute default
+    msg = next(line for line in out.splitlines() if line.startswith("rank 0 error"))
+    assert re.search(r"rank 0 gave up after [0-9.]+ s in all_gather #\d+ on the gather group \(gather of unit \d+ "
+                     r"\(.+\)\); collective_timeout is 3 s", msg), msg
+    assert re.search(r"Rank 1 is behind \(it has entered \d+ of the gather group's collectives, this rank \d+\) "
+                     r"alive, in no collective; its last collective was", msg), msg
+
+
+def test_a_dead_rank_stops_the_other(tmp_path):
+    proc, wall = _run(tmp_path, "die")
+    assert proc.returncode != 0
+    assert "rank 1 dies" in proc.stdout
+    assert re.search(r"exitcode\s*: 17", proc.stderr)  # the launcher names the rank that died, and stops the rest
+    assert wall < 120.0
+
+
+def test_collective_timeout_setting():
+    assert parse_duration("250ms", "x") == 0.25 and parse_duration("10min", "x") == 600.0
+    assert parse_duration(30, "x") == 30.0 and parse_duration("1.5h", "x") == 5400.0
+    with pytest.raises(ValueError, match=r"offload.Config.collective_timeout: 'soon' is not a duration; give e.g."):
+        offload.Config(collective_timeout="soon")
+    with pytest.raises(ValueError, match="must be positive"):
+        offload.Config(collective_timeout=0)
