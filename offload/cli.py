@@ -57,10 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parser
     from .checkpoint.export import add_export_parser
     from .finetune.cli import add_finetune_parser
+    from .plan.cli import add_plan_parser
 
     add_bench_parser(sub)
     add_finetune_parser(sub)
     add_export_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -1,0 +1,149 @@
+"""`offload plan`: will a fine-tune fit, where will each state live, and how long will a step take.
+
+    offload plan --model llama-70b --gpus 8 --gpu-mem 80GiB --cpu-mem 1TiB --nvme-read 25GB/s --nvme-write 12GB/s
+
+Prints the bytes of each state class per tier per rank for the chosen placement, whether it fits (or what
+is short by how much), the predicted step time split by resource, the bottleneck, tokens/s, and the
+smallest changes worth making. Bandwidths come from flags, or from an `offload bench --json` file.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from ..config import format_size, parse_size
+from .memory import Workload
+from .model_spec import PRESETS, model_from
+from .sizing import DEVICES, advice, capacity, choose, evaluate
+from .step_time import Machine
+
+
+def parse_rate(text: str, flag: str) -> float:
+    """Bytes/s from "25GB/s" / "3.5GiB/s" / a number."""
+    value = text.strip()
+    if value.lower().endswith("/s"):
+        value = value[:-2]
+    try:
+        return float(parse_size(value, flag))
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: give a rate such as 25GB/s or 3.5GiB/s") from None
+
+
+def _from_bench(path: str) -> dict:
+    """Figures a bench JSON gives: nvme read/write (GB/s), pcie (GB/s), cpu adam (params/s)."""
+    data = json.loads(open(path).read())
+    out = {}
+    nv = data.get("nvme", {})
+    if "read_gbps" in nv:
+        out["nvme_read_Bps"] = nv["read_gbps"] * 1e9
+    if "write_gbps" in nv:
+        out["nvme_write_Bps"] = nv["write_gbps"] * 1e9
+    pcie = data.get("pcie", {})
+    if pcie.get("h2d_pinned_gbps"):
+        out["pcie_Bps"] = pcie["h2d_pinned_gbps"] * 1e9
+    adam = data.get("adam", {})
+    if adam.get("offload_params_per_s"):
+        out["adam_params_per_s"] = adam["offload_params_per_s"]
+    return out
+
+
+def plan_from_args(args: argparse.Namespace) -> dict:
+    m = model_from(args.model)
+    dev = DEVICES[args.gpu]
+    figures = dict(device_flops=dev["device_flops"] if args.tflops is None else args.tflops * 1e12,
+                   pcie_Bps=dev["pcie_Bps"], interconnect_Bps=dev["interconnect_Bps"])
+    if args.bench_json:
+        figures.update(_from_bench(args.bench_json))
+    for flag, key in (("nvme_read", "nvme_read_Bps"), ("nvme_write", "nvme_write_Bps"), ("pcie", "pcie_Bps")):
+        if getattr(args, flag):
+            figures[key] = parse_rate(getattr(args, flag), "--" + flag.replace("_", "-"))
+    if args.adam_params_per_s:
+        figures["adam_params_per_s"] = args.adam_params_per_s
+    mc = Machine(gpus_per_node=args.gpus, nodes=args.nodes, mfu=args.mfu, **figures)
+    w = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len or min(m.max_seq, 4096),
+                 grad_accum=args.grad_accum, checkpointing=not args.no_checkpointing)
+    cap = capacity(parse_size(args.gpu_mem or dev["memory"], "--gpu-mem"), parse_size(args.cpu_mem, "--cpu-mem"),
+                   parse_size(args.nvme_size, "--nvme-size") if args.nvme_size else None)
+    options = evaluate(m, w, mc, cap)
+    chosen = choose(options)
+    return {"model": dataclasses.asdict(m) | {"params": m.params}, "workload": dataclasses.asdict(w),
+            "machine": dataclasses.asdict(mc), "capacity": dataclasses.asdict(cap), "options": options,
+            "chosen": chosen, "advice": advice(m, w, mc, cap, chosen)}
+
+
+def _gib(x: float) -> str:
+    return format_size(int(x))
+
+
+def _print(plan: dict) -> None:
+    m, w, mc = plan["model"], plan["workload"], plan["machine"]
+    ranks = mc["gpus_per_node"] * mc["nodes"]
+    print(f"{m['name']}: {m['params'] / 1e9:.2f}B parameters; {ranks} ranks ({mc['nodes']} node(s) x "
+          f"{mc['gpus_per_node']}); micro-batch {w['micro_batch']} x seq {w['seq_len']}, accumulation "
+          f"{w['grad_accum']}, activation checkpointing {'on' if w['checkpointing'] else 'off'}")
+    states = m["params"] * 18
+    print(f"model states: {_gib(states)} in all (18 bytes/param: bf16 param, fp32 grad, master, 2 moments), "
+          f"{_gib(states / ranks)} per rank")
+    c = plan["chosen"]
+    if c is None:
+        print("does NOT fit any placement:")
+        for tip in plan["advice"]:
+            print(f"  - {tip}")
+        return
+    print(f"fits: placement {c['placement']}")
+    print(f"  {'per rank':<14}" + "".join(f"{t:>12}" for t in ("device", "cpu", "nvme")))
+    classes = sorted({k for tier in c["tiers"].values() for k in tier})
+    for cls in classes:
+        print(f"  {cls:<14}" + "".join(f"{_gib(c['tiers'][t].get(cls, 0)) if cls in c['tiers'][t] else '-':>12}"
+                                      for t in ("device", "cpu", "nvme")))
+    p = c["prediction"]
+    print(f"predicted step {p['step_s']:.2f} s, {p['tokens_per_s']:.0f} tokens/s; bottleneck: {p['bottleneck']}")
+    print("  busy per step: " + ", ".join(f"{k} {v:.2f} s" for k, v in p["resources"].items()))
+    print("  phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in p["phases"].items()))
+    others = sorted((o for o in plan["options"] if not o["short"] and o is not c),
+                    key=lambda o: o["prediction"]["step_s"])
+    if others:
+        print("other placements that fit: " + "; ".join(f"{o['placement']} {o['prediction']['step_s']:.2f} s"
+                                                       for o in others))
+    for tip in plan["advice"]:
+        print(f"  - {tip}")
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_from_args(args)
+    except ValueError as exc:
+        print(f"offload plan: error: {exc}", file=sys.stderr)
+        return 2
+    _print(plan)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(plan, f, indent=2, default=str)
+    return 0
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="size a run before launching it: fit, placement, step time",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help=f"a config.json (or its directory) or one of {', '.join(PRESETS)}")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu", choices=sorted(DEVICES), default="h100")
+    p.add_argument("--gpu-mem", help="memory per GPU (default: the GPU's)")
+    p.add_argument("--cpu-mem", default="1TiB", help="host RAM per node")
+    p.add_argument("--nvme-size", help="free NVMe space per node (default: unbounded)")
+    p.add_argument("--nvme-read", help="NVMe read per node, e.g. 25GB/s")
+    p.add_argument("--nvme-write", help="NVMe write per node, e.g. 12GB/s")
+    p.add_argument("--pcie", help="host<->device per GPU and direction, e.g. 50GB/s")
+    p.add_argument("--bench-json", help="figures measured by offload bench --json")
+    p.add_argument("--adam-params-per-s", type=float, help="CPU AdamW throughput per node")
+    p.add_argument("--tflops", type=float, help="peak dense bf16 TFLOP/s per GPU (default: the GPU's)")
+    p.add_argument("--mfu", type=float, default=0.4, help="fraction of the peak a step achieves")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, help="default: the model's maximum, at most 4096")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--no-checkpointing", action="store_true", help="activation checkpointing off")
+    p.add_argument("--json", help="write the whole plan as JSON")
+    p.set_defaults(func=_cmd_plan)

@@ -1,0 +1,110 @@
+"""Bytes of every class of training state, per rank and per tier: pure arithmetic.
+
+Mixed-precision AdamW keeps, per parameter: the compute-dtype parameter (2 bytes in bf16), its gradient,
+and the optimizer's fp32 master, first and second moments (K = 12 bytes). The ZeRO paper's figures take a
+bf16 gradient (2 + 2 + 12 = 16 bytes per parameter); this runtime reduces gradients into fp32 shards
+(4 bytes), so its own layout is 2 + 4 + 12 = 18 bytes per parameter. ZeRO-3 divides all of it by the
+number of data-parallel ranks.
+
+Activations follow Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transformer
+Models": 34 * s * b * h bytes per layer in 16-bit with a fused (flash / SDPA) attention, which keeps no
+s x s score matrix; with activation checkpointing only each layer's input (2 * s * b * h bytes) is kept,
+plus one layer's full activations while it is recomputed. The logits add s * b * vocab * 6 bytes (bf16,
+and the fp32 copy the loss takes).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .model_spec import ModelSpec
+
+ADAM_K = 12  # fp32 master + two fp32 moments, bytes per parameter
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each state class."""
+
+    params: int = 2
+    grads: int = 4  # this runtime: fp32 gradient shards (the ZeRO paper: 2)
+    master: int = 4
+    moments: int = 8
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.master + self.moments
+
+
+PAPER = StateBytes(grads=2)  # the ZeRO paper's mixed-precision Adam: 16 bytes per parameter
+RUNTIME = StateBytes()  # this runtime: 18
+
+
+def zero_stage_bytes(params: int, ranks: int, stage: int, sb: StateBytes = PAPER) -> float:
+    """Model-state bytes per rank under ZeRO stage 0 (DDP) to 3 (the ZeRO paper's Figure 1)."""
+    p, g, k = sb.params * params, sb.grads * params, (sb.master + sb.moments) * params
+    if stage == 0:
+        return p + g + k
+    if stage == 1:
+        return p + g + k / ranks
+    if stage == 2:
+        return p + (g + k) / ranks
+    if stage == 3:
+        return (p + g + k) / ranks
+    raise ValueError(f"ZeRO stage {stage}: expected 0, 1, 2 or 3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    micro_batch: int = 1  # sequences per rank per forward
+    seq_len: int = 4096
+    grad_accum: int = 1
+    checkpointing: bool = True
+
+
+def activation_bytes(m: ModelSpec, w: Workload) -> int:
+    """Peak activation bytes on one rank for one micro-batch (module docstring)."""
+    sbh = w.seq_len * w.micro_batch * m.hidden
+    full_layer = 34 * sbh
+    kept = (2 * sbh * m.layers + full_layer) if w.checkpointing else full_layer * m.layers
+    return kept + 6 * w.seq_len * w.micro_batch * m.vocab
+
+
+def gathered_bytes(m: ModelSpec, compute_bytes: int = 2) -> int:
+    """Gathered parameters on the device at once: the unit in use and the next one gathered ahead, and their
+    gradients before the reduce (compute dtype)."""
+    return 2 * m.largest_unit_params * compute_bytes * 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    params: str  # tier of the compute-dtype parameter shards: device, cpu or nvme
+    optimizer: str  # tier of master + moments (and the fp32 gradient shards)
+
+    def __str__(self) -> str:
+        return f"params={self.params}, optimizer={self.optimizer}"
+
+
+PLACEMENTS = [Placement("device", "device"), Placement("device", "cpu"), Placement("cpu", "cpu"),
+              Placement("device", "nvme"), Placement("cpu", "nvme"), Placement("nvme", "nvme")]
+
+
+def per_rank_state_bytes(m: ModelSpec, ranks: int, sb: StateBytes = RUNTIME) -> dict[str, float]:
+    """ZeRO-3: every state class divided over the ranks."""
+    n = m.params / ranks
+    return {"params": sb.params * n, "grads": sb.grads * n, "master": sb.master * n, "moments": sb.moments * n}
+
+
+def tier_bytes(m: ModelSpec, w: Workload, ranks: int, place: Placement, sb: StateBytes = RUNTIME) -> dict:
+    """{tier: {class: bytes per rank}} for a placement: states where it puts them, activations and the
+    gathered working set on the device, a host staging buffer for nvme-homed states."""
+    states = per_rank_state_bytes(m, ranks, sb)
+    out = {"device": {}, "cpu": {}, "nvme": {}}
+    out[place.params]["params"] = states["params"]
+    for cls in ("grads", "master", "moments"):
+        out[place.optimizer][cls] = states[cls]
+    out["device"]["activations"] = activation_bytes(m, w)
+    out["device"]["gathered"] = gathered_bytes(m, sb.params)
+    if "nvme" in (place.params, place.optimizer):
+        # staging: the lanes' working copies (about four units' shards, read-ahead included)
+        out["cpu"]["staging"] = 4 * m.largest_unit_params / ranks * (sb.params + sb.total - sb.params)
+    return out

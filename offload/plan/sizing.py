@@ -1,0 +1,105 @@
+"""Does a run fit, where should each state live, and what would change the answer: the plan behind
+`offload plan` (pure functions of a model, a workload and a machine).
+
+Usable capacity: 90% of each device's memory (the CUDA context, the allocator's slack), 80% of the host's
+RAM (the OS, the framework, the page cache), and the NVMe drives' free space when given (else unbounded).
+The placement chosen is the fastest predicted (step_time.py) among those that fit.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .memory import PLACEMENTS, Workload, tier_bytes
+from .model_spec import ModelSpec
+from .step_time import Machine, predict
+
+DEVICE_USABLE, HOST_USABLE = 0.90, 0.80
+
+# Peak dense bf16 FLOP/s, PCIe per direction, achievable collective bus bandwidth, memory: per device.
+DEVICES = {
+    "h100": dict(device_flops=989e12, pcie_Bps=50e9, interconnect_Bps=360e9, memory=80 << 30),
+    "h200": dict(device_flops=989e12, pcie_Bps=50e9, interconnect_Bps=360e9, memory=141 << 30),
+    "a100": dict(device_flops=312e12, pcie_Bps=25e9, interconnect_Bps=240e9, memory=80 << 30),
+    "l40s": dict(device_flops=362e12, pcie_Bps=25e9, interconnect_Bps=20e9, memory=48 << 30),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    device_per_rank: float
+    cpu_per_node: float
+    nvme_per_node: float | None  # None: not given (unbounded)
+
+
+def capacity(device_bytes: int, cpu_bytes: int, nvme_bytes: int | None) -> Capacity:
+    return Capacity(DEVICE_USABLE * device_bytes, HOST_USABLE * cpu_bytes, nvme_bytes)
+
+
+def shortfall(tiers: dict, cap: Capacity, gpus_per_node: int) -> dict[str, float]:
+    """{tier: bytes missing} (empty: it fits). Device per rank; cpu and nvme per node."""
+    need = {"device": sum(tiers["device"].values()), "cpu": gpus_per_node * sum(tiers["cpu"].values()),
+            "nvme": gpus_per_node * sum(tiers["nvme"].values())}
+    have = {"device": cap.device_per_rank, "cpu": cap.cpu_per_node,
+            "nvme": cap.nvme_per_node if cap.nvme_per_node is not None else float("inf")}
+    return {t: need[t] - have[t] for t in need if need[t] > have[t]}
+
+
+def evaluate(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity) -> list[dict]:
+    """Every placement: its bytes per tier, what it lacks, and its predicted step."""
+    out = []
+    for place in PLACEMENTS:
+        tiers = tier_bytes(m, w, mc.ranks, place)
+        out.append({"placement": place, "tiers": tiers, "short": shortfall(tiers, cap, mc.gpus_per_node),
+                    "prediction": predict(m, w, place, mc)})
+    return out
+
+
+def choose(options: list[dict]) -> dict | None:
+    fitting = [o for o in options if not o["short"]]
+    return min(fitting, key=lambda o: o["prediction"]["step_s"]) if fitting else None
+
+
+def advice(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity, chosen: dict | None) -> list[str]:
+    """The smallest changes worth making, each with its predicted effect."""
+    tips = []
+    if chosen is None:
+        best = min(evaluate(m, w, mc, cap), key=lambda o: sum(o["short"].values()))
+        short = ", ".join(f"{t} by {v / 2**30:.1f} GiB" for t, v in best["short"].items())
+        tips.append(f"nothing fits; closest is {best['placement']}, short on {short}")
+        if "device" in best["short"]:
+            if not w.checkpointing:
+                tips.append("turn on activation checkpointing (--grad-checkpointing)")
+            if w.micro_batch > 1:
+                tips.append(f"a smaller micro-batch (--micro-batch {w.micro_batch // 2}) with more accumulation")
+        if "cpu" in best["short"] or "nvme" in best["short"]:
+            tips.append("more nodes (ZeRO-3 divides every state by the ranks), or a larger NVMe drive")
+        return tips
+    base = chosen["prediction"]
+    bottleneck = base["bottleneck"]
+
+    def rerun(label: str, **changes) -> None:
+        mc2 = dataclasses.replace(mc, **{k: v for k, v in changes.items() if hasattr(mc, k)})
+        w2 = dataclasses.replace(w, **{k: v for k, v in changes.items() if hasattr(w, k)})
+        options = evaluate(m, w2, mc2, cap)
+        pick = next(o for o in options if o["placement"] == chosen["placement"])
+        if not pick["short"]:
+            p = pick["prediction"]
+            tips.append(f"{label}: {p['tokens_per_s']:.0f} tokens/s (from {base['tokens_per_s']:.0f}), "
+                        f"step {p['step_s']:.2f} s")
+
+    if bottleneck in ("nvme read", "nvme write"):
+        rerun("a second NVMe drive (twice the bandwidth)", nvme_read_Bps=2 * mc.nvme_read_Bps,
+              nvme_write_Bps=2 * mc.nvme_write_Bps)
+        rerun(f"twice the gradient accumulation (--grad-accum {2 * w.grad_accum})", grad_accum=2 * w.grad_accum)
+    elif bottleneck == "cpu adam":
+        rerun(f"twice the gradient accumulation (--grad-accum {2 * w.grad_accum})", grad_accum=2 * w.grad_accum)
+    elif bottleneck == "pcie":
+        rerun(f"twice the micro-batch (--micro-batch {2 * w.micro_batch})", micro_batch=2 * w.micro_batch)
+    elif bottleneck == "compute":
+        tips.append("compute-bound: the offload costs nothing here")
+    if w.checkpointing:
+        options = evaluate(m, dataclasses.replace(w, checkpointing=False), mc, cap)
+        pick = next(o for o in options if o["placement"] == chosen["placement"])
+        if not pick["short"]:
+            tips.append(f"activation checkpointing off still fits: {pick['prediction']['tokens_per_s']:.0f} tokens/s")
+    return tips

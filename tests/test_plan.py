@@ -1,0 +1,101 @@
+"""`offload plan`: the memory arithmetic against hand-computed figures, the step model on cases worked by
+hand, and the command on the issue's 70B example."""
+import json
+import re
+
+import pytest
+
+from offload.cli import main
+from offload.plan.memory import PAPER, RUNTIME, Placement, Workload, activation_bytes, tier_bytes, zero_stage_bytes
+from offload.plan.model_spec import PRESETS, ModelSpec, model_from
+from offload.plan.step_time import Machine, predict
+
+
+def test_parameter_counts_of_the_presets():
+    assert PRESETS["llama-7b"].params == 6_738_415_616  # LLaMA-7B as published
+    assert PRESETS["llama-13b"].params == 13_015_864_320
+    assert PRESETS["llama-70b"].params == 68_976_648_192  # Llama-2-70B (GQA, 8 KV heads)
+    assert PRESETS["llama3-8b"].params == 8_030_261_248
+
+
+def test_bytes_per_parameter_and_the_70b_total():
+    assert PAPER.total == 16 and RUNTIME.total == 18  # fp32 gradient shards here
+    assert zero_stage_bytes(70_000_000_000, 1, 0) == 1.12e12  # 70B -> 1.12 TB of model states
+
+
+def test_zero_stages_match_the_papers_figure_1():
+    # ZeRO (Rajbhandari et al. 2020), Figure 1: 7.5B parameters, 64 ranks, K = 12
+    psi, nd = 7.5e9, 64
+    assert [round(zero_stage_bytes(psi, nd, s) / 1e9, 2) for s in range(4)] == [120.0, 31.41, 16.64, 1.88]
+
+
+def test_activation_arithmetic():
+    m = ModelSpec("t", vocab=1000, hidden=64, intermediate=256, layers=4, heads=4, kv_heads=4)
+    w = Workload(micro_batch=2, seq_len=128, checkpointing=False)
+    sbh = 128 * 2 * 64
+    assert activation_bytes(m, w) == 4 * 34 * sbh + 6 * 128 * 2 * 1000
+    ck = Workload(micro_batch=2, seq_len=128, checkpointing=True)
+    assert activation_bytes(m, ck) == 4 * 2 * sbh + 34 * sbh + 6 * 128 * 2 * 1000
+
+
+def test_tiers_put_each_state_where_the_placement_says():
+    m = PRESETS["llama-7b"]
+    t = tier_bytes(m, Workload(), 8, Placement("cpu", "nvme"))
+    n = m.params / 8
+    assert t["cpu"]["params"] == 2 * n
+    assert (t["nvme"]["grads"], t["nvme"]["master"], t["nvme"]["moments"]) == (4 * n, 4 * n, 8 * n)
+    assert "params" not in t["device"] and t["cpu"]["staging"] > 0
+
+
+def test_step_model_by_hand():
+    """One rank, a model of 1e9 params (embedding + head, no layers: no attention term), one drive: every
+    term worked by hand."""
+    m = ModelSpec("x", vocab=500_000_000, hidden=1, intermediate=1, layers=0, heads=1, kv_heads=1)  # 1e9 + 1
+    w = Workload(micro_batch=1, seq_len=1000, grad_accum=1, checkpointing=False)
+    mc = Machine(gpus_per_node=1, device_flops=1e15, mfu=0.5, pcie_Bps=10e9, nvme_read_Bps=2e9,
+                 nvme_write_Bps=1e9, adam_params_per_s=1e9, interconnect_Bps=1e9)
+    p = predict(m, w, Placement("nvme", "nvme"), mc)
+    n = m.params
+    fwd_c = 2 * n * 1000 / 5e14  # 4 ms
+    assert p["resources"]["compute"] == pytest.approx(3 * fwd_c)
+    assert p["resources"]["pcie"] == pytest.approx((2 * n + 2 * n + 4 * n) / 10e9)
+    assert p["resources"]["nvme read"] == pytest.approx((2 * n + 2 * n + 16 * n) / 2e9)  # params x2, opt + grad
+    assert p["resources"]["nvme write"] == pytest.approx((4 * n + 12 * n + 2 * n) / 1e9)
+    assert p["resources"]["cpu adam"] == pytest.approx(n / 1e9)
+    assert p["resources"]["collectives"] == 0
+    fwd = max(fwd_c, 2 * n / 10e9, 2 * n / 2e9)
+    bwd = max(2 * fwd_c, 6 * n / 10e9, 2 * n / 2e9 + 4 * n / 1e9)
+    upd = max(16 * n / 2e9 + 12 * n / 1e9 + 2 * n / 1e9, n / 1e9)
+    assert p["step_s"] == pytest.approx(bwd + max(fwd, upd))
+    assert p["bottleneck"] == "nvme write"
+
+
+def test_plan_70b_on_one_node(tmp_path, capsys):
+    rc = main(["plan", "--model", "llama-70b", "--gpus", "8", "--gpu-mem", "80GiB", "--cpu-mem", "1TiB",
+               "--nvme-read", "25GB/s", "--nvme-write", "12GB/s", "--json", str(tmp_path / "p.json")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "fits: placement params=device, optimizer=nvme" in out  # 1.1 TB of optimizer state: not in 1 TiB RAM
+    assert "predicted step" in out and "bottleneck: nvme" in out and "tokens/s" in out
+    for resource in ("compute", "pcie", "nvme read", "nvme write", "cpu adam", "collectives"):
+        assert resource in out
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert plan["chosen"]["prediction"]["step_s"] > 0 and plan["advice"]
+
+
+def test_plan_says_what_is_short(capsys):
+    rc = main(["plan", "--model", "llama-70b", "--gpus", "1", "--gpu-mem", "24GiB", "--cpu-mem", "64GiB",
+               "--nvme-size", "200GiB"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "does NOT fit" in out and re.search(r"short on .*nvme by [0-9.]+ GiB", out)
+
+
+def test_model_from_a_config_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096}))
+    assert model_from(str(tmp_path)).params == PRESETS["llama-7b"].params
+    with pytest.raises(ValueError, match="neither a preset"):
+        model_from(str(tmp_path / "missing.json"))
+
