@@ -125,3 +125,28 @@ def test_python_settings_change_the_kernels():
         ops.set_num_threads(before)
         ops.set_isa("auto")
     assert ops.active_isa() == _ext.require().best_isa()
+
+
+def test_bench_memcpy_adam_pcie_all_write_json_and_plot(tmp_path, capsys):
+    """Small sizes: the figures are there and positive, the JSON describes the machine, the PNG is written;
+    without a GPU the pcie bench says so in one line and exits 0."""
+    import json as _json
+
+    from offload.cli import main as cli_main
+
+    out = tmp_path / "all.json"
+    rc = cli_main(["bench", "all", "--sizes", "4MiB", "--rounds", "2", "--numel", "1e6", "--json", str(out),
+                   "--plot", str(tmp_path / "all.png")])
+    text = capsys.readouterr().out
+    assert rc == 0
+    r = _json.loads(out.read_text())
+    assert r["memcpy"]["best_GBps"] > 0 and all(row["GBps"] > 0 for row in r["memcpy"]["rows"])
+    assert r["adam"]["offload_params_per_s"] > 0 and r["adam"]["torch_fused_params_per_s"] > 0
+    assert r["machine"]["ram_bytes"] > 0 and r["machine"]["cpus"] >= 1 and "filesystems" in r["machine"]
+    assert (tmp_path / "all.png").stat().st_size > 1000
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "pcie: no CUDA device on this machine; nothing to measure" in text
+        assert r["pcie"] == {"available": False, "reason": "no CUDA device"}
+    assert "nvme: skipped" in text

@@ -19,12 +19,126 @@ def _csv(convert):
 
 
 def _machine() -> dict:
+    """The machine the figures are from: CPU, RAM, GPUs and driver, filesystems."""
     import os
+
+    import psutil
+    import torch
+
+    cpu_model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu_model)
+    except OSError:
+        pass
+    gpus = [torch.cuda.get_device_name(d) for d in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    filesystems = [{"mount": p.mountpoint, "fstype": p.fstype, "device": p.device}
+                   for p in psutil.disk_partitions(all=False)]
+    return {"python": platform.python_version(), "torch": torch.__version__, "kernel": platform.release(),
+            "cpus": os.cpu_count(), "cpu_model": cpu_model, "machine": platform.machine(),
+            "ram_bytes": psutil.virtual_memory().total, "gpus": gpus, "cuda": torch.version.cuda,
+            "filesystems": filesystems}
+
+
+def _bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+    return bar, bar.update
+
+
+def _write(result: dict, args: argparse.Namespace) -> None:
+    result.setdefault("machine", _machine())
+    result.setdefault("command", " ".join(["offload"] + sys.argv[1:]))
+    if getattr(args, "json", None):
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+        print(f"wrote {args.json}")
+    if getattr(args, "plot", None):
+        from .plot import plot_results
+
+        plot_results(result, args.plot)
+        print(f"wrote {args.plot}")
+
+
+def _cmd_memcpy(args: argparse.Namespace, result: dict | None = None) -> int:
+    import os
+
+    from .host import memcpy_bench
+
+    sizes = args.sizes or [parse_size("64MiB"), parse_size("256MiB")]
+    threads = sorted({1, 2, 4, 8, 16, os.cpu_count() or 1} & set(range(1, (os.cpu_count() or 1) + 1)))
+    bar, tick = _bar(len(sizes) * len(threads) * (2 if __import__("torch").cuda.is_available() else 1), "memcpy")
+    r = memcpy_bench(sizes, threads, args.rounds, tick)
+    bar.close()
+    print(f"{'memory':<9} {'size':>9} {'threads':>7} {'impl':<8} {'GB/s':>7}")
+    for row in r["rows"]:
+        print(f"{row['memory']:<9} {row['bytes'] >> 20:>7}Mi {row['threads']:>7} {row['impl']:<8} {row['GBps']:>7.2f}")
+    if not r["pinned_tested"]:
+        print("pinned: not measured (page-locking host memory needs a CUDA driver)")
+    out = result if result is not None else {}
+    out["memcpy"] = r
+    if result is None:
+        _write(out, args)
+    return 0
+
+
+def _cmd_adam(args: argparse.Namespace, result: dict | None = None) -> int:
+    from .host import adam_bench
+
+    r = adam_bench(int(args.numel), args.rounds)
+    print(f"fused CPU AdamW (bf16 grad in, bf16 param out): {r['offload_params_per_s'] / 1e9:.2f} G params/s "
+          f"({r['offload_GBps']:.1f} GB/s); torch fused AdamW (fp32): {r['torch_fused_params_per_s'] / 1e9:.2f} "
+          f"G params/s ({r['torch_fused_GBps']:.1f} GB/s); {r['speedup']:.2f}x")
+    out = result if result is not None else {}
+    out["adam"] = r
+    if result is None:
+        _write(out, args)
+    return 0
+
+
+def _cmd_pcie(args: argparse.Namespace, result: dict | None = None) -> int:
+    from .pcie import DEFAULT_SIZES, pcie_bench
 
     import torch
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "kernel": platform.release(),
-            "cpus": os.cpu_count(), "machine": platform.machine()}
+    if not torch.cuda.is_available():
+        print("pcie: no CUDA device on this machine; nothing to measure")
+        r = {"available": False, "reason": "no CUDA device"}
+    else:
+        sizes = args.sizes or DEFAULT_SIZES
+        bar, tick = _bar(torch.cuda.device_count() * 2 * len(sizes), "pcie")
+        r = pcie_bench(sizes, args.rounds, tick)
+        bar.close()
+        print(f"{'gpu':>3} {'host mem':<9} {'size':>10} {'h2d GB/s':>9} {'d2h GB/s':>9}")
+        for row in r["rows"]:
+            print(f"{row['gpu']:>3} {'pinned' if row['pinned'] else 'pageable':<9} {row['bytes']:>10} "
+                  f"{row['h2d_GBps']:>9.2f} {row['d2h_GBps']:>9.2f}")
+        print(f"both directions at once (pinned, largest size): {r['both_directions_GBps']}")
+        if r["all_gpus"]:
+            print(f"all GPUs at once: {r['all_gpus']}")
+    out = result if result is not None else {}
+    out["pcie"] = r
+    if result is None:
+        _write(out, args)
+    return 0
+
+
+def _cmd_all(args: argparse.Namespace) -> int:
+    result: dict = {}
+    _cmd_pcie(args, result)
+    _cmd_memcpy(args, result)
+    _cmd_adam(args, result)
+    if args.path:
+        from .nvme import NvmeBenchConfig, run_nvme_bench
+
+        result["nvme"] = run_nvme_bench(NvmeBenchConfig(path=args.path, size=parse_size("256MiB"), rounds=1))
+        nv = result["nvme"]
+        print(f"nvme: read {nv['read_gbps']:.2f} GB/s, write {nv['write_gbps']:.2f} GB/s")
+    else:
+        print("nvme: skipped (give --path DIR on the drive to test)")
+    _write(result, args)
+    return 0
 
 
 def _cmd_nvme(args: argparse.Namespace) -> int:
@@ -44,7 +158,7 @@ def _cmd_nvme(args: argparse.Namespace) -> int:
         deepspeed=args.deepspeed,
         stream=not args.no_stream,
     )
-    result = {"nvme": run_nvme_bench(cfg), "machine": _machine(), "command": " ".join(["offload"] + sys.argv[1:])}
+    result = {"nvme": run_nvme_bench(cfg)}
     nv = result["nvme"]
     for op in cfg.ops:
         line = f"best {op}: {nv[f'{op}_gbps']:.3f} GB/s at {nv[f'best_{op}']}"
@@ -56,10 +170,7 @@ def _cmd_nvme(args: argparse.Namespace) -> int:
             line += (f"; DeepSpeed best {nv[f'deepspeed_{op}_gbps']:.3f} GB/s -> stream "
                      f"{nv[f'stream_{op}_vs_deepspeed_best']:.0%}")
         print(line)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
-        print(f"wrote {args.json}")
+    _write(result, args)
     return 0
 
 
@@ -73,6 +184,7 @@ def add_bench_parser(subparsers) -> None:
     nvme.add_argument("--path", required=True, help="directory on the disk to test (a temporary file goes there)")
     nvme.add_argument("--size", default="1GiB", help="test file size (default 1GiB)")
     nvme.add_argument("--json", help="write the results here")
+    nvme.add_argument("--plot", help="write a PNG of the sweep here")
     nvme.add_argument("--block-sizes", type=_csv(parse_size), default=None,
                       help="comma list, default 128KiB,512KiB,1MiB,4MiB,8MiB")
     nvme.add_argument("--queue-depths", type=_csv(int), default=None, help="comma list, default 1,4,16,64")
@@ -87,3 +199,26 @@ def add_bench_parser(subparsers) -> None:
                       help="also time DeepSpeed's AsyncIOBuilder handle (pip install deepspeed; needs libaio-dev)")
     nvme.add_argument("--fio-ioengine", default="io_uring", choices=["io_uring", "libaio", "psync"])
     nvme.set_defaults(func=_cmd_nvme)
+
+    def common(p, sizes_help=None):
+        p.add_argument("--json", help="write the results (and the machine's description) here")
+        p.add_argument("--plot", help="write a PNG of the sweeps here")
+        p.add_argument("--rounds", type=int, default=5, help="timed repetitions per figure (median)")
+        if sizes_help:
+            p.add_argument("--sizes", type=_csv(parse_size), default=None, help=sizes_help)
+
+    memcpy = sub.add_parser("memcpy", help="host copy GB/s over kernel threads, pageable and pinned")
+    common(memcpy, "comma list of buffer sizes, default 64MiB,256MiB")
+    memcpy.set_defaults(func=_cmd_memcpy)
+    adam = sub.add_parser("adam", help="fused CPU AdamW params/s and GB/s vs torch's fused AdamW")
+    common(adam)
+    adam.add_argument("--numel", type=float, default=2 ** 24, help="parameters per step (default 16.8M)")
+    adam.set_defaults(func=_cmd_adam)
+    pcie = sub.add_parser("pcie", help="host<->device GB/s, pinned vs pageable, per GPU and all at once")
+    common(pcie, "comma list of sizes, default 4KiB..1GiB")
+    pcie.set_defaults(func=_cmd_pcie)
+    every = sub.add_parser("all", help="pcie, memcpy, adam, and nvme when --path is given")
+    common(every, "memcpy/pcie sizes")
+    every.add_argument("--numel", type=float, default=2 ** 24)
+    every.add_argument("--path", help="directory on the NVMe drive for the nvme sweep")
+    every.set_defaults(func=_cmd_all)
