@@ -21,6 +21,8 @@ DEVICES = {
     "h200": dict(device_flops=989e12, pcie_Bps=50e9, interconnect_Bps=360e9, memory=141 << 30),
     "a100": dict(device_flops=312e12, pcie_Bps=25e9, interconnect_Bps=240e9, memory=80 << 30),
     "l40s": dict(device_flops=362e12, pcie_Bps=25e9, interconnect_Bps=20e9, memory=48 << 30),
+    # the CPU as the compute device (this project's test machines): no PCIe hop; give --tflops and --gpu-mem
+    "cpu": dict(device_flops=0.5e12, pcie_Bps=float("inf"), interconnect_Bps=10e9, memory=16 << 30),
 }
 
 
