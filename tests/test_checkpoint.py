@@ -267,6 +267,15 @@ def test_refuses_symlinks_and_directories_of_other_users(saved_run, tmp_path):
             rt.load_checkpoint(ckpt)
 
 
+def test_a_checkpoint_inside_the_swap_directory_is_refused(tmp_path):
+    with offload.init(small_config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path))) as rt:
+        model = TinyTransformer()
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        _train(rt, model, opt, 1)
+        with pytest.raises(CheckpointError, match="inside the runtime's swap directory .* deleted when the runtime"):
+            rt.save_checkpoint(rt.states.run_dir / "ckpt")
+
+
 def test_another_model_is_refused_before_any_write(tmp_path, saved_run):
     _, _, _, ckpt = saved_run
     with offload.init(small_config()) as rt:

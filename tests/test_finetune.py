@@ -60,7 +60,21 @@ def _first_batch(model_dir: Path, data: Path, cfg: FinetuneConfig):
 
 
 # ---- the default run, shortened ----------------------------------------------------------------
-def test_default_run_shortened(tmp_path, capsys):
+def test_default_run_shortened(tmp_path, capsys, monkeypatch):
+    """The README's main command, 6 steps: exit 0, the loss falls, the summary is printed, and the output
+    loads with transformers and gives the trained runtime model's logits (bf16, as trained)."""
+    import offload.finetune.job as job
+
+    ids = torch.arange(64).view(2, 32) + 100
+    captured = {}
+
+    def on_trained(rt, model):
+        with torch.no_grad():
+            captured["logits"] = model(input_ids=ids).logits.float()
+
+    real = job.finetune
+    # the CLI's own run (it imports job.finetune when called), with a look at the model before it closes
+    monkeypatch.setattr(job, "finetune", lambda cfg, progress=None: real(cfg, progress, on_trained=on_trained))
     out = tmp_path / "out"
     rc = main(["finetune", "--steps", "6", "--eval-blocks", "8", "--output", str(out),
                "--json", str(tmp_path / "r.json")])
@@ -75,12 +89,12 @@ def test_default_run_shortened(tmp_path, capsys):
     assert (r["params_tier"], r["optimizer_tier"]) == ("nvme", "nvme")
     assert r["bytes_moved"]["nvme read"] > 6 * r["n_params"] * 2  # every step pages the params in
     assert "held-out loss" in text and "peak host RSS" in text and "nvme read" in text
-    model = AutoModelForCausalLM.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)  # the runtime computed in bf16
     tok = AutoTokenizer.from_pretrained(out)
     assert model.num_parameters() == r["n_params"] and len(tok) <= model.config.vocab_size
-    ids = torch.tensor([tok("def main():\n    return 0\n")["input_ids"]])
     with torch.no_grad():
-        assert torch.isfinite(model(input_ids=ids).logits).all()
+        logits = model(input_ids=ids).logits.float()
+    torch.testing.assert_close(logits, captured["logits"], rtol=0, atol=0.05)  # bf16 logits of size ~10
 
 
 def test_output_gives_the_runtimes_logits(tmp_path, tiny_model, text_file):

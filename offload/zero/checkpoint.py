@@ -109,6 +109,10 @@ def save_checkpoint(rt, root, extra: dict | None = None, lr_schedulers=(), keep_
         extra_json = json.loads(json.dumps(extra or {}))
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"save_checkpoint(extra=...): must be JSON-serializable (no pickles): {exc}") from None
+    run_dir = rt.states.run_dir
+    if run_dir is not None and (root.resolve() == run_dir.resolve() or run_dir.resolve() in root.resolve().parents):
+        raise CheckpointError(f"save_checkpoint({root}): inside the runtime's swap directory {run_dir}, which is "
+                              "deleted when the runtime closes; save checkpoints somewhere else")
     rt.quiesce()  # every queued update is in the shards written below
     tmp, final = root / f".tmp-{tag}", root / tag
     if rt.rank == 0:
