@@ -34,6 +34,8 @@ def _cmd_env(args: argparse.Namespace) -> int:
         info["build_features"] = str(exc)
     if mod is not None:
         info["cpu_isa_best"] = mod.best_isa()
+        info["cpu_isa_active"] = mod.active_isa()
+        info["cpu_isa_choice"] = _ext.ISA_CHOICE["reason"]
         info["kernel_threads"] = mod.num_threads()
         if hasattr(mod, "aio_backends"):
             info["aio_backends"] = mod.aio_backends()
