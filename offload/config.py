@@ -76,8 +76,8 @@ class Config:
       (None: cpu_budget / 64, between 1MiB and 64MiB).
     collective_timeout: how long a rank waits in one collective before it stops with an error naming the
       collective, the unit, and which rank is behind and where (the watchdog, offload/zero/watchdog.py).
-    swap_checksums: a CRC-32 of every swap slot written, checked when it is read back (a corrupt drive raises
-      SwapCorruptError instead of training on wrong numbers; costs one CRC pass over the nvme traffic).
+    swap_checksums: an XXH3-64 hash of every swap slot written, checked when it is read back (a corrupt drive
+      raises SwapCorruptError instead of training on wrong numbers; costs one hash pass over the nvme traffic).
     log_every: log one line of step telemetry (logger "offload") every this many optimizer steps (0: never).
     """
 

@@ -3,7 +3,7 @@
     python checkpoint_worker.py SPEC.json
 SPEC: {"out": file, "nvme": dir, "ckpt": dir, "steps": total steps, "save_at": [steps after which to save],
        "resume": bool, "save_loaded_to": dir, "params": tier, "optimizer": tier, "compute_dtype": ...,
-       "keep_last": n}
+       "keep_last": n, "accum": micro-batches per step, "save_mid_at": step to save after its first micro-batch}
 Data come from the global torch RNG (so a resume must restore it); the LR follows a warmup schedule (so a
 resume must restore the scheduler); the loop position travels in `extra`. Writes the per-step losses and
 the final fp32 parameters (out + ".safetensors").
@@ -34,17 +34,24 @@ def main():
         model = TinyTransformer()
         opt = offload.AdamW(param_groups(model.named_parameters()), lr=1e-2)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
-        start = 0
+        start, first_micro = 0, 0
         if spec.get("resume"):
             extra = rt.load_checkpoint(spec["ckpt"], lr_scheduler=sched)
-            start = extra["next_step"]
+            start, first_micro = extra["next_step"], extra.get("next_micro", 0)
             if spec.get("save_loaded_to"):  # resharding checks: the loaded state, saved again as it is
                 rt.save_checkpoint(spec["save_loaded_to"], extra=extra, lr_scheduler=sched)
+        accum = spec.get("accum", 1)
         for step in range(start, spec["steps"]):
-            ids = torch.randint(0, VOCAB, (2, SEQ))
-            logits = model(ids)
-            loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), ids.reshape(-1))
-            loss.backward()
+            for micro in range(first_micro if step == start else 0, accum):
+                ids = torch.randint(0, VOCAB, (2, SEQ))
+                logits = model(ids)
+                loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), ids.reshape(-1)) / accum
+                loss.backward()
+                if step == spec.get("save_mid_at") and micro == 0 and not spec.get("resume"):
+                    # in the middle of the accumulation: the partial gradient is part of the checkpoint
+                    rt.save_checkpoint(spec["ckpt"], extra={"next_step": step, "next_micro": 1},
+                                       lr_scheduler=sched)
+                    print(f"saved mid {step}", flush=True)
             rt.clip_grad_norm_(1.0)
             opt.step()
             sched.step()

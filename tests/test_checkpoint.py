@@ -109,6 +109,18 @@ def test_resume_is_exact_two_ranks_and_reshards(tmp_path):
         assert torch.equal(original[k], via_one[k]) and torch.equal(original[k], back[k]), k
 
 
+def test_resume_in_the_middle_of_a_gradient_accumulation(tmp_path):
+    """Saved after the first of two micro-batches: the partial gradient is in the checkpoint, and the
+    resumed run finishes that step and the next ones as the uninterrupted run did, bit for bit."""
+    full = _worker(tmp_path, "full", steps=5, accum=2, ckpt=str(tmp_path / "unused"))
+    ckpt = tmp_path / "ckpt"
+    _worker(tmp_path, "first", steps=3, accum=2, save_mid_at=2, ckpt=str(ckpt))
+    manifest = json.loads((ckpt / "step-2" / "manifest.json").read_text())
+    assert all(u["grad"] for u in manifest["units"] if any(u["used"]))
+    resumed = _worker(tmp_path, "resumed", steps=5, accum=2, resume=True, ckpt=str(ckpt))
+    _same(full, resumed, range(2, 5))
+
+
 # ---- kills -------------------------------------------------------------------------------------
 def _spawn(tmp: Path, name: str, env: dict, **spec) -> subprocess.Popen:
     (tmp / "nvme").mkdir(exist_ok=True)

@@ -115,7 +115,7 @@ def test_bit_flipped_swap_slot_is_detected(tmp_path):
         finally:
             os.close(fd)
         with pytest.raises(SwapCorruptError, match=rf"shard 'b': 20480 bytes read back from {re.escape(path)} at "
-                                                   r"offset 20480 differ from what was written \(CRC-32"):
+                                                   r"offset 20480 differ from what was written \(XXH3-64"):
             st.fetch("b", "cpu").result()
         assert st.residency("b") is Residency.NVME
         assert torch.equal(st.fetch("a", "cpu").result(), a)

@@ -4,8 +4,9 @@
     ROOT/latest                  the name of the newest complete checkpoint (moved last)
     ROOT/<tag>/manifest.json     what the run was, and the size and sha256 of every file
     ROOT/<tag>/rank-RRRRR-of-WWWWW.safetensors   rank R's shard (of world W) of every unit: "<uid>/master",
-                                 "<uid>/exp_avg", "<uid>/exp_avg_sq" (fp32, the flat layout's shard) and
-                                 "rng/..." (its torch generator states)
+                                 "<uid>/exp_avg", "<uid>/exp_avg_sq", and "<uid>/grad" in the middle of a
+                                 gradient accumulation (fp32, the flat layout's shard), and "rng/..." (its
+                                 torch generator states)
     ROOT/<tag>/<aux files>       config.json, tokenizer files (when the run gave them; export copies them)
 """
 from __future__ import annotations

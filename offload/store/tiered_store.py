@@ -48,11 +48,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-import zlib
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import xxhash
 
 from ..ops.copy import copy_ as _host_copy
 from .. import inject
@@ -71,9 +71,10 @@ R = Residency
 _TO_WORKER = object()  # yielded by a move before work that must run in a worker thread
 
 
-def _crc32(t: torch.Tensor) -> int:
-    """CRC-32 of a host uint8 tensor's bytes (zlib releases the GIL; about 5 GB/s on one core)."""
-    return zlib.crc32(memoryview(t.numpy()))
+def _digest(t: torch.Tensor) -> int:
+    """XXH3-64 of a host uint8 tensor's bytes (xxhash releases the GIL; about 29 GB/s on one core here, five
+    times zlib's CRC-32)."""
+    return xxhash.xxh3_64_intdigest(memoryview(t.numpy()))
 
 
 class StoreError(RuntimeError):
@@ -101,7 +102,7 @@ class StoreConfig:
     aio_queue_depth: int = 32
     aio_workers: int = 2
     aio_backend: str = "auto"
-    checksums: bool = True  # a CRC-32 of every swap slot, taken at write, verified at read (SwapCorruptError)
+    checksums: bool = True  # an XXH3-64 of every swap slot, taken at write, verified at read (SwapCorruptError)
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class _Shard:
     dev_block: object = None  # working copy on the device (home cpu / nvme)
     target: Tier | None = None  # where the working copy will be once queued moves ran (None: home only)
     last: cf.Future | None = None  # the last move queued for this shard
-    crc: int | None = None  # CRC-32 of the slot's bytes as last written (StoreConfig.checksums)
+    digest: int | None = None  # XXH3-64 of the slot's bytes as last written (StoreConfig.checksums)
 
 
 def _view(block, s: _Shard) -> torch.Tensor:
@@ -638,12 +639,12 @@ class TieredStore:
             except OSError:
                 s.swap.check_intact(s.slot + blk.reserved)  # a file cut short says so (clearer than ENODATA)
                 raise
-            if s.crc is not None and _crc32(blk.padded()) != s.crc:
+            if s.digest is not None and _digest(blk.padded()) != s.digest:
                 raise SwapCorruptError(
                     f"shard {s.name!r}: {blk.reserved} bytes read back from {s.swap.path} at offset {s.slot} differ "
-                    f"from what was written (CRC-32 {_crc32(blk.padded()):08x}, written {s.crc:08x}): the drive or "
-                    "the file is corrupt; nothing was used. Check the drive (dmesg, smartctl) and resume from a "
-                    "checkpoint")
+                    f"from what was written (XXH3-64 {_digest(blk.padded()):016x}, written {s.digest:016x}): the "
+                    "drive or the file is corrupt; nothing was used. Check the drive (dmesg, smartctl) and resume "
+                    "from a checkpoint")
             inject.pause(Queue.NVME_READ)  # in the worker: a slow disk, not a slow caller
             ok = True
         finally:
@@ -655,7 +656,7 @@ class TieredStore:
         started = self._links.begin(Link.CPU_TO_NVME)
         ok = False
         try:
-            s.crc = _crc32(blk.padded()) if self.config.checksums else None  # the bytes as they go out
+            s.digest = _digest(blk.padded()) if self.config.checksums else None  # the bytes as they go out
             h = self._engine.write(s.swap.file, s.slot, blk.padded())
             yield h  # resumed once the write is over: the buffer may be reused or freed only then
             h.wait()  # already over; raises the write's error here

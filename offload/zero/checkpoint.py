@@ -8,11 +8,14 @@
     ROOT/step-120/rank-00000-of-00002.safetensors   this rank's fp32 master and Adam moments of every unit
                                         (its shard of the flat layout) and its torch RNG states
 
+A checkpoint taken in the middle of a gradient accumulation also holds the gradient shards summed so far
+(gradients accumulated under no_sync are reduced first) and which parameters got one; the user's loop
+position travels in `extra`.
+
 Writing: every rank streams its shards chunk by chunk (leases, bounded memory) into ROOT/.tmp-step-120,
 each file fsynced with its checksum computed on the way; rank 0 then writes the manifest, renames the
 directory into place, and moves `latest`. A process killed at any moment leaves the previous checkpoint
-and `latest` as they were (a stale .tmp-* directory is removed by the next save). Checkpoints are taken
-between steps: the gradients of an unfinished accumulation are not saved.
+and `latest` as they were (a stale .tmp-* directory is removed by the next save).
 
 Loading (after the model and optimizer exist): every file's size and checksum are verified, and every unit's
 slot names and shapes compared with the model, before a single byte is written into the store. A
@@ -113,7 +116,8 @@ def save_checkpoint(rt, root, extra: dict | None = None, lr_schedulers=(), keep_
     if run_dir is not None and (root.resolve() == run_dir.resolve() or run_dir.resolve() in root.resolve().parents):
         raise CheckpointError(f"save_checkpoint({root}): inside the runtime's swap directory {run_dir}, which is "
                               "deleted when the runtime closes; save checkpoints somewhere else")
-    rt.quiesce()  # every queued update is in the shards written below
+    rt.flush_grads()  # gradients accumulated under no_sync are reduced into the shards saved below
+    rt.quiesce()  # every queued update and reduce is in the shards written below
     tmp, final = root / f".tmp-{tag}", root / tag
     if rt.rank == 0:
         make_private_dir(root, "checkpoint directory")
@@ -126,7 +130,8 @@ def save_checkpoint(rt, root, extra: dict | None = None, lr_schedulers=(), keep_
     rng_json, rng_tensors = _rng_state()
     # each rank counts steps for the parameters in its own shard: the manifest takes the union
     steps = [{_param_key(p): int(st["step"]) for p, st in opt.state.items() if "step" in st} for opt in _optimizers(rt)]
-    status = {"file": name, "rng": rng_json, "steps": steps}
+    status = {"file": name, "rng": rng_json, "steps": steps,
+              "used": {u.uid: u.used.tolist() for u in rt.units if u.has_grad}}
     try:
         status.update(_writerank_file(rt, tmp / name, rng_tensors))
     except OSError as exc:
@@ -166,6 +171,8 @@ def _writerank_file(rt, path: Path, rng_tensors: dict[str, torch.Tensor]) -> dic
     for unit in rt.units:
         kinds = [unit.shards.master_kind()] + ([StateKind.EXP_AVG, StateKind.EXP_AVG_SQ]
                                                if unit.shards.moments_registered else [])
+        if unit.has_grad:  # in the middle of a gradient accumulation: the partial sum goes too
+            kinds.append(StateKind.GRAD)
         for kind in kinds:
             label = "master" if kind is unit.shards.master_kind() else kind.value
             writer.add(f"{unit.uid}/{label}", torch.float32, unit.shards.shard_numel)
@@ -221,7 +228,10 @@ def _manifest(rt, tag: str, statuses: list[dict], extra: dict, lr_schedulers) ->
         "compute_dtype": rt.config.compute_dtype,
         "placement": {"params": rt.params_tier, "optimizer": rt.optimizer_tier},
         "units": [{"uid": u.uid, "numel": u.layout.numel, "padded_numel": u.layout.padded_numel,
-                   "moments": u.shards.moments_registered,
+                   "moments": u.shards.moments_registered, "grad": u.has_grad,
+                   # which parameters got a gradient so far (any rank), for an accumulation in progress
+                   "used": [any(s["used"].get(u.uid, [False] * len(u.layout.slots))[i] for s in statuses)
+                            for i in range(len(u.layout.slots))],
                    "slots": [{"name": s.fqn, "shape": list(s.shape), "offset": s.offset} for s in u.layout.slots]}
                   for u in rt.units],
         "optimizers": optimizers,
@@ -285,7 +295,7 @@ def load_checkpoint(rt, root, lr_schedulers=()) -> dict:
             entry = saved[unit.uid]
             old_shard = entry["padded_numel"] // old_world
             lo, hi = unit.layout.shard_bounds(rt.rank)
-            labels = ["master"] + (list(_MOMENTS) if entry["moments"] else [])
+            labels = ["master"] + (list(_MOMENTS) if entry["moments"] else []) + (["grad"] if entry.get("grad") else [])
             for label in labels:
                 buf = torch.zeros(unit.shards.shard_numel, dtype=torch.float32)
                 for r, h in enumerate(handles):  # the old ranks whose shards overlap this rank's new one
@@ -296,9 +306,15 @@ def load_checkpoint(rt, root, lr_schedulers=()) -> dict:
                     unit.write_shard(StateKind.PARAM, buf)  # cast to the compute dtype, as the kernel writes it
                     if not unit.shards.master_is_param:
                         unit.write_shard(StateKind.MASTER, buf)
+                elif label == "grad":
+                    unit._register_grads()
+                    unit.write_shard(StateKind.GRAD, buf)
                 else:
                     rt.register_moments(unit)
                     unit.write_shard(StateKind.EXP_AVG if label == "exp_avg" else StateKind.EXP_AVG_SQ, buf)
+            # the accumulation state: a saved partial gradient is added to by the next backward
+            unit.has_grad, unit.local_grad, unit.grad_norms = bool(entry.get("grad")), None, None
+            unit.used.copy_(torch.tensor(entry.get("used", [False] * len(unit.layout.slots)), dtype=torch.bool))
             if unit.state is UnitState.UNSHARDED:
                 unit.stale = True  # a gathered (persistent) unit re-gathers before its next use
         own = handles[min(rt.rank, old_world - 1)]
