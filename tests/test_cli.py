@@ -166,3 +166,25 @@ def test_unset_isa_takes_the_faster_path_for_adamw():
         pytest.skip("no AVX-512 on this CPU: nothing to choose")
     assert active in ("avx512", "avx2")
     assert re.match(rf"{active}: AdamW timed at load, avx512 [0-9.]+ vs avx2 [0-9.]+ G params/s", reason), reason
+
+
+def test_bench_nvme_on_two_paths_streams_both_at_once(tmp_path, capsys):
+    """Two directories (here on one disk): the sweep runs on the first, then both are streamed at once; the
+    plan reads the aggregate."""
+    import json as _json
+
+    from offload.cli import main as cli_main
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    rc = cli_main(["bench", "nvme", "--path", str(a), "--path", str(b), "--size", "8MiB", "--block-sizes", "1MiB",
+                   "--queue-depths", "4", "--rounds", "1", "--no-fio", "--json", str(tmp_path / "n.json")])
+    text = capsys.readouterr().out
+    assert rc == 0
+    striped = _json.loads((tmp_path / "n.json").read_text())["nvme"]["striped"]
+    assert striped["paths"] == [str(a), str(b)] and len(striped["read_alone_gbps"]) == 2
+    assert striped["read_striped_gbps"] > 0 and striped["write_striped_gbps"] > 0
+    assert "striped read:" in text
+    assert not list(a.iterdir()) and not list(b.iterdir())  # test files removed
+    from offload.plan.cli import _from_bench
+
+    assert _from_bench(str(tmp_path / "n.json"))["nvme_read_Bps"] == striped["read_striped_gbps"] * 1e9

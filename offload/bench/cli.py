@@ -130,11 +130,13 @@ def _cmd_all(args: argparse.Namespace) -> int:
     _cmd_memcpy(args, result)
     _cmd_adam(args, result)
     if args.path:
-        from .nvme import NvmeBenchConfig, run_nvme_bench
+        from .nvme import NvmeBenchConfig, run_nvme_bench, run_striped_bench
 
-        result["nvme"] = run_nvme_bench(NvmeBenchConfig(path=args.path, size=parse_size("256MiB"), rounds=1))
+        result["nvme"] = run_nvme_bench(NvmeBenchConfig(path=args.path[0], size=parse_size("256MiB"), rounds=1))
         nv = result["nvme"]
         print(f"nvme: read {nv['read_gbps']:.2f} GB/s, write {nv['write_gbps']:.2f} GB/s")
+        if len(args.path) > 1:
+            nv["striped"] = run_striped_bench(args.path, parse_size("256MiB"))
     else:
         print("nvme: skipped (give --path DIR on the drive to test)")
     _write(result, args)
@@ -142,10 +144,10 @@ def _cmd_all(args: argparse.Namespace) -> int:
 
 
 def _cmd_nvme(args: argparse.Namespace) -> int:
-    from .nvme import DEFAULT_BLOCK_SIZES, DEFAULT_QUEUE_DEPTHS, NvmeBenchConfig, run_nvme_bench
+    from .nvme import DEFAULT_BLOCK_SIZES, DEFAULT_QUEUE_DEPTHS, NvmeBenchConfig, run_nvme_bench, run_striped_bench
 
     cfg = NvmeBenchConfig(
-        path=args.path,
+        path=args.path[0],
         size=parse_size(args.size, "--size"),
         block_sizes=args.block_sizes or [parse_size(s) for s in DEFAULT_BLOCK_SIZES],
         queue_depths=args.queue_depths or list(DEFAULT_QUEUE_DEPTHS),
@@ -159,6 +161,8 @@ def _cmd_nvme(args: argparse.Namespace) -> int:
         stream=not args.no_stream,
     )
     result = {"nvme": run_nvme_bench(cfg)}
+    if len(args.path) > 1:  # several drives: the sweep ran on the first; now all of them at once
+        result["nvme"]["striped"] = run_striped_bench(args.path, cfg.size, backend=cfg.backend)
     nv = result["nvme"]
     for op in cfg.ops:
         line = f"best {op}: {nv[f'{op}_gbps']:.3f} GB/s at {nv[f'best_{op}']}"
@@ -181,7 +185,9 @@ def add_bench_parser(subparsers) -> None:
 
     nvme = sub.add_parser("nvme", help="sequential read/write GB/s of the aio engine vs block size and queue "
                                        "depth, with fio side by side")
-    nvme.add_argument("--path", required=True, help="directory on the disk to test (a temporary file goes there)")
+    nvme.add_argument("--path", required=True, action="append",
+                      help="directory on the disk to test (a temporary file goes there); repeat it for several "
+                           "drives: the sweep runs on the first, then every path is streamed at once (striping)")
     nvme.add_argument("--size", default="1GiB", help="test file size (default 1GiB)")
     nvme.add_argument("--json", help="write the results here")
     nvme.add_argument("--plot", help="write a PNG of the sweep here")
@@ -220,5 +226,6 @@ def add_bench_parser(subparsers) -> None:
     every = sub.add_parser("all", help="pcie, memcpy, adam, and nvme when --path is given")
     common(every, "memcpy/pcie sizes")
     every.add_argument("--numel", type=float, default=2 ** 24)
-    every.add_argument("--path", help="directory on the NVMe drive for the nvme sweep")
+    every.add_argument("--path", action="append",
+                       help="directory on an NVMe drive for the nvme sweep (repeat for several drives)")
     every.set_defaults(func=_cmd_all)

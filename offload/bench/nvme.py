@@ -257,3 +257,56 @@ def _summarize(cfg: NvmeBenchConfig, backend: str | None, fio_version: str | Non
                 out[f"stream_{op}_vs_deepspeed_best"] = sbest["engine_stream_gbps"] / dbest["deepspeed_gbps"]
     out["sweep"] = sweep
     return out
+
+
+def run_striped_bench(paths: list[str], size: int, block_size: int = 1 << 20, queue_depth: int = 32,
+                      backend: str = "auto", log: Callable[[str], None] = print) -> dict:
+    """Several drives at once (the store's stream pattern on one file per path, all concurrently, one engine
+    and one buffer each): each path alone, then all together; GB/s of all the bytes over the wall time."""
+    import threading
+
+    files, runners = [], []
+    try:
+        for k, directory in enumerate(paths):
+            os.makedirs(directory, exist_ok=True)
+            path = os.path.join(directory, f"offload-bench-stripe-{os.getpid()}-{k}.bin")
+            buf = aligned_empty(max(min(size, 256 << 20), block_size * 2))
+            buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8))
+            with AioEngine(block_size="4MiB", queue_depth=8, backend=backend) as eng:
+                with eng.open(path, "x+") as f:
+                    eng.fallocate(f, size)
+            files.append(path)
+            runner = _EngineRunner(path, size, buf)
+            runner.run("write", 4 << 20, 8, 1, backend)  # lay the file out
+            runners.append(runner)
+        out: dict = {"paths": list(paths), "size_per_path": size, "block_size": block_size,
+                     "queue_depth": queue_depth}
+        for op in ("write", "read"):
+            alone = [r.run(op, block_size, queue_depth, 1, backend, "stream") for r in runners]
+            errors: list[BaseException] = []
+
+            def one(r):
+                try:
+                    r.run(op, block_size, queue_depth, 1, backend, "stream")
+                except BaseException as exc:  # noqa: BLE001 - reported by the caller's thread
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=one, args=(r,)) for r in runners]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            if errors:
+                raise errors[0]
+            out[f"{op}_alone_gbps"] = alone
+            out[f"{op}_striped_gbps"] = _gbps(size * len(runners), wall)
+            log(f"striped {op}: {out[f'{op}_striped_gbps']:.3f} GB/s over {len(paths)} path(s) at once; alone: "
+                + ", ".join(f"{g:.3f}" for g in alone))
+        return out
+    finally:
+        for path in files:
+            if os.path.exists(path):
+                os.unlink(path)
+

@@ -40,6 +40,10 @@ def _from_bench(path: str) -> dict:
         out["nvme_read_Bps"] = nv["read_gbps"] * 1e9
     if "write_gbps" in nv:
         out["nvme_write_Bps"] = nv["write_gbps"] * 1e9
+    striped = nv.get("striped")
+    if striped:  # several drives measured at once: the node's aggregate is what the states are spread over
+        out["nvme_read_Bps"] = striped["read_striped_gbps"] * 1e9
+        out["nvme_write_Bps"] = striped["write_striped_gbps"] * 1e9
     pcie = data.get("pcie", {})
     if pcie.get("h2d_pinned_gbps"):
         out["pcie_Bps"] = pcie["h2d_pinned_gbps"] * 1e9
