@@ -223,15 +223,23 @@ def evaluate(rt, model, blocks: TokenBlocks, micro_batch: int) -> float:
     return float(_all_sum(rt, total)) / max(1, tokens)
 
 
-def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneResult:
-    """Run the fine-tune (module docstring). `progress(step, total, loss, stats)` is called after each step
-    (the CLI draws its progress bar with it); `on_trained(rt, model)` once training ends, while the runtime
-    is still open (to inspect or evaluate the model before it is saved and the runtime closes)."""
-    import offload
-    from transformers import AutoModelForCausalLM, LlamaConfig, get_cosine_with_min_lr_schedule_with_warmup
+@dataclasses.dataclass
+class _Inputs:
+    """Everything a run needs that can be wrong, found before training starts."""
 
-    t_load = time.perf_counter()
-    # ---- everything that can be wrong with the input is found before training starts
+    model_dir: HFModelDir | None
+    tokenizer: object
+    hf_config: object
+    train: TokenBlocks
+    heldout: TokenBlocks
+    n_params: int
+    ignored: list[str]
+
+
+def _inputs(cfg: FinetuneConfig) -> _Inputs:
+    """The model directory, tokenizer, config and token blocks, each checked (InputError otherwise)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
     model_dir = HFModelDir(cfg.model) if cfg.model is not None else None
     examples = _load_examples(cfg)
     if cfg.tokenizer is not None:
@@ -263,7 +271,20 @@ def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneRes
         shapes_only = AutoModelForCausalLM.from_config(hf_config)
     n_params = sum(p.numel() for p in shapes_only.parameters())
     ignored = model_dir.check(shapes_only) if model_dir is not None else []
-    del shapes_only
+    return _Inputs(model_dir, tokenizer, hf_config, train, heldout, n_params, ignored)
+
+
+def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneResult:
+    """Run the fine-tune (module docstring). `progress(step, total, loss, stats)` is called after each step
+    (the CLI draws its progress bar with it); `on_trained(rt, model)` once training ends, while the runtime
+    is still open (to inspect or evaluate the model before it is saved and the runtime closes)."""
+    import offload
+    from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
+
+    t_load = time.perf_counter()
+    inputs = _inputs(cfg)  # everything that can be wrong with the input is found before training starts
+    model_dir, tokenizer, train, heldout = inputs.model_dir, inputs.tokenizer, inputs.train, inputs.heldout
+    n_params = inputs.n_params
 
     owned_swap = tempfile.TemporaryDirectory(prefix="offload-finetune-")  # used unless a swap dir is given
     rcfg = runtime_config(cfg, owned_swap.name)
@@ -271,7 +292,7 @@ def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneRes
     _check_nvme_space(rcfg, n_params, world)
     try:
         with offload.init(rcfg) as rt:
-            model = AutoModelForCausalLM.from_config(hf_config)  # meta placeholders: nothing allocated yet
+            model = AutoModelForCausalLM.from_config(inputs.hf_config)  # meta placeholders: nothing allocated yet
             if model_dir is not None:
                 rt.wrap(model, weights=model_dir.weights(model))
             else:
@@ -348,4 +369,4 @@ def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneRes
                      "host->device": stats["host_to_device_bytes"], "device->host": stats["device_to_host_bytes"],
                      "all-gather": stats["allgather_bytes"], "reduce-scatter": stats["reduce_scatter_bytes"]},
         params_tier=stats["params_tier"], optimizer_tier=stats["optimizer_tier"], world_size=world,
-        ignored_weights=ignored, checkpoints=checkpoints)
+        ignored_weights=inputs.ignored, checkpoints=checkpoints)
