@@ -6,6 +6,8 @@ Environment:
   OFFLOAD_DISABLE_EXT  "1": never load the extension (tests the plain-torch fallback)
   OFFLOAD_NO_URING     "1": build without io_uring even when liburing is installed
   OFFLOAD_NUM_THREADS  kernel threads at load time (default: usable cores)
+  OFFLOAD_BUILD_LOCK_STALE_S  a build lock older than this many seconds (default 900) was left by a build
+                       that was killed: it is removed (with a warning) instead of being waited on forever
   OFFLOAD_ISA          SIMD path at load time: avx512 | avx2 | scalar | auto (the widest the CPU has);
                        unset: the faster of AVX-512 and AVX2 for the AdamW kernel, timed once at load (a
                        few ms). Some CPUs (AMD Zen 4) run AVX-512 at half the AVX2 rate here; every path
@@ -36,6 +38,32 @@ def build_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "offload" / "ext" / tag
 
 
+def _wait_for_other_build(path: Path) -> None:
+    """torch's build lock (`path/lock`) is waited on forever, and a build killed mid-way leaves it behind:
+    wait while another build may really be running (saying so), remove it once it is too old to be one."""
+    import sys
+    import time
+
+    lock = path / "lock"
+    stale_s = float(os.environ.get("OFFLOAD_BUILD_LOCK_STALE_S", "900"))  # a build takes about a minute
+    said = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_s:
+            warnings.warn(f"offload: removing {lock}: left {age:.0f} s ago by an extension build that did not "
+                          "finish (a killed process); building again", RuntimeWarning, stacklevel=3)
+            lock.unlink(missing_ok=True)
+            return
+        if not said:
+            print(f"offload: another process is building the extension in {path} (lock {lock}, {age:.0f} s old); "
+                  f"waiting (a lock older than {stale_s:.0f} s is removed)", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(1.0)
+
+
 def _load():
     if os.environ.get("OFFLOAD_DISABLE_EXT") == "1":
         raise RuntimeError("disabled by OFFLOAD_DISABLE_EXT=1")
@@ -50,6 +78,7 @@ def _load():
     spec = build_spec()
     path = build_dir()
     path.mkdir(parents=True, exist_ok=True)
+    _wait_for_other_build(path)
     verbose = os.environ.get("OFFLOAD_BUILD_VERBOSE") == "1"
     return cpp_extension.load(
         name="offload_C",
