@@ -21,6 +21,31 @@ import offload  # noqa: E402
 from zero_common import SEQ, VOCAB, TinyTransformer, param_groups  # noqa: E402
 
 
+class _FrozenFirstBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64).requires_grad_(False)  # first in the flat layout, frozen
+        self.b = torch.nn.Linear(64, 4)
+
+    def forward(self, h):
+        return self.b(torch.tanh(self.a(h)))
+
+
+class FrozenFront(torch.nn.Module):
+    """Two blocks whose first half (a frozen 64x64 layer) fills a whole rank's shard at 2 ranks: that rank
+    has no Adam moments for them, the other does."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 64)
+        self.blocks = torch.nn.ModuleList(_FrozenFirstBlock() for _ in range(2))
+        self.head = torch.nn.Linear(4, VOCAB)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(sum(blk(h) for blk in self.blocks))
+
+
 def main():
     spec = json.load(open(sys.argv[1]))
     torch.set_num_threads(1)
@@ -31,7 +56,7 @@ def main():
                          cpu_budget="64MiB", device_budget="16MiB", seed=7)
     losses = {}
     with offload.init(cfg) as rt:
-        model = TinyTransformer()
+        model = FrozenFront() if spec.get("model") == "frozen_front" else TinyTransformer()
         opt = offload.AdamW(param_groups(model.named_parameters()), lr=1e-2)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
         start, first_micro = 0, 0

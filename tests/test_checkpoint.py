@@ -109,6 +109,42 @@ def test_resume_is_exact_two_ranks_and_reshards(tmp_path):
         assert torch.equal(original[k], via_one[k]) and torch.equal(original[k], back[k]), k
 
 
+def test_a_rank_without_moments_for_a_unit_resumes_and_reshards(tmp_path):
+    """At 2 ranks rank 0's shard of each block is all frozen (no moments there), rank 1's is not: the
+    checkpoint says which rank has what; resuming is exact, and loading at 1 rank takes rank 1's moments."""
+    full = _worker(tmp_path, "full", world=2, steps=5, model="frozen_front", ckpt=str(tmp_path / "unused"))
+    ckpt = tmp_path / "ckpt"
+    _worker(tmp_path, "first", world=2, steps=3, save_at=[3], model="frozen_front", ckpt=str(ckpt))
+    manifest = json.loads((ckpt / "step-3" / "manifest.json").read_text())
+    on = manifest["moments_on"]
+    assert not any(u.startswith("blocks.") for u in on[rank_file(0, 2)])
+    assert {"blocks.0", "blocks.1"} <= set(on[rank_file(1, 2)])
+    resumed = _worker(tmp_path, "resumed", world=2, steps=5, resume=True, model="frozen_front", ckpt=str(ckpt))
+    _same(full, resumed, range(3, 5))
+    one = tmp_path / "one"
+    _worker(tmp_path, "to1", steps=3, resume=True, model="frozen_front", ckpt=str(ckpt), save_loaded_to=str(one))
+    original, via_one = _flats_present(ckpt), _flats(one)
+    for key, value in original.items():
+        assert torch.equal(value, via_one[key]), key
+
+
+def _flats_present(ckpt: Path) -> dict:
+    """Like _flats, with zeros where a rank saved no moments."""
+    from safetensors import safe_open
+
+    path = ckpt / (ckpt / "latest").read_text().strip()
+    m = json.loads((path / "manifest.json").read_text())
+    world, out = m["world_size"], {}
+    files = [safe_open(str(path / rank_file(r, world)), framework="pt") for r in range(world)]
+    for u in m["units"]:
+        shard = u["padded_numel"] // world
+        for label in ["master"] + (["exp_avg", "exp_avg_sq"] if u["moments"] else []):
+            parts = [f.get_tensor(f"{u['uid']}/{label}") if f"{u['uid']}/{label}" in f.keys() else torch.zeros(shard)
+                     for f in files]
+            out[(u["uid"], label)] = torch.cat(parts)[:u["numel"]]
+    return out
+
+
 def test_resume_in_the_middle_of_a_gradient_accumulation(tmp_path):
     """Saved after the first of two micro-batches: the partial gradient is in the checkpoint, and the
     resumed run finishes that step and the next ones as the uninterrupted run did, bit for bit."""
@@ -259,6 +295,40 @@ def test_full_filesystem_during_checkpoint_keeps_the_previous_one(tmp_path):
                 rt.save_checkpoint(root)
             assert sorted(p.name for p in root.iterdir()) == ["latest", "step-1"]
             assert rt.load_checkpoint(root) == {"cursor": 1}
+
+
+def test_reserved_tags_a_writable_root_and_a_killed_resave(saved_run, tmp_path):
+    rt, model, opt, ckpt = saved_run
+    for tag in ("latest", "manifest.json", ".hidden"):
+        with pytest.raises(CheckpointError, match="reserved"):
+            rt.save_checkpoint(ckpt, tag=tag)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(CheckpointError, match=r"writable by other users \(mode 777\).*chmod go-w"):
+        rt.save_checkpoint(shared)
+    # a re-save of a tag killed between its two renames: the complete old copy is found as .old-<tag>
+    (ckpt / "step-2").rename(ckpt / ".old-step-2")
+    assert rt.load_checkpoint(ckpt) == {"cursor": 2}
+    rt.save_checkpoint(ckpt, extra={"cursor": 3})  # step-2 again: sealed, then the old copy goes
+    assert (ckpt / "step-2").is_dir() and not (ckpt / ".old-step-2").exists()
+    assert rt.load_checkpoint(ckpt) == {"cursor": 3}
+
+
+def test_aux_files_are_checksummed_and_exported(saved_run, tmp_path):
+    rt, model, opt, ckpt = saved_run
+
+    def add(directory):
+        (directory / "config.json").write_text('{"model_type": "tiny"}')
+
+    path = rt.save_checkpoint(ckpt, tag="with-aux", add_files=add)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["files"]["config.json"]["aux"] is True
+    out = export_checkpoint(ckpt, tmp_path / "exported")
+    assert (out / "config.json").read_text() == '{"model_type": "tiny"}'
+    (path / "config.json").write_text('{"model_type": "evil"}')
+    with pytest.raises(CheckpointError, match="config.json: sha256 differs"):
+        export_checkpoint(ckpt, tmp_path / "exported2")
 
 
 def test_refuses_symlinks_and_directories_of_other_users(saved_run, tmp_path):

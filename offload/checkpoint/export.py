@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..config import format_size, parse_size
-from .files import CheckpointError, safe_member
+from .files import CheckpointError, open_private, safe_member
 from .hf_writer import write_hf_weights
 from .manifest import rank_file, verified
 
@@ -41,8 +41,11 @@ def export_checkpoint(ckpt, out, max_shard_bytes: int = 2 << 30, dtype: torch.dt
                 yield slot["name"], full[slot["offset"]:slot["offset"] + n].view(slot["shape"]).to(dtype)
 
     def add_files(tmp: Path) -> None:
-        for name in manifest.get("aux", []):
-            shutil.copyfile(safe_member(path, name, "the manifest's aux files"), tmp / name)
+        for name, entry in manifest["files"].items():
+            if entry.get("aux"):  # verified above; copied without following a link
+                with open_private(safe_member(path, name, "the manifest's aux files"), write=False) as src, \
+                        open(tmp / name, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
         if dtype != torch.float32 and (tmp / "config.json").is_file():
             import json
 

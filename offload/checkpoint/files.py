@@ -1,8 +1,8 @@
 """Files of a checkpoint: safe paths, streamed safetensors with a checksum, atomic renames.
 
-- Directories are 0700 and files 0600; every file is opened with O_NOFOLLOW, and a checkpoint root that is
-  a symlink, or is owned by another user, is refused (a pre-planted link in a shared /tmp cannot redirect
-  the writes or the reads).
+- Directories are created 0700 and files 0600; every file is opened with O_NOFOLLOW, and a checkpoint root
+  that is a symlink, is owned by another user, or is writable by others is refused (a pre-planted link or
+  directory in a shared /tmp cannot redirect the writes or the reads).
 - `TensorFileWriter` writes a safetensors file whose header is known up front (names, dtypes, shapes), so
   the data streams in piece by piece in the header's order with bounded memory, and a sha256 of the whole
   file is computed on the way. Any safetensors reader (safe_open) reads it.
@@ -43,13 +43,19 @@ def check_owned_dir(path: Path, what: str) -> None:
     if hasattr(os, "getuid") and st.st_uid != os.getuid():
         raise CheckpointError(f"{what} {path} is owned by uid {st.st_uid}, not this user ({os.getuid()}); "
                               "refusing to write into or read from it. Use a directory of your own")
+    if st.st_mode & 0o022:
+        raise CheckpointError(f"{what} {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): "
+                              f"they could replace its files. `chmod go-w {path}`, or use a directory of your own")
 
 
 def make_private_dir(path: Path, what: str) -> None:
+    """`path`, created 0700 if missing; an existing one must be ours and not writable by others (its mode is
+    left as it is)."""
     check_owned_dir(path, what)
-    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    if not path.exists():
+        path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        os.chmod(path, DIR_MODE)  # mkdir's mode is masked by the umask
     check_owned_dir(path, what)
-    os.chmod(path, DIR_MODE)
 
 
 def open_private(path: Path, write: bool):

@@ -7,7 +7,8 @@
                                  "<uid>/exp_avg", "<uid>/exp_avg_sq", and "<uid>/grad" in the middle of a
                                  gradient accumulation (fp32, the flat layout's shard), and "rng/..." (its
                                  torch generator states)
-    ROOT/<tag>/<aux files>       config.json, tokenizer files (when the run gave them; export copies them)
+    ROOT/<tag>/<aux files>       config.json, tokenizer files (when the run gave them; export copies them),
+                                 fsynced and checksummed like the rank files
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def resolve(root) -> Path:
         with open_private(root / LATEST, write=False) as f:
             tag = f.read().decode().strip()
         path = safe_member(root, tag, f"{root / LATEST}")
+        if not (path / MANIFEST).is_file() and (root / f".old-{tag}" / MANIFEST).is_file():
+            path = root / f".old-{tag}"  # a re-save of this tag was killed between its two renames
+        check_owned_dir(path, "checkpoint")
         if not (path / MANIFEST).is_file():
             raise CheckpointError(f"{root / LATEST} names {tag!r}, which has no {MANIFEST}; the checkpoint "
                                   "directory was changed by hand")
@@ -80,5 +84,5 @@ def verified(root) -> tuple[Path, dict]:
     missing = [n for n in names if n not in manifest["files"]]
     if missing:
         raise CheckpointError(f"{path / MANIFEST}: lists no {missing}; the checkpoint is incomplete")
-    verify_files(path, manifest, names)
+    verify_files(path, manifest, list(manifest["files"]))  # rank files and the aux files (config, tokenizer)
     return path, manifest

@@ -68,6 +68,9 @@ def run_finetune(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result_json(r), f, indent=2)
+    if not r.losses:
+        print(f"\nnothing to train: the run was already at step {r.first_step} of {r.first_step}; saved to {r.output}")
+        return 0
     timed = r.step_seconds[1:] or r.step_seconds
     step_s = statistics.median(timed)
     print(f"\n{r.n_params / 1e6:.1f}M parameters, params on {r.params_tier}, optimizer on {r.optimizer_tier}, "

@@ -163,11 +163,12 @@ def _check_nvme_space(cfg: Config, n_params: int, world: int) -> None:
         return
     from ..zero.state_store import check_nvme_path
 
+    compute = 2 if cfg.compute_dtype == "bf16" else 4
     per_param = 0
     if cfg.params == "nvme":
-        per_param += 2 + (4 if cfg.compute_dtype == "bf16" else 0)  # compute-dtype copy (+ fp32 master)
+        per_param += compute  # the compute-dtype parameter (with fp32 compute it is also the master)
     if cfg.optimizer == "nvme":
-        per_param += 8 + 4  # two fp32 moments and the gradient shard
+        per_param += (4 if compute == 2 else 0) + 8 + 4  # fp32 master (bf16 compute), two moments, the gradient
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     need = math.ceil(n_params / world) * per_param * local
     try:
@@ -191,7 +192,12 @@ def _all_sum(rt, value: torch.Tensor) -> torch.Tensor:
 
 def _resume(rt, cfg: FinetuneConfig, sched, run_key: dict) -> int:
     """Load --resume into the run; the step to go on from. The data order and schedule must be the same."""
-    extra = rt.load_checkpoint(cfg.resume, lr_scheduler=sched)
+    from ..checkpoint import CheckpointError
+
+    try:
+        extra = rt.load_checkpoint(cfg.resume, lr_scheduler=sched)
+    except CheckpointError as exc:
+        raise InputError(f"--resume {cfg.resume}: {exc}") from None
     saved = extra.get("run", {})
     differ = [f"{k} {saved.get(k)} -> {v}" for k, v in run_key.items() if saved.get(k) != v]
     if differ:
@@ -209,7 +215,10 @@ def _hf_files(model, tokenizer, directory: Path) -> None:
 def evaluate(rt, model, blocks: TokenBlocks, micro_batch: int) -> float:
     """Mean loss per label token over `blocks` (each rank takes every world_size-th micro-batch)."""
     total = torch.zeros(())
-    with torch.no_grad():
+    was_training = model.training
+    model.eval()  # no dropout in the held-out loss
+    # the user's RNG stream is untouched: a resumed run draws what an uninterrupted one would
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
         starts = list(range(0, len(blocks), micro_batch))
         for k, lo in enumerate(starts):
             if k % rt.world_size != rt.rank:
@@ -219,6 +228,7 @@ def evaluate(rt, model, blocks: TokenBlocks, micro_batch: int) -> float:
         # a rank without a batch still joins every gather: the same number of forwards on every rank
         for _ in range(math.ceil(len(starts) / rt.world_size) - len(starts[rt.rank::rt.world_size])):
             model(input_ids=blocks.inputs[:1].to(rt.device))
+    model.train(was_training)
     tokens = int((blocks.labels != IGNORE).sum())
     return float(_all_sum(rt, total)) / max(1, tokens)
 

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.files import (CheckpointError, TensorFileWriter, atomic_write_text, check_owned_dir, fsync_dir,
-                                make_private_dir, safe_member)
-from ..checkpoint.manifest import FORMAT, LATEST, MANIFEST, rank_file, verified
+                                make_private_dir, open_private, safe_member, sha256_of)
+from ..checkpoint.manifest import FORMAT, LATEST, MANIFEST, rank_file, read_manifest, resolve, verify_files
 from ..config import format_size
 from .. import inject
 from ..store import LeaseMode
@@ -93,12 +93,28 @@ def _set_rng_state(json_part: dict, tensors: dict[str, torch.Tensor]) -> None:
     kind, keys, pos, has_gauss, cached = json_part["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(tensors["rng/torch"])
-    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("rng/cuda"))]
+    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("rng/cuda")), key=lambda k: int(k[8:]))]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
 
 
 # ---- save ---------------------------------------------------------------------------------------
+RESERVED = (LATEST, MANIFEST)
+
+
+def _agree(rt, what: str, fn) -> object:
+    """Run `fn` (on this rank) and share whether it worked: when any rank fails, every rank raises the same
+    CheckpointError, so no rank is left waiting in the next collective."""
+    try:
+        result, error = fn(), None
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+        result, error = None, f"rank {rt.rank}: {what}: {exc}"
+    errors = [e for e in _all_gather(rt, error) if e]
+    if errors:
+        raise CheckpointError("; ".join(errors))
+    return result
+
+
 def save_checkpoint(rt, root, extra: dict | None = None, lr_schedulers=(), keep_last: int | None = None,
                     tag: str | None = None, add_files=None) -> Path:
     """Write a checkpoint under `root` (module docstring); collective. `add_files(dir)` (rank 0) writes
@@ -108,6 +124,9 @@ def save_checkpoint(rt, root, extra: dict | None = None, lr_schedulers=(), keep_
     root = Path(root)
     tag = tag or f"step-{rt.step_stats.steps}"
     safe_member(root, tag, "save_checkpoint(tag=...)")
+    if tag in RESERVED or tag.startswith("."):
+        raise CheckpointError(f"save_checkpoint(tag={tag!r}): reserved (names starting with '.', {RESERVED}); "
+                              "choose another tag")
     try:
         extra_json = json.loads(json.dumps(extra or {}))
     except (TypeError, ValueError) as exc:
@@ -119,53 +138,86 @@ def save_checkpoint(rt, root, extra: dict | None = None, lr_schedulers=(), keep_
     rt.flush_grads()  # gradients accumulated under no_sync are reduced into the shards saved below
     rt.quiesce()  # every queued update and reduce is in the shards written below
     tmp, final = root / f".tmp-{tag}", root / tag
-    if rt.rank == 0:
-        make_private_dir(root, "checkpoint directory")
-        for stale in root.glob(".tmp-*"):  # a save killed before its rename
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir(mode=0o700)
-    _barrier(rt)
-    check_owned_dir(tmp, "checkpoint directory")
+
+    def prepare():
+        if rt.rank == 0:
+            make_private_dir(root, "checkpoint directory")
+            _clean_partial(root)
+            tmp.mkdir(mode=0o700)
+
+    _agree(rt, f"preparing {root}", prepare)
     name = rank_file(rt.rank, rt.world_size)
     rng_json, rng_tensors = _rng_state()
     # each rank counts steps for the parameters in its own shard: the manifest takes the union
     steps = [{_param_key(p): int(st["step"]) for p, st in opt.state.items() if "step" in st} for opt in _optimizers(rt)]
     status = {"file": name, "rng": rng_json, "steps": steps,
-              "used": {u.uid: u.used.tolist() for u in rt.units if u.has_grad}}
+              "used": {u.uid: u.used.tolist() for u in rt.units if u.has_grad},
+              "moments": [u.uid for u in rt.units if u.shards.moments_registered]}
     try:
-        status.update(_writerank_file(rt, tmp / name, rng_tensors))
+        check_owned_dir(tmp, "checkpoint directory")
+        status.update(_write_rank_file(rt, tmp / name, rng_tensors))
     except OSError as exc:
         status["error"] = (f"rank {rt.rank}: writing {tmp / name} failed: {exc.strerror or exc} (errno {exc.errno}); "
-                           f"{format_size(shutil.disk_usage(root).free)} free under {root}; free space or choose "
-                           "another directory. The previous checkpoint is untouched")
+                           f"{_free(root)} free under {root}; free space or choose another directory. The previous "
+                           "checkpoint is untouched")
+    except Exception as exc:  # noqa: BLE001 - a corrupt swap slot, a refused path: every rank must hear of it
+        status["error"] = f"rank {rt.rank}: writing {tmp / name} failed: {exc}"
     statuses = _all_gather(rt, status)
     errors = [s["error"] for s in statuses if "error" in s]
     if errors:
         if rt.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError("; ".join(errors))
-    if rt.rank == 0:
-        manifest = _manifest(rt, tag, statuses, extra_json, lr_schedulers)
-        if add_files is not None:
-            add_files(tmp)
-        manifest["aux"] = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name not in manifest["files"])
-        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
-        fsync_dir(tmp)
-        if final.exists():  # the same tag saved again: the new one replaces it
-            old = root / f".tmp-old-{tag}"
+
+    def seal():
+        if rt.rank != 0:
+            return
+        try:
+            manifest = _manifest(rt, tag, statuses, extra_json, lr_schedulers)
+            if add_files is not None:
+                add_files(tmp)
+            for aux in sorted(p for p in tmp.iterdir() if p.is_file() and p.name not in manifest["files"]):
+                with open_private(aux, write=False) as f:
+                    os.fsync(f.fileno())  # durable before the directory is renamed into place
+                manifest["files"][aux.name] = {"bytes": aux.stat().st_size, "sha256": sha256_of(aux), "aux": True}
+            atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+            fsync_dir(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        old = root / f".old-{tag}"
+        if final.exists():  # the same tag saved again: swap the new one in, then drop the old one
             os.replace(final, old)
-            shutil.rmtree(old)
         os.replace(tmp, final)
         fsync_dir(root)
         atomic_write_text(root / LATEST, tag + "\n")
+        shutil.rmtree(old, ignore_errors=True)  # only once `latest` names the new one
         if keep_last:
             _prune(root, keep_last, keep=tag)
-    _barrier(rt)
+
+    _agree(rt, f"sealing {final}", seal)
     rt.last_checkpoint_seconds = time.perf_counter() - t0
     return final
 
 
-def _writerank_file(rt, path: Path, rng_tensors: dict[str, torch.Tensor]) -> dict:
+def _free(root: Path) -> str:
+    try:
+        return format_size(shutil.disk_usage(root).free)
+    except OSError:
+        return "unknown bytes"
+
+
+def _clean_partial(root: Path) -> None:
+    """Remove what a killed save left: .tmp-* (never sealed), and .old-<tag> once <tag> is complete again
+    (a kill between the two renames of a re-save leaves the complete old copy there, which load falls back to)."""
+    for stale in root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for old in root.glob(".old-*"):
+        if (root / old.name[len(".old-"):] / MANIFEST).is_file():
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_rank_file(rt, path: Path, rng_tensors: dict[str, torch.Tensor]) -> dict:
     writer = TensorFileWriter(path, metadata={"format": FORMAT})
     plan = []
     for unit in rt.units:
@@ -228,7 +280,7 @@ def _manifest(rt, tag: str, statuses: list[dict], extra: dict, lr_schedulers) ->
         "compute_dtype": rt.config.compute_dtype,
         "placement": {"params": rt.params_tier, "optimizer": rt.optimizer_tier},
         "units": [{"uid": u.uid, "numel": u.layout.numel, "padded_numel": u.layout.padded_numel,
-                   "moments": u.shards.moments_registered, "grad": u.has_grad,
+                   "moments": any(u.uid in st["moments"] for st in statuses), "grad": u.has_grad,
                    # which parameters got a gradient so far (any rank), for an accumulation in progress
                    "used": [any(s["used"].get(u.uid, [False] * len(u.layout.slots))[i] for s in statuses)
                             for i in range(len(u.layout.slots))],
@@ -239,6 +291,7 @@ def _manifest(rt, tag: str, statuses: list[dict], extra: dict, lr_schedulers) ->
         "rng": [s["rng"] for s in statuses],
         "extra": extra,
         "files": {s["file"]: {"bytes": s["bytes"], "sha256": s["sha256"]} for s in statuses},
+        "moments_on": {s["file"]: s["moments"] for s in statuses},  # a rank whose shard is all frozen has none
     }
 
 
@@ -275,56 +328,62 @@ def _check_units(rt, manifest: dict, path: Path) -> dict:
     return saved
 
 
+def _old_ranks_needed(rt, manifest: dict) -> list[int]:
+    """The saving ranks whose files hold part of this rank's new shards (the only files it reads)."""
+    old_world = manifest["world_size"]
+    saved = {u["uid"]: u for u in manifest["units"]}
+    need = {min(rt.rank, old_world - 1)}  # this rank's RNG states
+    for unit in rt.units:
+        old_shard = saved[unit.uid]["padded_numel"] // old_world
+        lo, hi = unit.layout.shard_bounds(rt.rank)
+        for r in range(old_world):
+            if max(lo, r * old_shard) < min(hi, (r + 1) * old_shard, unit.layout.numel):
+                need.add(r)
+    return sorted(need)
+
+
 def load_checkpoint(rt, root, lr_schedulers=()) -> dict:
-    """Load the checkpoint at `root` (module docstring) into the open runtime; collective. Returns `extra`."""
+    """Load the checkpoint at `root` (module docstring) into the open runtime; collective. Returns `extra`.
+    Every check (files, units, optimizers, schedulers, tensors present) runs before the first write."""
     from safetensors import safe_open
 
     t0 = time.perf_counter()
-    path, manifest = verified(root)
+    path = resolve(root)
+    manifest = read_manifest(path)
     old_world = manifest["world_size"]
     names = [rank_file(r, old_world) for r in range(old_world)]
+    missing = [n for n in names if n not in manifest["files"]]
+    if missing:
+        raise CheckpointError(f"{path / MANIFEST}: lists no {missing}; the checkpoint is incomplete")
     saved = _check_units(rt, manifest, path)
+    needed = _old_ranks_needed(rt, manifest)
+    verify_files(path, manifest, [names[r] for r in needed])  # each rank hashes only what it reads
     optimizers = _optimizers(rt)
     if len(manifest["optimizers"]) != len(optimizers):
         raise CheckpointError(f"{path}: saved with {len(manifest['optimizers'])} optimizer(s), this run has "
                               f"{len(optimizers)}; create the same optimizers before load_checkpoint")
-    rt.quiesce()  # nothing may be updating the shards written below
-    handles = [safe_open(str(path / n), framework="pt") for n in names]
-    try:
-        for unit in rt.units:
-            entry = saved[unit.uid]
-            old_shard = entry["padded_numel"] // old_world
-            lo, hi = unit.layout.shard_bounds(rt.rank)
-            labels = ["master"] + (list(_MOMENTS) if entry["moments"] else []) + (["grad"] if entry.get("grad") else [])
-            for label in labels:
-                buf = torch.zeros(unit.shards.shard_numel, dtype=torch.float32)
-                for r, h in enumerate(handles):  # the old ranks whose shards overlap this rank's new one
-                    a, b = max(lo, r * old_shard), min(hi, (r + 1) * old_shard, unit.layout.numel)
-                    if a < b:
-                        buf[a - lo:b - lo] = h.get_slice(f"{unit.uid}/{label}")[a - r * old_shard:b - r * old_shard]
-                if label == "master":
-                    unit.write_shard(StateKind.PARAM, buf)  # cast to the compute dtype, as the kernel writes it
-                    if not unit.shards.master_is_param:
-                        unit.write_shard(StateKind.MASTER, buf)
-                elif label == "grad":
-                    unit._register_grads()
-                    unit.write_shard(StateKind.GRAD, buf)
-                else:
-                    rt.register_moments(unit)
-                    unit.write_shard(StateKind.EXP_AVG if label == "exp_avg" else StateKind.EXP_AVG_SQ, buf)
-            # the accumulation state: a saved partial gradient is added to by the next backward
-            unit.has_grad, unit.local_grad, unit.grad_norms = bool(entry.get("grad")), None, None
-            unit.used.copy_(torch.tensor(entry.get("used", [False] * len(unit.layout.slots)), dtype=torch.bool))
-            if unit.state is UnitState.UNSHARDED:
-                unit.stale = True  # a gathered (persistent) unit re-gathers before its next use
-        own = handles[min(rt.rank, old_world - 1)]
-        rng_tensors = {k: own.get_tensor(k) for k in own.keys() if k.startswith("rng/")}
-    finally:
-        del handles
     for opt, saved_opt in zip(optimizers, manifest["optimizers"]):
         if len(saved_opt["param_groups"]) != len(opt.param_groups):
             raise CheckpointError(f"{path}: an optimizer has {len(opt.param_groups)} param groups, the checkpoint "
-                                  f"{len(saved_opt['param_groups'])}")
+                                  f"{len(saved_opt['param_groups'])}; build the same param groups")
+    if len(lr_schedulers) > len(manifest["lr_schedulers"]):
+        raise CheckpointError(f"{path}: {len(lr_schedulers)} LR scheduler(s) given, the checkpoint saved "
+                              f"{len(manifest['lr_schedulers'])}")
+    handles = {r: safe_open(str(path / names[r]), framework="pt") for r in needed}
+    keys = {r: set(h.keys()) for r, h in handles.items()}
+    absent = [f"{names[r]} lacks {unit.uid}/master" for r in needed for unit in rt.units
+              if f"{unit.uid}/master" not in keys[r]]
+    if absent:
+        raise CheckpointError(f"{path}: {'; '.join(absent[:4])}; the checkpoint is corrupt")
+    rt.quiesce()  # nothing may be updating the shards written below
+    try:
+        for unit in rt.units:
+            _load_unit(rt, unit, saved[unit.uid], handles, keys, old_world)
+        own = handles[min(rt.rank, old_world - 1)]
+        rng_tensors = {k: own.get_tensor(k) for k in keys[min(rt.rank, old_world - 1)] if k.startswith("rng/")}
+    finally:
+        del handles
+    for opt, saved_opt in zip(optimizers, manifest["optimizers"]):
         for group, sg in zip(opt.param_groups, saved_opt["param_groups"]):
             for k, v in sg.items():
                 if k != "params" and k in group:
@@ -343,3 +402,36 @@ def load_checkpoint(rt, root, lr_schedulers=()) -> dict:
     _barrier(rt)
     rt.last_checkpoint_seconds = time.perf_counter() - t0
     return manifest["extra"]
+
+
+def _load_unit(rt, unit, entry: dict, handles: dict, keys: dict, old_world: int) -> None:
+    """This rank's new shard of each of the unit's states, assembled from the old ranks' ranges."""
+    old_shard = entry["padded_numel"] // old_world
+    lo, hi = unit.layout.shard_bounds(rt.rank)
+    labels = ["master"] + (list(_MOMENTS) if entry["moments"] else []) + (["grad"] if entry.get("grad") else [])
+    for label in labels:
+        buf = torch.zeros(unit.shards.shard_numel, dtype=torch.float32)
+        for r, h in handles.items():  # the old ranks whose shards overlap this rank's new one
+            a, b = max(lo, r * old_shard), min(hi, (r + 1) * old_shard, unit.layout.numel)
+            name = f"{unit.uid}/{label}"
+            if a < b and name in keys[r]:  # a rank whose shard is all frozen saved no moments: zeros
+                buf[a - lo:b - lo] = handles[r].get_slice(name)[a - r * old_shard:b - r * old_shard]
+        if label == "master":
+            unit.write_shard(StateKind.PARAM, buf)  # cast to the compute dtype, as the kernel writes it
+            if not unit.shards.master_is_param:
+                unit.write_shard(StateKind.MASTER, buf)
+        elif label == "grad":
+            unit._register_grads()
+            unit.write_shard(StateKind.GRAD, buf)
+        else:
+            rt.register_moments(unit)
+            unit.write_shard(StateKind.EXP_AVG if label == "exp_avg" else StateKind.EXP_AVG_SQ, buf)
+    if not entry["moments"] and unit.shards.moments_registered:  # never stepped when saved: fresh moments
+        zeros = torch.zeros(unit.shards.shard_numel, dtype=torch.float32)
+        unit.write_shard(StateKind.EXP_AVG, zeros)
+        unit.write_shard(StateKind.EXP_AVG_SQ, zeros)
+    # the accumulation state: a saved partial gradient is added to by the next backward
+    unit.has_grad, unit.local_grad, unit.grad_norms = bool(entry.get("grad")), None, None
+    unit.used.copy_(torch.tensor(entry.get("used", [False] * len(unit.layout.slots)), dtype=torch.bool))
+    if unit.state is UnitState.UNSHARDED:
+        unit.stale = True  # a gathered (persistent) unit re-gathers before its next use

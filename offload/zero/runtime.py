@@ -99,7 +99,11 @@ class Runtime:
 
     # ---- lifetime ---------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
-        self.open()
+        try:
+            self.open()
+        except BaseException:
+            self.close(failed=True)  # what open() started (process group, watchdog, store) goes with it
+            raise
         return self
 
     def __exit__(self, exc_type, *exc) -> bool:

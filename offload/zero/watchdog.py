@@ -34,6 +34,7 @@ class Watchdog:
         self.waiting: dict[int, tuple] = {}  # thread id -> (group, collective, what, count, since)
         self.last: tuple | None = None  # the last collective entered: (group, collective, what, count, when)
         self.broken: str | None = None
+        self._describing = False
         self._lock = threading.Lock()
         self._store = _default_store() if world_size > 1 else None
         self._stop = threading.Event()
@@ -55,8 +56,15 @@ class Watchdog:
             return fn()
         except Exception as exc:  # noqa: BLE001 - a timeout, a dead peer's closed connection, an abort
             with self._lock:
-                if self.broken is None:
-                    self.broken = self._describe(group, collective, what, count, exc)
+                first = self.broken is None and not self._describing
+                self._describing = True
+            if first:  # described outside the lock: the heartbeat keeps beating while the peers are read
+                message = self._describe(group, collective, what, count, exc)
+                with self._lock:
+                    self.broken = message
+            else:
+                while self.broken is None:  # another thread is describing the same failure
+                    time.sleep(0.05)
             raise CollectiveError(self.broken) from exc
         finally:
             with self._lock:
@@ -81,7 +89,8 @@ class Watchdog:
                 return
 
     def _describe(self, group: str, collective: str, what: str, count: int, exc: BaseException) -> str:
-        waited = time.time() - self.waiting.get(threading.get_ident(), (0, 0, 0, 0, time.time()))[4]
+        with self._lock:
+            waited = time.time() - self.waiting.get(threading.get_ident(), (0, 0, 0, 0, time.time()))[4]
         head = (f"offload: rank {self.rank} gave up after {waited:.1f} s in {collective} #{count} on the {group} "
                 f"group ({what or 'no unit'}); collective_timeout is {self.timeout_s:g} s. ")
         peers = self._peers(group, count)
