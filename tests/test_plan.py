@@ -96,6 +96,13 @@ def test_model_from_a_config_file(tmp_path):
         "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096}))
     assert model_from(str(tmp_path)).params == PRESETS["llama-7b"].params
+    # an explicit head_dim (Qwen3, Gemma) sets the q/k/v/o widths instead of hidden / heads
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "head_dim": 256, "num_attention_heads": 8,
+                                                      "num_key_value_heads": 2}))
+    m = model_from(str(tmp_path))
+    h = 4096
+    assert m.layer_params == h * 2048 + 2 * h * 512 + 2048 * h + 3 * h * 11008 + 2 * h
     with pytest.raises(ValueError, match="neither a preset"):
         model_from(str(tmp_path / "missing.json"))
 

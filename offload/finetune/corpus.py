@@ -66,7 +66,7 @@ def read_data_file(path: str | Path) -> list[Example]:
                         "convert it, e.g. iconv -f latin1 -t utf-8") from None
     if not text.strip():
         raise DataError(f"--data {p}: the file is empty; give a file with text to train on")
-    if p.suffix != ".jsonl":
+    if p.suffix.lower() != ".jsonl":
         return [Example(text)]
     return [_jsonl_example(p, number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
 

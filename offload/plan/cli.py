@@ -33,7 +33,11 @@ def parse_rate(text: str, flag: str) -> float:
 
 def _from_bench(path: str) -> dict:
     """Figures a bench JSON gives: nvme read/write (GB/s), pcie (GB/s), cpu adam (params/s)."""
-    data = json.loads(open(path).read())
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--bench-json {path}: cannot read it ({exc})") from None
     out = {}
     nv = data.get("nvme", {})
     if "read_gbps" in nv:

@@ -23,15 +23,16 @@ class ModelSpec:
     kv_heads: int
     tied: bool = False
     max_seq: int = 4096
+    explicit_head_dim: int | None = None  # config.json's head_dim where it is not hidden / heads (Qwen3, Gemma)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.explicit_head_dim or self.hidden // self.heads
 
     @property
     def layer_params(self) -> int:
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        attention = h * h + 2 * h * kv + h * h  # q, k, v, o
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = h * q + 2 * h * kv + q * h  # q, k, v, o
         mlp = 3 * h * self.intermediate  # gate, up, down
         return attention + mlp + 2 * h  # two RMSNorm weights
 
@@ -73,12 +74,14 @@ def model_from(source: str) -> ModelSpec:
     get = lambda *keys, default=None: next((c[k] for k in keys if k in c), default)  # noqa: E731
     hidden = get("hidden_size", "n_embd")
     heads = get("num_attention_heads", "n_head")
-    if hidden is None or heads is None or get("num_hidden_layers", "n_layer") is None:
-        raise ValueError(f"--model {path}: missing hidden_size / num_attention_heads / num_hidden_layers")
+    if hidden is None or heads is None or get("num_hidden_layers", "n_layer") is None or get("vocab_size") is None:
+        raise ValueError(f"--model {path}: missing vocab_size / hidden_size / num_attention_heads / "
+                         "num_hidden_layers")
     return ModelSpec(name=get("_name_or_path", default=path.parent.name) or path.parent.name,
                      vocab=get("vocab_size"), hidden=hidden,
                      intermediate=get("intermediate_size", "n_inner", default=None) or 4 * hidden,
                      layers=get("num_hidden_layers", "n_layer"), heads=heads,
                      kv_heads=get("num_key_value_heads", default=heads) or heads,
                      tied=bool(get("tie_word_embeddings", default=False)),
-                     max_seq=get("max_position_embeddings", "n_positions", default=4096))
+                     max_seq=get("max_position_embeddings", "n_positions", default=4096),
+                     explicit_head_dim=get("head_dim", default=None))
