@@ -12,10 +12,13 @@
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import stat
 from pathlib import Path
 
-from .files import CheckpointError, check_owned_dir, open_private, safe_member, sha256_of
+from .files import CheckpointError, check_owned_dir, open_private, safe_member
 
 FORMAT = "offload-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -60,20 +63,70 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def verify_files(path: Path, manifest: dict, names) -> None:
-    """Size and sha256 of each of `names` against the manifest (a truncated or bit-flipped file fails)."""
-    for name in names:
-        want = manifest["files"][name]
-        f = safe_member(path, name, str(path / MANIFEST))
-        if not f.is_file():
-            raise CheckpointError(f"{f}: missing; the checkpoint is incomplete (use an earlier one)")
-        size = f.stat().st_size
-        if size != want["bytes"]:
-            raise CheckpointError(f"{f}: {size} bytes, the manifest says {want['bytes']}: truncated or "
+class VerifiedFiles:
+    """Checkpoint files opened once (O_NOFOLLOW), their size and sha256 checked through that descriptor, and
+    handed to readers by the same descriptor (/proc/self/fd/N on Linux), so a file swapped in after the check
+    is never the one read. A context manager: the descriptors close on exit."""
+
+    def __init__(self, path: Path, manifest: dict, names):
+        self.fds: dict[str, int] = {}
+        self.paths = {name: path / name for name in names}
+        try:
+            for name in names:
+                self.fds[name] = _open_verified(path, manifest, name)
+        except BaseException:
+            self.close()
+            raise
+
+    def reader_path(self, name: str) -> str:
+        """A path that opens the verified file itself (the path name only where /proc is missing)."""
+        return f"/proc/self/fd/{self.fds[name]}" if os.path.isdir("/proc/self/fd") else str(self.paths[name])
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def __enter__(self) -> "VerifiedFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _open_verified(path: Path, manifest: dict, name: str) -> int:
+    want = manifest["files"][name]
+    f = safe_member(path, name, str(path / MANIFEST))
+    try:
+        fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise CheckpointError(f"{f}: missing; the checkpoint is incomplete (use an earlier one)") from None
+    except OSError as exc:
+        raise CheckpointError(f"{f}: cannot be opened safely ({exc.strerror}; a symbolic link is refused)") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{f}: not a regular file")
+        if st.st_size != want["bytes"]:
+            raise CheckpointError(f"{f}: {st.st_size} bytes, the manifest says {want['bytes']}: truncated or "
                                   "overwritten; use an earlier checkpoint")
-        if sha256_of(f) != want["sha256"]:
+        h, offset = hashlib.sha256(), 0
+        while chunk := os.pread(fd, 8 << 20, offset):
+            h.update(chunk)
+            offset += len(chunk)
+        if h.hexdigest() != want["sha256"]:
             raise CheckpointError(f"{f}: sha256 differs from the manifest: the file is corrupt (bit rot, a bad "
                                   "disk or an edit); use an earlier checkpoint")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def verify_files(path: Path, manifest: dict, names) -> None:
+    """Size and sha256 of each of `names` against the manifest (a truncated or bit-flipped file fails)."""
+    with VerifiedFiles(path, manifest, names):
+        pass
 
 
 def verified(root) -> tuple[Path, dict]:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..checkpoint.files import (CheckpointError, TensorFileWriter, atomic_write_text, check_owned_dir, fsync_dir,
                                 make_private_dir, open_private, safe_member, sha256_of)
-from ..checkpoint.manifest import FORMAT, LATEST, MANIFEST, rank_file, read_manifest, resolve, verify_files
+from ..checkpoint.manifest import FORMAT, LATEST, MANIFEST, VerifiedFiles, rank_file, read_manifest, resolve
 from ..config import format_size
 from .. import inject
 from ..store import LeaseMode
@@ -345,8 +345,6 @@ def _old_ranks_needed(rt, manifest: dict) -> list[int]:
 def load_checkpoint(rt, root, lr_schedulers=()) -> dict:
     """Load the checkpoint at `root` (module docstring) into the open runtime; collective. Returns `extra`.
     Every check (files, units, optimizers, schedulers, tensors present) runs before the first write."""
-    from safetensors import safe_open
-
     t0 = time.perf_counter()
     path = resolve(root)
     manifest = read_manifest(path)
@@ -357,7 +355,26 @@ def load_checkpoint(rt, root, lr_schedulers=()) -> dict:
         raise CheckpointError(f"{path / MANIFEST}: lists no {missing}; the checkpoint is incomplete")
     saved = _check_units(rt, manifest, path)
     needed = _old_ranks_needed(rt, manifest)
-    verify_files(path, manifest, [names[r] for r in needed])  # each rank hashes only what it reads
+    # each rank hashes only what it reads, and reads it through the descriptor it hashed; a file that fails on
+    # one rank stops every rank here, before any of them writes
+    try:
+        files, error = VerifiedFiles(path, manifest, [names[r] for r in needed]), None
+    except CheckpointError as exc:
+        files, error = None, f"rank {rt.rank}: {exc}"
+    errors = [e for e in _all_gather(rt, error) if e]
+    if errors:
+        if files is not None:
+            files.close()
+        raise CheckpointError("; ".join(errors))
+    with files:
+        return _load_verified(rt, path, manifest, saved, needed, files, lr_schedulers, t0)
+
+
+def _load_verified(rt, path: Path, manifest: dict, saved: dict, needed: list, files, lr_schedulers, t0) -> dict:
+    from safetensors import safe_open
+
+    old_world = manifest["world_size"]
+    names = [rank_file(r, old_world) for r in range(old_world)]
     optimizers = _optimizers(rt)
     if len(manifest["optimizers"]) != len(optimizers):
         raise CheckpointError(f"{path}: saved with {len(manifest['optimizers'])} optimizer(s), this run has "
@@ -369,7 +386,7 @@ def load_checkpoint(rt, root, lr_schedulers=()) -> dict:
     if len(lr_schedulers) > len(manifest["lr_schedulers"]):
         raise CheckpointError(f"{path}: {len(lr_schedulers)} LR scheduler(s) given, the checkpoint saved "
                               f"{len(manifest['lr_schedulers'])}")
-    handles = {r: safe_open(str(path / names[r]), framework="pt") for r in needed}
+    handles = {r: safe_open(files.reader_path(names[r]), framework="pt") for r in needed}
     keys = {r: set(h.keys()) for r, h in handles.items()}
     absent = [f"{names[r]} lacks {unit.uid}/master" for r in needed for unit in rt.units
               if f"{unit.uid}/master" not in keys[r]]
