@@ -102,7 +102,7 @@ def add_finetune_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = FinetuneConfig()
     p.add_argument("--model", help="Hugging Face model directory (config.json + safetensors); default: the built-in "
-                                   "27M-parameter Llama, randomly initialized")
+                                   "26M-parameter Llama, randomly initialized")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model's; built-in: a BPE trained on the data)")
     p.add_argument("--data", help="plain text, or JSONL with a \"text\" field or \"prompt\"/\"response\" fields "
                                   "(loss on the response); default: the Python standard library's sources")

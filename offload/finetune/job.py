@@ -31,7 +31,7 @@ from .corpus import DataError, read_data_file, stdlib_corpus
 from .errors import InputError
 from .tokenizer import load_tokenizer, train_bpe
 
-# The built-in model: a Llama of 27M parameters, small enough to train for a few hundred steps on 2 cores.
+# The built-in model: a Llama of 25.8M parameters, small enough to train for a few hundred steps on 2 cores.
 BUILTIN_LLAMA = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
                      num_key_value_heads=4, tie_word_embeddings=False)
 BUILTIN_VOCAB = 8192
