@@ -81,6 +81,9 @@ def test_resume_is_exact_one_rank(tmp_path, compute_dtype):
     assert (ckpt / "latest").read_text().strip() == "step-5"
     assert stat.S_IMODE(os.stat(ckpt).st_mode) == 0o700 and stat.S_IMODE(os.stat(ckpt / "step-5").st_mode) == 0o700
     assert all(stat.S_IMODE(os.stat(f).st_mode) == 0o600 for f in (ckpt / "step-5").iterdir())
+    transfer = json.loads((ckpt / "step-5" / "manifest.json").read_text())["transfer"][rank_file(0, 1)]
+    # the manifest says which path the bytes took (here every nvme-homed state was resident in the cpu budget)
+    assert transfer["path"].startswith("engine read") and transfer["from_nvme_bytes"] + transfer["from_host_bytes"] > 0
     # offload export: the consolidated weights are the run's parameters at the save
     out = export_checkpoint(ckpt, tmp_path / "exported")
     from safetensors.torch import load_file
