@@ -61,14 +61,26 @@ def _write(result: dict, args: argparse.Namespace) -> None:
         print(f"wrote {args.plot}")
 
 
+def _emit(key: str, r: dict, args: argparse.Namespace, result: dict | None) -> int:
+    """Add one bench's result under `key`: into `result` when `offload bench all` collects them, else written
+    out on its own (JSON, plot)."""
+    if result is not None:
+        result[key] = r
+    else:
+        _write({key: r}, args)
+    return 0
+
+
 def _cmd_memcpy(args: argparse.Namespace, result: dict | None = None) -> int:
     import os
+
+    import torch
 
     from .host import memcpy_bench
 
     sizes = args.sizes or [parse_size("64MiB"), parse_size("256MiB")]
     threads = sorted({1, 2, 4, 8, 16, os.cpu_count() or 1} & set(range(1, (os.cpu_count() or 1) + 1)))
-    bar, tick = _bar(len(sizes) * len(threads) * (2 if __import__("torch").cuda.is_available() else 1), "memcpy")
+    bar, tick = _bar(len(sizes) * len(threads) * (2 if torch.cuda.is_available() else 1), "memcpy")
     r = memcpy_bench(sizes, threads, args.rounds, tick)
     bar.close()
     print(f"{'memory':<9} {'size':>9} {'threads':>7} {'impl':<8} {'GB/s':>7}")
@@ -76,11 +88,7 @@ def _cmd_memcpy(args: argparse.Namespace, result: dict | None = None) -> int:
         print(f"{row['memory']:<9} {row['bytes'] >> 20:>7}Mi {row['threads']:>7} {row['impl']:<8} {row['GBps']:>7.2f}")
     if not r["pinned_tested"]:
         print("pinned: not measured (page-locking host memory needs a CUDA driver)")
-    out = result if result is not None else {}
-    out["memcpy"] = r
-    if result is None:
-        _write(out, args)
-    return 0
+    return _emit("memcpy", r, args, result)
 
 
 def _cmd_adam(args: argparse.Namespace, result: dict | None = None) -> int:
@@ -90,11 +98,7 @@ def _cmd_adam(args: argparse.Namespace, result: dict | None = None) -> int:
     print(f"fused CPU AdamW (bf16 grad in, bf16 param out): {r['offload_params_per_s'] / 1e9:.2f} G params/s "
           f"({r['offload_GBps']:.1f} GB/s); torch fused AdamW (fp32): {r['torch_fused_params_per_s'] / 1e9:.2f} "
           f"G params/s ({r['torch_fused_GBps']:.1f} GB/s); {r['speedup']:.2f}x")
-    out = result if result is not None else {}
-    out["adam"] = r
-    if result is None:
-        _write(out, args)
-    return 0
+    return _emit("adam", r, args, result)
 
 
 def _cmd_pcie(args: argparse.Namespace, result: dict | None = None) -> int:
@@ -117,11 +121,7 @@ def _cmd_pcie(args: argparse.Namespace, result: dict | None = None) -> int:
         print(f"both directions at once (pinned, largest size): {r['both_directions_GBps']}")
         if r["all_gpus"]:
             print(f"all GPUs at once: {r['all_gpus']}")
-    out = result if result is not None else {}
-    out["pcie"] = r
-    if result is None:
-        _write(out, args)
-    return 0
+    return _emit("pcie", r, args, result)
 
 
 def _cmd_all(args: argparse.Namespace) -> int:

@@ -89,8 +89,9 @@ class HFModelDir:
         """Raise (naming file, tensor and shapes) unless every parameter of `model` is in the files with its
         shape; return the names in the files that the model does not use (ignored, as transformers does)."""
         errors, used = [], set()
-        for p_id, names in _alias_names(model).items():
-            p = next(p for n, p in model.named_parameters(remove_duplicate=False) if n == names[0])
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for names in _alias_names(model).values():
+            p = params[names[0]]
             hit = next((n for n in names if n in self.entries), None)
             if hit is None:
                 errors.append(f"{names[0]} is missing")

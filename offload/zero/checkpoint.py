@@ -53,17 +53,22 @@ def _param_key(p) -> str:
     return f"{unit.uid}:{unit.layout.slots[p._offload_slot].fqn}"
 
 
+def _watched(rt, collective: str, fn):
+    """A checkpoint's own collectives run through the watchdog like every other (a stalled rank is named)."""
+    return fn() if rt.watchdog is None else rt.watchdog.run("main", collective, "checkpoint", fn)
+
+
 def _all_gather(rt, obj) -> list:
     if not rt.group.distributed:
         return [obj]
     out = [None] * rt.world_size
-    dist.all_gather_object(out, obj)
+    _watched(rt, "all_gather_object", lambda: dist.all_gather_object(out, obj))
     return out
 
 
 def _barrier(rt) -> None:
     if rt.group.distributed:
-        dist.barrier()
+        _watched(rt, "barrier", dist.barrier)
 
 
 def _optimizers(rt) -> list:
@@ -233,11 +238,12 @@ def _write_rank_file(rt, path: Path, rng_tensors: dict[str, torch.Tensor]) -> di
         writer.add(key, t.dtype, t.numel())
     writer.open()
     from_nvme = from_host = 0
+    resident = rt.states.resident_keys()  # the runtime is quiet: residency does not change during the save
     try:
         for unit, kind in plan:
             for c in unit.shards.chunks:  # one chunk in memory at a time
                 spec = unit.shards.spec(kind, c)
-                if spec.home is Tier.NVME and spec.key not in rt.states.resident_keys():
+                if spec.home is Tier.NVME and spec.key not in resident:
                     from_nvme += spec.nbytes
                 else:
                     from_host += spec.nbytes
