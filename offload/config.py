@@ -55,7 +55,11 @@ class Config:
     """Where every class of training state lives and how the model is cut into units.
 
     params / optimizer: home tier of the parameter shards (compute dtype) and of the optimizer states
-      (fp32 master when compute is bf16, exp_avg, exp_avg_sq, and the gradient shards the step consumes).
+      (fp32 master when compute is bf16, exp_avg, exp_avg_sq).
+    grads: home tier of the fp32 gradient shards the step consumes. "auto" (default): with the optimizer
+      states, except when those are on nvme and an explicitly given device_budget holds every gradient shard
+      beside the gathered units: then the device tier (no nvme write in backward, no read in the step). With
+      device_budget "auto" the runtime cannot know what the activations will need, so it does not take it.
     nvme_path: directory for swap files (required when a tier is "nvme"); must exist and be writable.
     device_budget / cpu_budget: byte budgets ("auto": 90% of GPU memory, or of available host RAM on a CPU
       machine where the device tier is a region of host memory). nvme_budget: optional space to reserve;
@@ -83,6 +87,7 @@ class Config:
 
     params: str = "auto"
     optimizer: str = "auto"
+    grads: str = "auto"
     nvme_path: str | None = None
     device_budget: str | int = "auto"
     cpu_budget: str | int = "auto"
@@ -101,7 +106,7 @@ class Config:
     deepspeed_ignored: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("params", "optimizer"):
+        for name in ("params", "optimizer", "grads"):
             tier = getattr(self, name)
             if tier not in TIERS:
                 raise ValueError(f"offload.Config.{name}: unknown tier {tier!r}; choose one of {TIERS}")
@@ -110,8 +115,8 @@ class Config:
                 f"offload.Config.compute_dtype: {self.compute_dtype!r} is not supported; "
                 f"choose one of {COMPUTE_DTYPES}"
             )
-        if "nvme" in (self.params, self.optimizer) and not self.nvme_path:
-            which = "params" if self.params == "nvme" else "optimizer"
+        if "nvme" in (self.params, self.optimizer, self.grads) and not self.nvme_path:
+            which = next(n for n in ("params", "optimizer", "grads") if getattr(self, n) == "nvme")
             raise ValueError(f"offload.Config.nvme_path: required because {which}='nvme'; give a directory")
         for name in ("device_budget", "cpu_budget"):
             value = getattr(self, name)

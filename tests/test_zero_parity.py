@@ -41,6 +41,8 @@ def grid(world):
         Case(world=world, accum=4, no_sync=False),
         Case(world=world, dtype="bf16", clip=clip),
         Case(world=world, dtype="bf16", accum=4, params="nvme", optimizer="nvme", clip=clip),
+        Case(world=world, dtype="bf16", accum=4, params="nvme", optimizer="nvme", grads="nvme", clip=clip),
+        Case(world=world, params="cpu", optimizer="cpu", grads="device"),
         Case(world=world, dtype="bf16", accum=4, no_sync=False, params="device", optimizer="cpu", clip=clip),
     ]
     if transformers_available():
@@ -61,13 +63,14 @@ QUEUES_SLOWED = ("nvme_read", "nvme_write", "optimizer", "gather", "reduce", "co
 
 def delay_cases(world):
     """Each queue slowed in turn (5 ms per piece of work on it), on configurations that use every queue: states
-    on nvme with a cpu budget too small to keep any resident (every state pages through the disk), and no
+    on nvme with a cpu budget too small to keep any resident (every state pages through the disk; the fp32
+    case keeps its gradients there too, the bf16 one in the device budget, as "auto" places them), and no
     clipping in the fp32 case (taking the norm waits for every reduce, which would hide a missing wait)."""
     out = []
     for queue in QUEUES_SLOWED:
         spec = f"{queue}=0.005"
-        out += [Case(world=world, params="nvme", optimizer="nvme", delay=spec, snapshot_every=10, clip=None,
-                     cpu_budget="128KiB"),
+        out += [Case(world=world, params="nvme", optimizer="nvme", grads="nvme", delay=spec, snapshot_every=10,
+                     clip=None, cpu_budget="128KiB"),
                 Case(world=world, dtype="bf16", accum=4, params="nvme", optimizer="nvme", delay=spec,
                      clip=0.5 if world == 1 else 1e9, snapshot_every=10, cpu_budget="128KiB")]
     return out
@@ -89,8 +92,12 @@ def check(result, case):
     assert result["norm_err"] <= tol, result
     assert result["moved"] > 1e-3, result  # training really changed the parameters
     assert result["peak_gathered"] <= result["gathered_bound"], result
-    if "nvme" in (case.params, case.optimizer):
-        assert result["nvme_read"] > 0 and result["nvme_written"] > 0, result
+    # where the gradients live: as asked, or for "auto" the device budget (256MiB, given) when the optimizer
+    # states are on nvme, else with the optimizer states
+    expected = case.grads if case.grads != "auto" else ("device" if case.optimizer == "nvme" else case.optimizer)
+    assert result["grads_tier"] == expected, result
+    if "nvme" in (case.params, case.optimizer, case.grads):  # (what stays resident is never written back)
+        assert result["nvme_read"] > 0, result
     else:
         assert result["nvme_read"] == result["nvme_written"] == 0, result
 

@@ -98,9 +98,9 @@ def test_the_smallest_cpu_budget_accepted_trains_and_one_page_less_is_refused(tm
     bit for bit as the synchronous runtime (no deadlock between lanes waiting for each other's buffers)."""
     working = 96 * 1024  # TinyTransformer, fp32, nvme/nvme: 16 KiB gather + 4 x 16 KiB step + 16 KiB reduce
 
-    def cfg(budget, pipeline=True):
-        return small_config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), cpu_budget=budget,
-                            pipeline=pipeline)
+    def cfg(budget, pipeline=True):  # gradients paged too (grads="nvme"): every lane stages in the cpu budget
+        return small_config(params="nvme", optimizer="nvme", grads="nvme", nvme_path=str(tmp_path),
+                            cpu_budget=budget, pipeline=pipeline)
 
     piped = _train(cfg(working), steps=4)
     sync = _train(cfg(working, pipeline=False), steps=4)
@@ -114,10 +114,10 @@ def test_the_smallest_cpu_budget_accepted_trains_and_one_page_less_is_refused(tm
 def test_states_that_fit_stay_resident_and_stop_paging(tmp_path):
     """With room in the cpu budget the plan keeps nvme-homed states resident, most traffic saved per byte
     first (a bf16 param saves 3 bytes of I/O per byte, a gradient or optimizer state 2): once planned, a
-    step reads and writes fewer bytes, and gradients no longer round-trip through the disk."""
+    step reads and writes fewer bytes, and gradients homed on nvme no longer round-trip through the disk."""
     def cfg(budget):
-        return small_config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), cpu_budget=budget,
-                            compute_dtype="bf16")
+        return small_config(params="nvme", optimizer="nvme", grads="nvme", nvme_path=str(tmp_path),
+                            cpu_budget=budget, compute_dtype="bf16")
 
     tight = _train(cfg("96KiB"), steps=3)
     roomy = _train(cfg("8MiB"), steps=3)
@@ -156,7 +156,7 @@ def test_params_stay_resident_first_when_only_some_states_fit(tmp_path):
 def test_clip_norm_comes_from_the_reduce_without_reading_gradients_back(tmp_path):
     """Gradients paged to disk: the reduce takes each piece's norm from the bytes it stores, so clipping reads
     nothing; the norm read back from the chunks (what it falls back to after accumulation) is the same."""
-    cfg = small_config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), cpu_budget="96KiB")
+    cfg = small_config(params="nvme", optimizer="nvme", grads="nvme", nvme_path=str(tmp_path), cpu_budget="96KiB")
     torch.manual_seed(0)
     model = TinyTransformer()
     with offload.init(cfg) as rt:
@@ -171,6 +171,35 @@ def test_clip_norm_comes_from_the_reduce_without_reading_gradients_back(tmp_path
         read_back = rt.clip_grad_norm_(1.0)
         assert rt.stats()["nvme_read_bytes"] > read0  # the gradient chunks came back from disk
     assert torch.equal(cached, read_back)
+
+
+def test_gradients_stay_in_a_given_device_budget_instead_of_round_tripping_through_nvme(tmp_path):
+    """Optimizer states on nvme: with room in a device budget the user gave, "auto" homes the gradient shards
+    there, so no backward writes them to disk and no step reads them back: the run moves at least a gradient
+    copy fewer each way per step after the first (with gradients on nvme every state pages here: the cpu
+    budget keeps nothing resident), and the results are the same bit for bit. With device_budget "auto" (activations unknown) or no room beside the
+    gathered units, they stay with the optimizer states."""
+    def run(**kw):
+        cfg = small_config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), cpu_budget="96KiB", **kw)
+        return _train(cfg, steps=3)
+
+    on_device, on_nvme = run(), run(grads="nvme")
+    assert on_device[3]["grads_tier"] == "device" and on_nvme[3]["grads_tier"] == "nvme"
+    assert on_nvme[3]["resident_bytes"] == 0  # (the other keeps a few KiB the gradients' staging left free)
+    assert _same(on_device[2], on_nvme[2]) and on_device[1] == on_nvme[1]
+    grad_bytes = 4 * sum(p.numel() for p in TinyTransformer(layers=2).parameters())  # one fp32 copy, 1 rank
+    for total in ("nvme_read_bytes", "nvme_written_bytes"):  # over the run (per-step windows shift with the
+        saved = on_nvme[3][total] - on_device[3][total]  # write-behind): a gradient copy fewer each way from
+        assert saved >= 2 * grad_bytes, (total, saved, grad_bytes)  # the second step on, at least
+    assert on_device[3]["peak_resident_bytes"]["device"] <= on_device[3]["budgets"]["device"]
+
+    assert run(device_budget="auto")[3]["grads_tier"] == "nvme"
+    gathered = on_device[3]["gathered_bound_bytes"]  # root + the largest unit twice (gathered one ahead)
+    short = gathered + grad_bytes - 4096  # a page short of holding the gradients beside the gathered units
+    assert run(device_budget=short)[3]["grads_tier"] == "nvme"
+    with pytest.raises(MemoryError, match=r"offload.Config.grads='device': the gradient shards need .* raise "
+                                          r"device_budget or set grads='auto'"):
+        run(device_budget=short, grads="device")
 
 
 # ---- telemetry --------------------------------------------------------------------------------------

@@ -127,6 +127,7 @@ def param_groups(named):
 class Case:
     params: str = "cpu"
     optimizer: str = "cpu"
+    grads: str = "auto"  # "auto": nvme-homed optimizer states leave their gradients in the 256MiB device budget
     world: int = 1
     accum: int = 1
     dtype: str = "fp32"
@@ -149,7 +150,8 @@ class Case:
     @property
     def name(self) -> str:
         sync = "nosync" if self.no_sync else "reduce-each"
-        return (f"{self.model}-{self.dtype}-p_{self.params}-o_{self.optimizer}-w{self.world}-acc{self.accum}"
+        return (f"{self.model}-{self.dtype}-p_{self.params}-o_{self.optimizer}"
+                f"{'-g_' + self.grads if self.grads != 'auto' else ''}-w{self.world}-acc{self.accum}"
                 f"{'-' + sync if self.accum > 1 else ''}{'-noclip' if self.clip is None or self.clip >= 1e9 else ''}"
                 f"{'-cpu' + self.cpu_budget if self.cpu_budget != '256MiB' else ''}"
                 f"{'-flow_' + self.flow if self.flow else ''}"
@@ -266,8 +268,8 @@ def offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str,
 
     rank, world = _rank_world()
     assert world == case.world, (world, case.world)
-    cfg = offload.Config(params=case.params, optimizer=case.optimizer, compute_dtype=case.dtype,
-                         nvme_path=nvme_dir if "nvme" in (case.params, case.optimizer) else None,
+    cfg = offload.Config(params=case.params, optimizer=case.optimizer, grads=case.grads, compute_dtype=case.dtype,
+                         nvme_path=nvme_dir if "nvme" in (case.params, case.optimizer, case.grads) else None,
                          device_budget="256MiB", cpu_budget=case.cpu_budget, pipeline=pipeline)
     losses, snaps, norms = [], {}, []
     mine = slice(rank * MICRO, (rank + 1) * MICRO)
@@ -363,7 +365,8 @@ def _run_case(case: Case, nvme_dir: str) -> dict:
             "peak_gathered": stats["peak_gathered_bytes"], "gathered_bound": stats["gathered_bound_bytes"],
             "pipeline_mismatches": mismatches, "plans_made": stats["plans_made"],
             "peak_cpu": stats["peak_resident_bytes"]["cpu"], "cpu_budget": stats["budgets"]["cpu"],
-            "peak_device": stats["peak_resident_bytes"]["device"], "device_budget": stats["budgets"]["device"]}
+            "peak_device": stats["peak_resident_bytes"]["device"], "device_budget": stats["budgets"]["device"],
+            "grads_tier": stats["grads_tier"]}
 
 
 def transformers_available() -> bool:

@@ -54,6 +54,7 @@ def main():
         "rss0": rss0, "peak": peak_rss_bytes(), "params": n,
         "states": n * 16, "losses": losses, "gathered_bound": stats["gathered_bound_bytes"],
         "largest_shard": largest_shard, "nvme_read": stats["nvme_read_bytes"],
+        "device_tier_peak": stats["peak_resident_bytes"]["device"], "grads_tier": stats["grads_tier"],
     }))
 
 

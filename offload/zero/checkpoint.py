@@ -294,7 +294,7 @@ def _manifest(rt, tag: str, statuses: list[dict], extra: dict, lr_schedulers) ->
         "versions": {"offload": offload.__version__, "torch": torch.__version__},
         "world_size": rt.world_size,
         "compute_dtype": rt.config.compute_dtype,
-        "placement": {"params": rt.params_tier, "optimizer": rt.optimizer_tier},
+        "placement": {"params": rt.params_tier, "optimizer": rt.optimizer_tier, "grads": rt.grads_tier},
         "units": [{"uid": u.uid, "numel": u.layout.numel, "padded_numel": u.layout.padded_numel,
                    "moments": any(u.uid in st["moments"] for st in statuses), "grad": u.has_grad,
                    # which parameters got a gradient so far (any rank), for an accumulation in progress
@@ -455,7 +455,7 @@ def _load_unit(rt, unit, entry: dict, handles: dict, keys: dict, old_world: int)
             if not unit.shards.master_is_param:
                 unit.write_shard(StateKind.MASTER, buf)
         elif label == "grad":
-            unit._register_grads()
+            unit.register_grads()
             unit.write_shard(StateKind.GRAD, buf)
         else:
             rt.register_moments(unit)

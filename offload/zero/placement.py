@@ -3,9 +3,11 @@ Decided when a model is wrapped, before any byte is moved; anything that cannot 
 the numbers and the setting to change.
 
 "auto" tiers take the fastest tier whose budget holds the state class with room to stage the largest unit.
-Gradients live with the optimizer states (the CPU optimizer reads them); when that tier is nvme, the
-schedule keeps them resident in the cpu budget if it can (planner.residency_plan), so they do not round-trip
-through the disk.
+Gradients live with the optimizer states (the CPU optimizer reads them), except that nvme-homed optimizer
+states leave their gradients in the device tier when a device budget the user gave holds them beside the
+gathered units (grads_tier): a gradient on nvme costs a write in every backward and a read in every step.
+Otherwise the schedule keeps nvme-homed gradients resident in the cpu budget if it can
+(planner.residency_plan).
 """
 from __future__ import annotations
 
@@ -63,21 +65,26 @@ def _pages(nbytes: int) -> int:
     return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
-def host_working_set(unit_chunks: list[list[int]], width: int, params_nvme: bool, optimizer_nvme: bool) -> int:
+def host_working_set(unit_chunks: list[list[int]], width: int, params_nvme: bool, optimizer_nvme: bool,
+                     grads_nvme: bool | None = None) -> int:
     """Bytes of the cpu budget that the background lanes may hold at once to make progress, for nvme-homed
     states (memory homes lend their home copy and stage nothing): the gather lane reads every param chunk of
     the largest unit, the optimizer lane one chunk of each state it steps, the reduce lane one gradient chunk.
     Those lanes run concurrently and wait for one another's buffers, so all three must fit together; what
     the prefetch and the resident states use comes on top (the schedule reserves this first).
-    `unit_chunks`: every unit's chunk sizes, in elements."""
+    `unit_chunks`: every unit's chunk sizes, in elements; grads_nvme: None when the gradients live with the
+    optimizer states (their tier is decided after the fit, so the fit counts them like those)."""
+    grads_nvme = optimizer_nvme if grads_nvme is None else grads_nvme
     chunk = max((n for chunks in unit_chunks for n in chunks), default=0)
     gather = max((sum(_pages(n * width) for n in chunks) for chunks in unit_chunks), default=0) if params_nvme else 0
     step = 0
-    if optimizer_nvme:  # exp_avg, exp_avg_sq, grad; and the fp32 master unless the fp32 param is it
-        step += (3 + (1 if width != 4 else 0)) * _pages(chunk * 4)
+    if optimizer_nvme:  # exp_avg, exp_avg_sq; and the fp32 master unless the fp32 param is it
+        step += (2 + (1 if width != 4 else 0)) * _pages(chunk * 4)
+    if grads_nvme:  # the gradient chunk the step reads
+        step += _pages(chunk * 4)
     if params_nvme:  # the param chunk the step writes (with fp32 compute it is also the master)
         step += _pages(chunk * width)
-    reduce = _pages(chunk * 4) if optimizer_nvme else 0  # gradients live with the optimizer states
+    reduce = _pages(chunk * 4) if grads_nvme else 0  # the gradient chunk a reduce adds into
     return gather + step + reduce
 
 
@@ -90,9 +97,11 @@ def gathered_bound(sizes: list[UnitSize], width: int, ahead: bool) -> int:
 
 
 def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str, budgets: dict,
-         in_use: dict, compute_dtype: torch.dtype, chunk_setting: int | None, nvme_path: str | None) -> Placement:
+         in_use: dict, compute_dtype: torch.dtype, chunk_setting: int | None, nvme_path: str | None,
+         grads: str = "auto", device_budget_given: bool = False) -> Placement:
     """The placement for `new` units joining `sizes` (every unit, new ones included). `params` /
-    `optimizer`: the configured tiers ("auto" allowed); budgets / in_use: bytes per tier."""
+    `optimizer` / `grads`: the configured tiers ("auto" allowed); budgets / in_use: bytes per tier;
+    device_budget_given: the device budget is the user's figure (not "auto")."""
     width = compute_dtype.itemsize
     for s in new:
         full = s.layout.padded_numel * width
@@ -112,7 +121,8 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
     opt_bytes = (3 + (1 if width != 4 else 0)) * sum(_pages(n * 4) for n in new_chunks)  # m, v, grad (+ master)
 
     def staging(p: str, o: str) -> int:
-        return host_working_set(list(chunks.values()), width, p == "nvme", o == "nvme")
+        return host_working_set(list(chunks.values()), width, p == "nvme", o == "nvme",
+                                None if grads == "auto" else grads == "nvme")
 
     def cpu_homed(p: str, o: str) -> int:
         return (param_bytes if p == "cpu" else 0) + (opt_bytes if o == "cpu" else 0)
@@ -161,9 +171,36 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
             "params='cpu' / 'nvme'"
         )
     device_left = device_free - (param_bytes if params == "device" else 0) - (opt_bytes if optimizer == "device" else 0)
+    grad_bytes = sum(_pages(n * 4) for n in new_chunks)
+    grads = grads_tier(grads, optimizer, grad_bytes, device_left - gathered_bound(sizes, width, ahead=True),
+                       cpu_free - cpu_need - working, device_budget_given)
+    if grads == "device" and optimizer != "device":
+        device_left -= grad_bytes
     ahead = gathered_bound(sizes, width, ahead=True) <= device_left
-    tiers = StateTiers(Tier(params), Tier(optimizer), Tier(optimizer))
+    tiers = StateTiers(Tier(params), Tier(optimizer), Tier(grads))
     return Placement(tiers, chunk_numel, ahead)
+
+
+def grads_tier(setting: str, optimizer: str, grad_bytes: int, device_room: int, cpu_room: int,
+               device_budget_given: bool) -> str:
+    """Home tier of the gradient shards. `device_room` / `cpu_room`: bytes of those budgets left once the
+    params, optimizer states, gathered units (one ahead) and the lanes' working set have theirs."""
+    if setting == "auto":
+        if optimizer == "nvme" and device_budget_given and grad_bytes <= device_room:
+            return "device"  # no nvme round trip; with an "auto" budget the activations' need is unknown
+        return optimizer
+    if setting == optimizer:
+        return setting
+    if setting == "device" and grad_bytes > device_room:
+        raise MemoryError(
+            f"offload.Config.grads='device': the gradient shards need {format_size(grad_bytes)} ({grad_bytes} bytes) "
+            f"of device_budget but only {format_size(max(device_room, 0))} is left beside the gathered units; "
+            "raise device_budget or set grads='auto'")
+    if setting == "cpu" and grad_bytes > cpu_room:
+        raise MemoryError(
+            f"offload.Config.grads='cpu': the gradient shards need {format_size(grad_bytes)} ({grad_bytes} bytes) "
+            f"of cpu_budget but only {format_size(max(cpu_room, 0))} is left; raise cpu_budget or set grads='auto'")
+    return setting
 
 
 def _nvme_or_fail(what: str, nbytes: int, nvme_path: str | None) -> str:

@@ -79,6 +79,7 @@ class Runtime:
         self.compute_dtype = config.torch_compute_dtype
         self.params_tier = config.params
         self.optimizer_tier = config.optimizer
+        self.grads_tier = config.grads
         self.placement: placement.Placement | None = None
         self.is_open = False
         self.closed = False
@@ -284,7 +285,8 @@ class Runtime:
         working = placement.host_working_set(
             [[c.numel for c in u.shards.chunks] for u in self.units], self.compute_dtype.itemsize,
             any(u.shards.tiers.params is Tier.NVME for u in self.units),
-            any(u.shards.tiers.optimizer is Tier.NVME for u in self.units))
+            any(u.shards.tiers.optimizer is Tier.NVME for u in self.units),
+            any(u.shards.tiers.grads is Tier.NVME for u in self.units))
         largest = max(u.shards.nbytes(StateKind.PARAM) for u in self.units)
         return working, 2 * largest  # read ahead: the next unit's param chunks, and the one after
 
@@ -485,6 +487,7 @@ class Runtime:
             "peak_rss_bytes": peak_rss_bytes(),
             "params_tier": self.params_tier,
             "optimizer_tier": self.optimizer_tier,
+            "grads_tier": self.grads_tier,
             "resident_bytes": sum(self._resident_sizes()),
             "plans_made": self.schedule.plans_made,
             "steps": self.step_stats.steps,

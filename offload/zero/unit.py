@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..config import format_size
-from ..store import LeaseMode
+from ..store import LeaseMode, Tier
 from ..telemetry import Queue
 from . import comm
 from .context import UnitContext
@@ -287,14 +287,15 @@ class ShardedUnit:
         ctx = self.ctx
         shard = comm.reduce_scatter_mean(ctx.reduce_group, full_grad, what=f"gradient of {self.label}")
         ctx.counters.add("reduce_scatter_bytes", full_grad.numel() * 4)
-        if shard.device.type != "cpu":
+        where = self._grads_where()
+        if where is Use.HOST and shard.device.type != "cpu":
             shard = shard.to("cpu")  # lane thread: the accumulation below reads it
-        self._register_grads()
+        self.register_grads()
         mode = LeaseMode.OVERWRITE if overwrite else LeaseMode.UPDATE
         pieces = [p for p in self.layout.pieces(ctx.rank) if self.layout.slots[p.slot].requires_grad]
         norms = PieceNorms(pieces) if overwrite else None  # of the fp32 values stored, while they are here
         for c in self.shards.chunks:
-            lease = ctx.states.lease(self.shards.spec(StateKind.GRAD, c), Use.HOST, mode)
+            lease = ctx.states.lease(self.shards.spec(StateKind.GRAD, c), where, mode)
             acc = lease.wait()
             if overwrite:
                 acc.copy_(shard[c.lo:c.hi])
@@ -304,7 +305,12 @@ class ShardedUnit:
             lease.release()
         self.grad_norms = norms.done if overwrite else None
 
-    def _register_grads(self) -> None:
+    def _grads_where(self) -> Use:
+        """Where the reduce and zero_grad touch the gradient chunks: in the device tier when they live there
+        (on a GPU no host round trip), else host memory."""
+        return Use.COMPUTE if self.shards.tiers.grads is Tier.DEVICE else Use.HOST
+
+    def register_grads(self) -> None:
         if not self.shards.grads_registered:
             for c in self.shards.chunks:
                 self.ctx.states.register(self.shards.spec(StateKind.GRAD, c)).result()
@@ -353,7 +359,8 @@ class ShardedUnit:
         self.grad_norms = None  # some pieces are zeroed now: read them back if a norm is asked for
         for lo, hi in ranges:
             for c, a, b in self.shards.chunks_over(lo, hi):
-                lease = self.ctx.states.lease(self.shards.spec(StateKind.GRAD, c), Use.HOST, LeaseMode.UPDATE)
+                lease = self.ctx.states.lease(self.shards.spec(StateKind.GRAD, c), self._grads_where(),
+                                              LeaseMode.UPDATE)
                 lease.wait()[a:b].zero_()
                 lease.release()
 

@@ -37,9 +37,11 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
                                       s.name == "" or layout.padded_numel * width <= persist))
     in_use = {t: rt.states.nbytes_in(t) for t in ("device", "cpu")}
     place = placement.plan(sizes + new, new, rt.params_tier, rt.optimizer_tier, rt.budgets, in_use,
-                           rt.compute_dtype, cfg.bytes_of("chunk_size"), cfg.nvme_path)
+                           rt.compute_dtype, cfg.bytes_of("chunk_size"), cfg.nvme_path, grads=cfg.grads,
+                           device_budget_given=cfg.device_budget != "auto")
     rt.placement = place
     rt.params_tier, rt.optimizer_tier = place.tiers.params.value, place.tiers.optimizer.value
+    rt.grads_tier = place.tiers.grads.value
     rt.schedule.gather_ahead = place.gather_ahead
     meta = is_meta_model(model)
     model_tag = f"model{len(rt.models)}:" if rt.models else ""  # unit ids stay unique across models
@@ -68,6 +70,8 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
             _register_unit(rt, shards, shard)
             del shard
             unit = ShardedUnit(rt.ctx, index, uid, spec.name, spec.module, layout, shards)
+            if shards.tiers.grads is not shards.tiers.optimizer:
+                unit.register_grads()  # now, so the next wrap's placement sees their bytes in use
             _adopt(rt, unit, spec, ordinal)
             if layout.padded_numel * width <= persist:
                 unit.unshard()
