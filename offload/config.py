@@ -83,6 +83,10 @@ class Config:
     swap_checksums: an XXH3-64 hash of every swap slot written, checked when it is read back (a corrupt drive
       raises SwapCorruptError instead of training on wrong numbers; costs one hash pass over the nvme traffic).
     log_every: log one line of step telemetry (logger "offload") every this many optimizer steps (0: never).
+    machine: an `offload bench --json` file of this machine (nvme read/write, pinned PCIe, CPU AdamW rate):
+      "auto" params / optimizer take the pair of tiers that fits and whose data movement the plan's step model
+      predicts fastest with these figures, as `offload plan --bench-json` does (None: the device's nominal
+      figures).
     """
 
     params: str = "auto"
@@ -102,6 +106,7 @@ class Config:
     log_every: int = 0
     collective_timeout: str | int | float = "10min"
     swap_checksums: bool = True
+    machine: str | None = None
     # Keys of an imported DeepSpeed config that have no effect here (filled by from_deepspeed).
     deepspeed_ignored: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
@@ -124,6 +129,10 @@ class Config:
                 parse_size(value, name)
         if self.nvme_budget is not None:
             parse_size(self.nvme_budget, "nvme_budget")
+        if self.machine is not None:
+            from .plan.step_time import bench_figures
+
+            bench_figures(self.machine, "offload.Config.machine")  # unreadable: say so now, not at wrap
         parse_size(self.persist_threshold, "persist_threshold")
         if isinstance(self.unit_classes, (str, type)):
             self.unit_classes = (self.unit_classes,)

@@ -185,9 +185,9 @@ def test_bench_nvme_on_two_paths_streams_both_at_once(tmp_path, capsys):
     assert striped["read_striped_gbps"] > 0 and striped["write_striped_gbps"] > 0
     assert "striped read:" in text
     assert not list(a.iterdir()) and not list(b.iterdir())  # test files removed
-    from offload.plan.cli import _from_bench
+    from offload.plan.step_time import bench_figures
 
-    assert _from_bench(str(tmp_path / "n.json"))["nvme_read_Bps"] == striped["read_striped_gbps"] * 1e9
+    assert bench_figures(str(tmp_path / "n.json"), "--bench-json")["nvme_read_Bps"] == striped["read_striped_gbps"] * 1e9
 
 
 def test_a_stale_build_lock_is_removed_not_waited_on_forever():

@@ -17,7 +17,7 @@ from ..config import format_size, parse_size
 from .memory import Workload
 from .model_spec import PRESETS, model_from
 from .sizing import DEVICES, advice, capacity, choose, evaluate
-from .step_time import Machine
+from .step_time import Machine, bench_figures
 
 
 def parse_rate(text: str, flag: str) -> float:
@@ -31,39 +31,13 @@ def parse_rate(text: str, flag: str) -> float:
         raise ValueError(f"{flag} {text!r}: give a rate such as 25GB/s or 3.5GiB/s") from None
 
 
-def _from_bench(path: str) -> dict:
-    """Figures a bench JSON gives: nvme read/write (GB/s), pcie (GB/s), cpu adam (params/s)."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--bench-json {path}: cannot read it ({exc})") from None
-    out = {}
-    nv = data.get("nvme", {})
-    if "read_gbps" in nv:
-        out["nvme_read_Bps"] = nv["read_gbps"] * 1e9
-    if "write_gbps" in nv:
-        out["nvme_write_Bps"] = nv["write_gbps"] * 1e9
-    striped = nv.get("striped")
-    if striped:  # several drives measured at once: the node's aggregate is what the states are spread over
-        out["nvme_read_Bps"] = striped["read_striped_gbps"] * 1e9
-        out["nvme_write_Bps"] = striped["write_striped_gbps"] * 1e9
-    pcie = data.get("pcie", {})
-    if pcie.get("h2d_pinned_gbps"):
-        out["pcie_Bps"] = pcie["h2d_pinned_gbps"] * 1e9
-    adam = data.get("adam", {})
-    if adam.get("offload_params_per_s"):
-        out["adam_params_per_s"] = adam["offload_params_per_s"]
-    return out
-
-
 def plan_from_args(args: argparse.Namespace) -> dict:
     m = model_from(args.model)
     dev = DEVICES[args.gpu]
     figures = dict(device_flops=dev["device_flops"] if args.tflops is None else args.tflops * 1e12,
                    pcie_Bps=dev["pcie_Bps"], interconnect_Bps=dev["interconnect_Bps"])
     if args.bench_json:
-        figures.update(_from_bench(args.bench_json))
+        figures.update(bench_figures(args.bench_json, "--bench-json"))
     for flag, key in (("nvme_read", "nvme_read_Bps"), ("nvme_write", "nvme_write_Bps"), ("pcie", "pcie_Bps")):
         if getattr(args, flag):
             figures[key] = parse_rate(getattr(args, flag), "--" + flag.replace("_", "-"))

@@ -24,6 +24,7 @@ clipping needs every gradient before any update, and each unit's next gather wai
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from .memory import Placement, StateBytes, RUNTIME, Workload
 from .model_spec import ModelSpec
@@ -46,10 +47,99 @@ class Machine:
         return self.gpus_per_node * self.nodes
 
 
+@dataclasses.dataclass(frozen=True)
+class Movement:
+    """Busy seconds of one rank's data movement per step for a placement (compute and collectives aside)."""
+
+    pcie_fwd: float  # per micro-batch
+    pcie_bwd: float  # per micro-batch
+    pcie_upd: float  # once a step
+    nvme_fwd: float  # reads, per micro-batch
+    nvme_bwd_read: float  # per micro-batch
+    nvme_bwd_write: float  # per micro-batch
+    nvme_upd_read: float  # once a step
+    nvme_upd_write: float  # once a step
+    adam: float  # once a step
+
+    @property
+    def update(self) -> float:
+        return max(self.nvme_upd_read + self.nvme_upd_write, self.adam, self.pcie_upd)
+
+
+def movement(shard_params: float, place: Placement, mc: Machine, sb: StateBytes = RUNTIME) -> Movement:
+    """The transfers a placement costs one rank holding `shard_params` parameters (module docstring); the
+    node's ranks share its drives and its CPU."""
+    p_bytes, g_bytes = sb.params * shard_params, sb.grads * shard_params
+    opt_bytes = (sb.master + sb.moments) * shard_params
+    on_dev_params, on_dev_opt = place.params == "device", place.optimizer == "device"
+    node = mc.gpus_per_node
+    nv_fwd = node * p_bytes / mc.nvme_read_Bps if place.params == "nvme" else 0.0
+    opt_nvme = place.optimizer == "nvme"
+    return Movement(
+        pcie_fwd=0.0 if on_dev_params else p_bytes / mc.pcie_Bps,
+        pcie_bwd=(0.0 if on_dev_params else p_bytes / mc.pcie_Bps) + (0.0 if on_dev_opt else g_bytes / mc.pcie_Bps),
+        pcie_upd=p_bytes / mc.pcie_Bps if (on_dev_params and not on_dev_opt) else 0.0,
+        nvme_fwd=nv_fwd,
+        nvme_bwd_read=nv_fwd,
+        nvme_bwd_write=node * g_bytes / mc.nvme_write_Bps if opt_nvme else 0.0,
+        # master + moments in and out and the gradient in (optimizer on nvme); the updated params out
+        nvme_upd_read=node * (opt_bytes + g_bytes) / mc.nvme_read_Bps if opt_nvme else 0.0,
+        nvme_upd_write=(node * opt_bytes / mc.nvme_write_Bps if opt_nvme else 0.0)
+        + (node * p_bytes / mc.nvme_write_Bps if place.params == "nvme" else 0.0),
+        adam=0.0 if on_dev_opt else node * shard_params / mc.adam_params_per_s,
+    )
+
+
+def phases_step_s(fwd: float, bwd: float, upd: float, grad_accum: int) -> float:
+    """A step from its phases: every backward, the forwards after the first, and the update under the next
+    step's first forward."""
+    return grad_accum * bwd + (grad_accum - 1) * fwd + max(fwd, upd)
+
+
+def movement_step_s(shard_params: float, place: Placement, mc: Machine, grad_accum: int = 1) -> float:
+    """The step a placement's data movement alone would take (compute and collectives free): what the
+    runtime's "auto" tiers compare (offload.zero.placement)."""
+    mv = movement(shard_params, place, mc)
+    fwd = max(mv.pcie_fwd, mv.nvme_fwd)
+    bwd = max(mv.pcie_bwd, mv.nvme_bwd_read + mv.nvme_bwd_write)
+    return phases_step_s(fwd, bwd, mv.update, grad_accum)
+
+
+def bench_figures(path: str, setting: str) -> dict:
+    """Machine fields an `offload bench --json` file gives: nvme read/write (the striped aggregate when several
+    drives were measured), pinned PCIe, the fused CPU AdamW's rate. `setting` names the flag or field that gave
+    the path, for the error."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{setting} {path}: cannot read it as an offload bench JSON ({exc}); run "
+                         "`offload bench all --json FILE` and give that file") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{setting} {path}: not an offload bench JSON (a JSON object with nvme / pcie / adam)")
+    out = {}
+    nv = data.get("nvme", {})
+    if "read_gbps" in nv:
+        out["nvme_read_Bps"] = nv["read_gbps"] * 1e9
+    if "write_gbps" in nv:
+        out["nvme_write_Bps"] = nv["write_gbps"] * 1e9
+    striped = nv.get("striped")
+    if striped:  # several drives measured at once: the node's aggregate is what the states are spread over
+        out["nvme_read_Bps"] = striped["read_striped_gbps"] * 1e9
+        out["nvme_write_Bps"] = striped["write_striped_gbps"] * 1e9
+    pcie = data.get("pcie", {})
+    if pcie.get("h2d_pinned_gbps"):
+        out["pcie_Bps"] = pcie["h2d_pinned_gbps"] * 1e9
+    adam = data.get("adam", {})
+    if adam.get("offload_params_per_s"):
+        out["adam_params_per_s"] = adam["offload_params_per_s"]
+    return out
+
+
 def predict(m: ModelSpec, w: Workload, place: Placement, mc: Machine, sb: StateBytes = RUNTIME) -> dict:
     """{"resources": busy seconds per resource per step, "phases": seconds, "step_s", "bottleneck",
     "tokens_per_s"} (module docstring)."""
-    r, local = mc.ranks, mc.gpus_per_node
+    r = mc.ranks
     shard = m.params / r  # parameters per rank
     tokens = w.micro_batch * w.seq_len  # per rank per micro-batch
     fwd_flops = (2 * m.params + 4 * m.layers * m.hidden * w.seq_len) * tokens  # per micro-batch
@@ -57,41 +147,23 @@ def predict(m: ModelSpec, w: Workload, place: Placement, mc: Machine, sb: StateB
     rate = mc.device_flops * mc.mfu
     compute = passes * fwd_flops / rate
     c_fwd, c_bwd = fwd_flops / rate, (passes - 1) * fwd_flops / rate
-
-    p_bytes, g_bytes, opt_bytes = sb.params * shard, sb.grads * shard, (sb.master + sb.moments) * shard
-    on_dev_params, on_dev_opt = place.params == "device", place.optimizer == "device"
-    pcie_fwd = 0.0 if on_dev_params else p_bytes / mc.pcie_Bps
-    pcie_bwd = (0.0 if on_dev_params else p_bytes / mc.pcie_Bps) + (0.0 if on_dev_opt else g_bytes / mc.pcie_Bps)
-    pcie_upd = p_bytes / mc.pcie_Bps if (on_dev_params and not on_dev_opt) else 0.0
-
-    node = local  # a node's ranks share its drives and its CPU
-    nv_fwd = node * p_bytes / mc.nvme_read_Bps if place.params == "nvme" else 0.0
-    nv_bwd_r = nv_fwd
-    nv_bwd_w = node * g_bytes / mc.nvme_write_Bps if place.optimizer == "nvme" else 0.0
-    nv_upd = 0.0
-    if place.optimizer == "nvme":  # master + moments in and out, the gradient in
-        nv_upd += node * (opt_bytes + g_bytes) / mc.nvme_read_Bps + node * opt_bytes / mc.nvme_write_Bps
-    if place.params == "nvme":  # the updated compute-dtype parameters out
-        nv_upd += node * p_bytes / mc.nvme_write_Bps
-    adam = 0.0 if on_dev_opt else node * shard / mc.adam_params_per_s
+    mv = movement(shard, place, mc, sb)
 
     coll = (r - 1) / r if r > 1 else 0.0
     ag = coll * sb.params * m.params / mc.interconnect_Bps  # one all-gather of every unit
     rs = coll * 4 * m.params / mc.interconnect_Bps  # fp32 gradient reduce-scatter
 
-    fwd = max(c_fwd, pcie_fwd, nv_fwd, ag)
-    bwd = max(c_bwd, pcie_bwd, nv_bwd_r + nv_bwd_w, ag + rs)
-    upd = max(nv_upd, adam, pcie_upd)
+    fwd = max(c_fwd, mv.pcie_fwd, mv.nvme_fwd, ag)
+    bwd = max(c_bwd, mv.pcie_bwd, mv.nvme_bwd_read + mv.nvme_bwd_write, ag + rs)
+    upd = mv.update
     a = w.grad_accum
-    step = a * bwd + (a - 1) * fwd + max(fwd, upd)
+    step = phases_step_s(fwd, bwd, upd, a)
     resources = {
         "compute": a * compute,
-        "pcie": a * (pcie_fwd + pcie_bwd) + pcie_upd,
-        "nvme read": a * (nv_fwd + nv_bwd_r) + (node * (opt_bytes + g_bytes) / mc.nvme_read_Bps
-                                                if place.optimizer == "nvme" else 0.0),
-        "nvme write": a * nv_bwd_w + (node * opt_bytes / mc.nvme_write_Bps if place.optimizer == "nvme" else 0.0)
-        + (node * p_bytes / mc.nvme_write_Bps if place.params == "nvme" else 0.0),
-        "cpu adam": adam,
+        "pcie": a * (mv.pcie_fwd + mv.pcie_bwd) + mv.pcie_upd,
+        "nvme read": a * (mv.nvme_fwd + mv.nvme_bwd_read) + mv.nvme_upd_read,
+        "nvme write": a * mv.nvme_bwd_write + mv.nvme_upd_write,
+        "cpu adam": mv.adam,
         "collectives": a * (2 * ag + rs),
     }
     return {"resources": resources, "phases": {"forward": fwd, "backward": bwd, "update": upd}, "step_s": step,

@@ -2,7 +2,12 @@
 Decided when a model is wrapped, before any byte is moved; anything that cannot fit is refused here with
 the numbers and the setting to change.
 
-"auto" tiers take the fastest tier whose budget holds the state class with room to stage the largest unit.
+"auto" tiers: of the (params, optimizer) tier pairs that fit the budgets (with room to stage the largest unit),
+the one whose data movement the plan's step model (offload/plan/step_time.py, `offload plan`) predicts
+fastest, with the figures `offload bench --json` measured (Config.machine) or the device's nominal ones;
+ties go to the faster tier for params, then for the optimizer. (Taking the fastest tier for params first is
+not always best: a host that holds the optimizer states but not those and the params together is better
+used for the states, which move 28 bytes per parameter a step from nvme against the params' 6.)
 Gradients live with the optimizer states (the CPU optimizer reads them), except that nvme-homed optimizer
 states leave their gradients in the device tier when a device budget the user gave holds them beside the
 gathered units (grads_tier): a gradient on nvme costs a write in every backward and a read in every step.
@@ -11,11 +16,16 @@ Otherwise the schedule keeps nvme-homed gradients resident in the cpu budget if 
 """
 from __future__ import annotations
 
+import logging
+import shutil
 from dataclasses import dataclass
 
 import torch
 
 from ..config import format_size
+from ..plan.memory import Placement as TierPair
+from ..plan.sizing import DEVICES
+from ..plan.step_time import Machine, bench_figures, movement_step_s
 from ..store import Tier
 from ..store.swap_file import SLOT_ALIGN
 from .layout import FlatLayout
@@ -28,11 +38,16 @@ MAX_CHUNK_BYTES = 64 << 20
 PIPELINE_CHUNKS = 2  # chunks of optimizer state the pipeline holds at once (one stepped, one read ahead)
 
 
+log = logging.getLogger("offload")
+
+
 @dataclass(frozen=True)
 class Placement:
     tiers: StateTiers
     chunk_numel: int  # target elements per chunk (a unit's shard is cut into equal chunks at most this long)
     gather_ahead: bool  # the device budget holds one more gathered unit: gather the next unit while one runs
+    # "auto" tiers: every pair that fit, with the step its data movement alone is predicted to take (seconds)
+    considered: tuple[tuple[str, str, float], ...] = ()
 
     def chunk_of(self, shard_numel: int) -> int:
         return equal_chunk(shard_numel, self.chunk_numel)
@@ -96,12 +111,29 @@ def gathered_bound(sizes: list[UnitSize], width: int, ahead: bool) -> int:
     return fixed + largest * (2 if ahead else 1)
 
 
+def machine_for(device: torch.device, ranks_per_node: int, bench_json: str | None) -> Machine:
+    """The figures "auto" tiers are compared with: the compute device's nominal ones (a CPU has no PCIe hop;
+    a GPU's from offload.plan.sizing.DEVICES by name, an H100's when unknown), overridden by what
+    `offload bench --json` measured on this machine (Config.machine)."""
+    key = "cpu"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        key = next((k for k in DEVICES if k != "cpu" and k in name), "h100")
+    dev = DEVICES[key]
+    figures = dict(device_flops=dev["device_flops"], pcie_Bps=dev["pcie_Bps"],
+                   interconnect_Bps=dev["interconnect_Bps"])
+    if bench_json:
+        figures.update(bench_figures(bench_json, "offload.Config.machine"))
+    return Machine(gpus_per_node=max(1, ranks_per_node), **figures)
+
+
 def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str, budgets: dict,
          in_use: dict, compute_dtype: torch.dtype, chunk_setting: int | None, nvme_path: str | None,
-         grads: str = "auto", device_budget_given: bool = False) -> Placement:
+         grads: str = "auto", device_budget_given: bool = False, machine: Machine | None = None) -> Placement:
     """The placement for `new` units joining `sizes` (every unit, new ones included). `params` /
     `optimizer` / `grads`: the configured tiers ("auto" allowed); budgets / in_use: bytes per tier;
-    device_budget_given: the device budget is the user's figure (not "auto")."""
+    device_budget_given: the device budget is the user's figure (not "auto"); machine: the figures "auto"
+    tiers are compared with (machine_for; default: a CPU's)."""
     width = compute_dtype.itemsize
     for s in new:
         full = s.layout.padded_numel * width
@@ -130,17 +162,33 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
     cpu_free = budgets["cpu"] - in_use["cpu"]
     device_free = budgets["device"] - in_use["device"]
     gathered = gathered_bound(sizes, width, ahead=False)
-    if params == "auto":
-        biggest_full = max((s.layout.padded_numel * width for s in new), default=0)
-        if param_bytes + max(2 * biggest_full, gathered) <= device_free:
-            params = "device"
-        elif cpu_homed("cpu", "nvme") + staging("cpu", "nvme" if optimizer == "auto" else optimizer) <= cpu_free:
-            params = "cpu"  # with room for the optimizer's working set should its states page from nvme
-        else:
-            params = _nvme_or_fail("params", param_bytes, nvme_path)
-    if optimizer == "auto":
-        fits = cpu_homed(params, "cpu") + staging(params, "cpu") <= cpu_free
-        optimizer = "cpu" if fits else _nvme_or_fail("optimizer", opt_bytes, nvme_path)
+    biggest_full = max((s.layout.padded_numel * width for s in new), default=0)
+
+    def fits(p: str, o: str) -> bool:
+        if cpu_homed(p, o) + staging(p, o) > cpu_free:
+            return False
+        if p == "device" and param_bytes + max(2 * biggest_full, gathered) > device_free:
+            return False  # the param shards, and two units gathered at once (or the persistent ones)
+        nvme = (param_bytes if p == "nvme" else 0) + (opt_bytes if o == "nvme" else 0)
+        return not nvme or (nvme_path is not None and (budgets["nvme"] is None or nvme <= budgets["nvme"])
+                            and _nvme_free(nvme_path) >= nvme)
+
+    considered = ()
+    if "auto" in (params, optimizer):
+        mc = machine or machine_for(torch.device("cpu"), 1, None)
+        shard_numel = sum(s.layout.shard_numel for s in new)
+        options = [(p, o) for p in (("device", "cpu", "nvme") if params == "auto" else (params,))
+                   for o in (("cpu", "nvme") if optimizer == "auto" else (optimizer,)) if fits(p, o)]
+        considered = tuple((p, o, movement_step_s(shard_numel, TierPair(p, o), mc)) for p, o in options)
+        if considered:  # the fastest predicted; ties to the earlier (faster) tiers
+            params, optimizer, _ = min(considered, key=lambda c: c[2])
+            log.info("offload: auto placement params=%s optimizer=%s (predicted data movement per step: %s)",
+                     params, optimizer, ", ".join(f"{p}/{o} {t * 1e3:.1f} ms" for p, o, t in considered))
+        else:  # nothing fits: the tiers that need the least memory, so the checks below say what is short
+            if params == "auto":
+                params = _nvme_or_fail("params", param_bytes, nvme_path)
+            if optimizer == "auto":
+                optimizer = _nvme_or_fail("optimizer", opt_bytes, nvme_path)
     cpu_need, working = cpu_homed(params, optimizer), staging(params, optimizer)
     if cpu_need + working > cpu_free:
         raise MemoryError(
@@ -178,7 +226,7 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
         device_left -= grad_bytes
     ahead = gathered_bound(sizes, width, ahead=True) <= device_left
     tiers = StateTiers(Tier(params), Tier(optimizer), Tier(grads))
-    return Placement(tiers, chunk_numel, ahead)
+    return Placement(tiers, chunk_numel, ahead, considered)
 
 
 def grads_tier(setting: str, optimizer: str, grad_bytes: int, device_room: int, cpu_room: int,
@@ -201,6 +249,13 @@ def grads_tier(setting: str, optimizer: str, grad_bytes: int, device_room: int, 
             f"offload.Config.grads='cpu': the gradient shards need {format_size(grad_bytes)} ({grad_bytes} bytes) "
             f"of cpu_budget but only {format_size(max(cpu_room, 0))} is left; raise cpu_budget or set grads='auto'")
     return setting
+
+
+def _nvme_free(path: str) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0  # unusable: the checks below say why
 
 
 def _nvme_or_fail(what: str, nbytes: int, nvme_path: str | None) -> str:

@@ -81,6 +81,7 @@ class Runtime:
         self.optimizer_tier = config.optimizer
         self.grads_tier = config.grads
         self.placement: placement.Placement | None = None
+        self.machine = None  # plan.step_time.Machine: the figures "auto" tiers are compared with
         self.is_open = False
         self.closed = False
         self._hooks: list = []
@@ -123,6 +124,8 @@ class Runtime:
             self.device = torch.device("cpu")
         tune_malloc(self.device)  # first: a bad OFFLOAD_MALLOC_TUNE raises before anything is built
         self.budgets = {"device": self._budget("device_budget"), "cpu": self._budget("cpu_budget"), "nvme": None}
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.group.world_size)))
+        self.machine = placement.machine_for(self.device, local, cfg.machine)  # what "auto" tiers compare
         if cfg.nvme_path:
             need = parse_size(cfg.nvme_budget, "nvme_budget") if cfg.nvme_budget is not None else None
             check_nvme_path(cfg.nvme_path, need, "nvme_budget")

@@ -38,7 +38,7 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
     in_use = {t: rt.states.nbytes_in(t) for t in ("device", "cpu")}
     place = placement.plan(sizes + new, new, rt.params_tier, rt.optimizer_tier, rt.budgets, in_use,
                            rt.compute_dtype, cfg.bytes_of("chunk_size"), cfg.nvme_path, grads=cfg.grads,
-                           device_budget_given=cfg.device_budget != "auto")
+                           device_budget_given=cfg.device_budget != "auto", machine=rt.machine)
     rt.placement = place
     rt.params_tier, rt.optimizer_tier = place.tiers.params.value, place.tiers.optimizer.value
     rt.grads_tier = place.tiers.grads.value
