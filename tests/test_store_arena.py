@@ -195,3 +195,67 @@ def test_random_alloc_free_matches_a_model(ops):
         for b in live:
             b.free()
         assert a.largest_free() == cap and a.live_blocks == 0
+
+
+def test_a_slot_takes_its_size_whatever_the_request_and_transfers_only_the_requests_pages():
+    with PinnedArena(16 * ALIGN, lock=False) as a:
+        home = a.alloc(3 * ALIGN + 5)  # long-lived: its own size
+        s1 = a.alloc(100, slot=2 * ALIGN)  # short-lived: one slot each, whatever the request
+        s2 = a.alloc(2 * ALIGN, slot=2 * ALIGN)
+        assert home.span == 4 * ALIGN and s1.span == s2.span == 2 * ALIGN
+        assert (s1.offset, s2.offset) == (4 * ALIGN, 6 * ALIGN)
+        assert s1.reserved == ALIGN and s1.padded().numel() == ALIGN  # I/O length: the request's pages only
+        assert a.bytes_in_use == 8 * ALIGN and a.free_slots(2 * ALIGN) == 4 and a.free_slots(3 * ALIGN) == 2
+        s1.free()
+        assert a.free_slots(2 * ALIGN) == 5
+        assert a.alloc(1, slot=2 * ALIGN).offset == 4 * ALIGN  # the slot given back is the one taken again
+        with pytest.raises(ValueError, match="slot must be a multiple of 4096 of at least 8192"):
+            a.alloc(2 * ALIGN, slot=ALIGN)
+
+
+def test_mixed_sizes_can_strand_free_bytes_but_slots_cannot():
+    """First fit at exact sizes: 6 pages free in two 3-page holes cannot serve 4 pages (the 4.7 MiB request
+    that waited with 10 MiB free). The same requests as 4-page slots: every one is served while fewer than
+    free_slots are in use."""
+    with PinnedArena(10 * ALIGN, lock=False) as a:
+        held = [a.alloc(n * ALIGN) for n in (3, 2, 3, 2)]
+        held[0].free()
+        held[2].free()
+        assert a.bytes_in_use == 4 * ALIGN
+        with pytest.raises(ArenaFullError, match="timed out"):
+            a.alloc(4 * ALIGN, timeout=0)
+    with PinnedArena(10 * ALIGN, lock=False) as a:
+        home = a.alloc(2 * ALIGN)  # 8 pages left: two slots
+        x, y = (a.alloc(n * ALIGN, slot=4 * ALIGN) for n in (3, 2))
+        x.free()
+        z = a.alloc(4 * ALIGN, slot=4 * ALIGN, timeout=0)
+        y.free()
+        a.alloc(ALIGN, slot=4 * ALIGN, timeout=0).free()
+        z.free()
+        home.free()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 9 * ALIGN), min_size=0, max_size=8), st.lists(st.booleans(), max_size=8),
+       st.lists(st.tuples(st.booleans(), st.integers(1, 3 * ALIGN)), max_size=80))
+def test_slots_never_wait_while_fewer_than_the_free_slots_counted_are_in_use(long_lived, drop, ops):
+    """Long-lived blocks of any sizes (some freed again: holes between them), then any sequence of short-lived
+    allocations and frees that keeps at most free_slots(S) (counted after the long-lived ones settled) live at
+    once: none ever waits."""
+    slot, capacity = 3 * ALIGN, 64 * ALIGN
+    with PinnedArena(capacity, lock=False) as a:
+        homes = [a.alloc(n) for n in long_lived]
+        for blk, gone in zip(list(homes), drop):
+            if gone:
+                blk.free()
+                homes.remove(blk)
+        k = a.free_slots(slot)
+        live = []
+        for alloc, n in ops:
+            if alloc and len(live) < k:
+                live.append(a.alloc(n, slot=slot, timeout=0))  # ArenaBusyError here would be the bug
+            elif live:
+                live.pop(len(live) // 2).free()
+        for b in live + homes:
+            b.free()
+        assert a.bytes_in_use == 0 and a.largest_free() == capacity

@@ -91,6 +91,56 @@ def test_a_units_gradient_is_reduced_as_soon_as_its_backward_is_done():
     assert order.index(("reduce", "layers.3")) < order.index(("backward", "layers.0")), log
 
 
+def test_the_next_updates_first_states_are_read_while_the_backward_computes(tmp_path):
+    """Optimizer states on nvme: once the step is planned, the backward's start queues reads of the next
+    update's first moment chunks on the idle optimizer lane (within the lane's share of the cpu budget), so
+    they are in before opt.step(); the update then reads only the rest: no state is read twice a step. An
+    optimizer state dict taken between backward and step (it reads the moments whole) gives those reads back
+    first; the values stay bit for bit the synchronous run's."""
+    def run(pipeline):
+        cfg = small_config(params="cpu", optimizer="nvme", nvme_path=str(tmp_path), cpu_budget="160KiB",
+                           pipeline=pipeline)
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        during, per_step, paged, sd = [], [], None, None
+        with offload.init(cfg) as rt:
+            rt.wrap(model)
+            opt = offload.AdamW(model.parameters(), lr=1e-2)
+            for step in range(4):
+                loss = compute_loss(model, _ids(step), "tiny")
+                rt.quiesce()  # (the forward has waited for every update: only write-behinds were left)
+                start = rt.stats()["nvme_read_bytes"]
+                loss.backward()
+                rt.ctx.lanes.optimizer.drain()  # the read-ahead queued at the backward's start has run
+                rt.states.wait_moves()
+                during.append(rt.stats()["nvme_read_bytes"] - start)
+                if step == 2:
+                    sd = opt.state_dict()
+                opt.step()
+                opt.zero_grad()
+                rt.quiesce()
+                per_step.append(rt.stats()["nvme_read_bytes"] - start)
+            resident = rt.states.resident_keys()
+            paged = sum(u.shards.spec(kind, c).nbytes for u in rt.units for c in u.shards.chunks
+                        for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+                        if u.shards.spec(kind, c).key not in resident)
+            budget = rt.schedule.plan.state_budget
+            values = rt.full_state_dict(model)
+        return during, per_step, paged, budget, values, sd
+
+    during, per_step, paged, budget, values, sd = run(pipeline=True)
+    assert paged > 0 and budget > 0
+    assert during[0] == 0  # the first step is traced, not planned
+    assert 0 < during[1] <= budget and 0 < during[3] <= budget, (during, budget)
+    assert during[2] == during[1]  # (the state dict came after the backward's reads)
+    # every paged moment read once a step, no more; at step 2 the state dict gave the read-ahead back and read
+    # the moments itself, and the update read them again
+    assert per_step == [per_step[0], paged, during[2] + 2 * paged, paged], (per_step, paged, during)
+    _, _, _, _, sync_values, sync_sd = run(pipeline=False)
+    assert _same(values, sync_values)
+    assert all(torch.equal(sd["state"][i]["exp_avg_sq"], sync_sd["state"][i]["exp_avg_sq"]) for i in sd["state"])
+
+
 # ---- the cpu budget ---------------------------------------------------------------------------------
 def test_the_smallest_cpu_budget_accepted_trains_and_one_page_less_is_refused(tmp_path):
     """The placement's working set (largest unit's param chunks + one chunk of every stepped state + one
@@ -119,7 +169,7 @@ def test_states_that_fit_stay_resident_and_stop_paging(tmp_path):
         return small_config(params="nvme", optimizer="nvme", grads="nvme", nvme_path=str(tmp_path),
                             cpu_budget=budget, compute_dtype="bf16")
 
-    tight = _train(cfg("96KiB"), steps=3)
+    tight = _train(cfg("112KiB"), steps=3)  # the working set: 7 staging slots of 16 KiB (bf16 chunks too)
     roomy = _train(cfg("8MiB"), steps=3)
     assert _same(tight[2], roomy[2])  # where a state lives never changes a result
     t, r = tight[3], roomy[3]

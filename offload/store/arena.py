@@ -2,6 +2,7 @@
 
     arena = PinnedArena("8GiB")            # or a byte count; lock="auto" | True | False
     blk = arena.alloc(nbytes, timeout=None)  # blocks until a range is free; ArenaFullError if it never can be
+    blk = arena.alloc(nbytes, slot=S)      # a short-lived buffer: S bytes (>= nbytes), first fit
     t = blk.view(torch.bfloat16, numel)    # or blk.tensor (uint8, exactly nbytes)
     blk.free()                             # or `with arena.alloc(n) as blk:`
     arena.bytes_in_use, arena.peak_bytes, arena.locked, arena.lock_kind
@@ -18,8 +19,15 @@ lock=True locks regardless of the soft limit where the process may (root / CAP_I
 otherwise; lock=False never locks. pin_memory() is never called: CPU-only torch refuses it.
 
 Free ranges are kept sorted by offset; a free coalesces with both neighbours, so a fully freed arena
-is one free range again. Allocation is first-fit. `alloc` waits on a condition variable for a free(),
-so a buffer is only handed out again after its previous owner freed it.
+is one free range again. `alloc` waits on a condition variable for a free(), so a buffer is only handed
+out again after its previous owner freed it.
+
+Short-lived buffers (a working copy being stepped, gathered or read ahead) may ask for a `slot`: every one
+then takes the same S bytes. Placed first fit, slots tile each free range from its start, so a range of L
+bytes holds L // S of them whatever the order of allocations and frees: while the long-lived blocks (home
+copies, resident states: exact sizes) stay put, the free_slots(S) counted once are always there to be
+had. Without slots, a mix of sizes can leave the room split into pieces too small to use (a 4.7 MiB
+request waited forever with 10 MiB free in 4.68 MiB pieces).
 """
 from __future__ import annotations
 
@@ -62,9 +70,10 @@ class ArenaBlock:
     arena: "PinnedArena"
     offset: int
     nbytes: int
-    reserved: int  # nbytes rounded up to 4096: what the block takes from the arena
+    reserved: int  # nbytes rounded up to 4096: the length of an O_DIRECT transfer of the block
     tensor: torch.Tensor
     freed: bool = False
+    span: int = 0  # bytes the block takes from the arena: `reserved`, or its slot
 
     def view(self, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
         """The block as a 1-D tensor of `dtype` (default: as many elements as fit)."""
@@ -173,19 +182,41 @@ class PinnedArena:
                 return off
         return None
 
+    def _carve(self, at: int, size: int) -> None:
+        """Take [at, at + size) out of the free range that holds it."""
+        i = bisect.bisect_right(self._free_offsets, at) - 1
+        start = self._free_offsets[i]
+        length = self._free_sizes.pop(start)
+        del self._free_offsets[i]
+        for lo, hi in ((start, at), (at + size, start + length)):  # what is left below and above
+            if hi > lo:
+                bisect.insort(self._free_offsets, lo)
+                self._free_sizes[lo] = hi - lo
+
+    def free_slots(self, slot: int) -> int:
+        """How many blocks of `slot` bytes the free ranges hold at once (each range: its length // slot)."""
+        with self._cv:
+            return sum(n // slot for n in self._free_sizes.values()) if slot else 0
+
     def largest_free(self) -> int:
         with self._cv:
             return max(self._free_sizes.values(), default=0)
 
-    def alloc(self, nbytes: int, timeout: float | None = None) -> ArenaBlock:
-        """A block of exactly `nbytes` (taking nbytes rounded up to 4096 from the arena). Waits until a
-        large enough range is free; `timeout` seconds (None: forever) then ArenaFullError. A request
-        larger than the whole arena raises ArenaFullError at once."""
+    def alloc(self, nbytes: int, timeout: float | None = None, slot: int | None = None) -> ArenaBlock:
+        """A block of exactly `nbytes` (taking nbytes rounded up to 4096 from the arena, or `slot` bytes placed
+        from the top: see the module docstring). Waits until a large enough range is free; `timeout` seconds
+        (None: forever) then ArenaFullError. A request larger than the whole arena raises ArenaFullError at
+        once."""
         nbytes = int(nbytes)
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         size = _round_up(nbytes)
-        if size > self.capacity:
+        span = size
+        if slot is not None:
+            if slot % ALIGN or slot < size:
+                raise ValueError(f"slot must be a multiple of {ALIGN} of at least {size} bytes, got {slot}")
+            span = slot
+        if span > self.capacity:
             raise ArenaFullError(
                 f"{self.name}: a request of {format_bytes(nbytes)} ({nbytes} bytes) can never fit in the arena's "
                 f"capacity of {format_bytes(self.capacity)}; raise the cpu budget"
@@ -195,29 +226,23 @@ class PinnedArena:
             while True:
                 if self.closed:
                     raise RuntimeError(f"{self.name}: alloc on a closed arena")
-                off = self._find(size) if size else 0
+                off = self._find(span) if span else 0
                 if off is not None:
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise ArenaBusyError(
-                        f"{self.name}: timed out after {timeout}s waiting for {format_bytes(nbytes)}; "
+                        f"{self.name}: timed out after {timeout}s waiting for {format_bytes(span)}; "
                         f"{format_bytes(self.bytes_in_use)} of {format_bytes(self.capacity)} in use, largest free "
                         f"range {format_bytes(max(self._free_sizes.values(), default=0))}"
                     )
                 self._cv.wait(left)  # woken by _free (or close); re-check the free list
-            if size:
-                rest = self._free_sizes.pop(off) - size
-                i = bisect.bisect_left(self._free_offsets, off)
-                if rest:
-                    self._free_offsets[i] = off + size
-                    self._free_sizes[off + size] = rest
-                else:
-                    del self._free_offsets[i]
-            blk = ArenaBlock(self, off, nbytes, size, self.buffer[off : off + nbytes])
-            if size:
+            if span:
+                self._carve(off, span)
+            blk = ArenaBlock(self, off, nbytes, size, self.buffer[off : off + nbytes], span=span)
+            if span:
                 self._live[off] = blk
-            self.bytes_in_use += size
+            self.bytes_in_use += span
             self.bytes_requested += nbytes
             self.peak_bytes = max(self.peak_bytes, self.bytes_in_use)
             return blk
@@ -228,12 +253,12 @@ class PinnedArena:
                 raise RuntimeError(f"{self.name}: block at offset {blk.offset} freed twice")
             blk.freed = True
             blk.tensor = _EMPTY  # the block no longer hands out the range it gave back
-            self.bytes_in_use -= blk.reserved
+            self.bytes_in_use -= blk.span
             self.bytes_requested -= blk.nbytes
-            if not blk.reserved or self.closed:
+            if not blk.span or self.closed:
                 return
             del self._live[blk.offset]
-            off, size = blk.offset, blk.reserved
+            off, size = blk.offset, blk.span
             i = bisect.bisect_left(self._free_offsets, off)
             # coalesce with the next free range
             if i < len(self._free_offsets) and self._free_offsets[i] == off + size:

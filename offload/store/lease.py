@@ -62,6 +62,13 @@ class Lease:
             raise RuntimeError(f"lease of {self.key} used after release")
         return self._ready.result(timeout)  # the caller needs the bytes now
 
+    def upgrade(self) -> None:
+        """A READ lease whose holder now changes the bytes (it was taken ahead, before the work that writes
+        them was known): from here on it is an UPDATE lease, written home on release."""
+        if self._released is not None or self.mode is not LeaseMode.READ:
+            raise RuntimeError(f"upgrade of {self!r}: only a held READ lease becomes an UPDATE one")
+        self.mode = LeaseMode.UPDATE
+
     def release(self) -> cf.Future:
         """Give the bytes back: written home first for UPDATE / OVERWRITE (write-behind), then the working
         copy's buffer returns to its tier. Returns the move's future. Idempotent."""

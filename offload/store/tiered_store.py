@@ -36,6 +36,10 @@ Guarantees
   or with timeout=0 raises ArenaBusyError at once (a prefetch backs off instead of stalling).
 - fetch(name, tier, read=False) makes a working copy without reading it (its bytes are undefined until
   the caller writes them all): no I/O for bytes about to be overwritten.
+- Short-lived cpu buffers (working copies, staging) take one slot of `staging_slot` bytes each when it is
+  set (set_staging_slot: the largest of them); home copies and working copies fetched with resident=True
+  (held for many steps) take their own size (arena.py: so the room a caller plans for its short-lived
+  buffers, free_staging_bytes(), is always usable, never split into pieces).
 - Residency (residency.py) is written only by _transition, which asserts the move is allowed.
 - close() (or leaving `with`, also by an exception) cancels moves not yet started, waits for the
   ones running, joins the worker threads and the aio engine, frees the arena and removes the swap
@@ -160,6 +164,7 @@ class TieredStore:
         self._swapdir: SwapDir | None = None
         self._engine = None
         self._arena: PinnedArena | None = None
+        self.staging_slot = 0  # bytes every short-lived cpu buffer takes (0: its own size, first fit)
         self._dev: DeviceTier | None = None
         self._pool: cf.ThreadPoolExecutor | None = None
         self._cuda_streams = threading.local()
@@ -264,12 +269,30 @@ class TieredStore:
             self._shards[name] = s
         return self._done(None)
 
+    def set_staging_slot(self, nbytes: int) -> None:
+        """Every short-lived cpu buffer from now on takes `nbytes` (rounded up to a page): the largest such
+        buffer the caller will ask for. A larger one takes its own size."""
+        self.staging_slot = -(-int(nbytes) // SLOT_ALIGN) * SLOT_ALIGN
+
+    def free_staging_bytes(self) -> int:
+        """Bytes of the cpu tier short-lived buffers can take at once now (whole staging slots; every free
+        byte when slots are off)."""
+        if not self.staging_slot:
+            return self._arena.capacity - self._arena.bytes_in_use
+        return self._arena.free_slots(self.staging_slot) * self.staging_slot
+
+    def staged_nbytes(self, nbytes: int) -> int:
+        """Bytes of the cpu budget a short-lived buffer of `nbytes` takes."""
+        size = -(-int(nbytes) // SLOT_ALIGN) * SLOT_ALIGN
+        return self.staging_slot if 0 < size <= self.staging_slot else size
+
     def fetch(self, name, tier: str | Tier = "device", timeout: float | None = None,
-              read: bool = True) -> cf.Future:
+              read: bool = True, resident: bool = False) -> cf.Future:
         """Future[Tensor]: the shard's bytes in `tier` (1-D, its dtype). A tier faster than home gets a
         working copy (buffers taken from that tier's budget, waiting for space in this thread; timeout=0:
         ArenaBusyError at once when there is none now); the home tier returns the home copy.
-        read=False: a working copy made without reading anything into it (the caller overwrites it all)."""
+        read=False: a working copy made without reading anything into it (the caller overwrites it all).
+        resident=True: the working copy will be held for long (placed as a home copy is, not in a slot)."""
         s = self._get(name)
         tier = Tier(tier)
         if tier is Tier.NVME or tier.rank > s.home.rank:
@@ -285,7 +308,7 @@ class TieredStore:
             else:
                 staged = plan is None and s.home is Tier.NVME and read  # nvme -> cpu -> device
                 need = ["dev", "cpu"] if staged else ["dev"]
-        new = self._alloc(s, need, timeout)
+        new = self._alloc(s, need, timeout, resident=resident)
         after = self._stream_point()
         with self._lock:
             if tier is not s.home:
@@ -294,11 +317,14 @@ class TieredStore:
         kick()  # outside the lock: may run the move's first step (its I/O submission) right here
         return fut
 
-    def lease(self, name, tier: str | Tier, mode: LeaseMode, block: bool = True) -> Lease | None:
+    def lease(self, name, tier: str | Tier, mode: LeaseMode, block: bool = True,
+              resident: bool = False) -> Lease | None:
         """A claim on the shard's bytes in `tier` for one piece of work (see lease.py), returned at once.
-        block=False: None when the tier has no room now (a prefetch backs off; nothing was queued)."""
+        block=False: None when the tier has no room now (a prefetch backs off; nothing was queued).
+        resident: held for many steps (see fetch)."""
         try:
-            ready = self.fetch(name, tier, timeout=None if block else 0, read=mode is not LeaseMode.OVERWRITE)
+            ready = self.fetch(name, tier, timeout=None if block else 0, read=mode is not LeaseMode.OVERWRITE,
+                               resident=resident)
         except ArenaBusyError:
             if block:
                 raise
@@ -428,9 +454,11 @@ class TieredStore:
         # A device working copy of an nvme shard goes home through a cpu staging buffer.
         return ["cpu"] if (s.home is Tier.NVME and s.target is Tier.DEVICE) else []
 
-    def _alloc(self, s: _Shard, kinds: list[str], timeout: float | None, home: bool = False) -> dict:
+    def _alloc(self, s: _Shard, kinds: list[str], timeout: float | None, home: bool = False,
+               resident: bool = False) -> dict:
         """Buffers for shard s from the "cpu" / "dev" tiers, waiting for space (home: the shard's permanent
-        home buffer). A request larger than what the tier's home buffers leave free can never be served:
+        home buffer; resident: a working copy held for long; otherwise a short-lived cpu buffer takes a
+        staging slot). A request larger than what the tier's home buffers leave free can never be served:
         it raises at once instead of waiting."""
         new: dict = {}
         try:
@@ -448,8 +476,11 @@ class TieredStore:
                         )
                     if home:
                         self._home_bytes[k] += size
+                slot = None
+                if k == "cpu" and not (home or resident) and 0 < size <= self.staging_slot:
+                    slot = self.staging_slot
                 try:
-                    new[k] = pool.alloc(s.nbytes, timeout)  # may wait for a release to free space
+                    new[k] = pool.alloc(s.nbytes, timeout, slot=slot) if slot else pool.alloc(s.nbytes, timeout)
                 except BaseException as e:
                     if home:
                         with self._lock:

@@ -12,17 +12,25 @@ gather waits for that unit's own update (unit.update), so results are bitwise th
 path (Config.pipeline=False runs the same code in the training thread, one chunk at a time). Everything an
 update uses is captured when step() is called (hyperparameters, step counts, the clip coefficient), so an
 LR scheduler stepping right after opt.step() changes only the next step.
+
+Between steps the lane is idle and the disk with it while the backward computes: read_states_ahead (issued
+by the schedule when a backward starts) leases the fp32 master and moments of the next update's first chunks
+into the lane's own share of the cpu budget, so the update starts on bytes already read. Those leases are
+READ leases until the update takes them (Lease.upgrade: then written home on release); a unit the update
+does not step gives them back unwritten, and anyone else about to read or replace those states whole
+(checkpoints, state dicts, a re-plan, close) drops them first (drop_states_read_ahead, once the lanes are idle).
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import inject
 from ..optim.adamw import step_flat
-from ..store import LeaseMode
+from ..store import LeaseMode, Tier
 from ..telemetry import Queue
 from .shards import Chunk, StateKind
 from .state_store import Use
@@ -72,6 +80,54 @@ class OptimizerPipeline:
     def __init__(self, ctx, read_ahead: int):
         self.ctx = ctx
         self.read_ahead = read_ahead  # chunks leased ahead of the one being stepped (0: none)
+        self._ahead: dict = {}  # ShardKey -> (READ lease, bytes), taken between steps (read_states_ahead)
+        self._ahead_lock = threading.Lock()
+
+    # ---- between steps: the next update's first states, read while the backward computes -------------
+    def read_states_ahead(self, units: list, allowance: int) -> None:
+        """Queue, on the optimizer lane (after the last update has released them), READ leases on the fp32
+        master and moments of `units`' chunks in this order, within `allowance` bytes of the cpu budget and
+        only where there is room now. States that are resident, not on nvme, or not yet created (a unit's
+        first step starts its moments at zero) are skipped: there is nothing to read."""
+        if self.read_ahead and allowance > 0 and units:
+            self.ctx.lanes.optimizer.submit("state read-ahead", self._read_states_ahead, list(units), allowance)
+
+    def _read_states_ahead(self, units: list, allowance: int) -> None:
+        states = self.ctx.states
+        resident = states.resident_keys()
+        with self._ahead_lock:
+            held = sum(n for _, n in self._ahead.values())  # (each backward of an accumulation asks again)
+            for unit in units:
+                if not unit.shards.moments_registered:
+                    continue
+                kinds = [StateKind.EXP_AVG, StateKind.EXP_AVG_SQ]
+                if not unit.shards.master_is_param:  # (an fp32 param is its master: the backward gathers it)
+                    kinds.insert(0, StateKind.MASTER)
+                for c in unit.shards.chunks:
+                    for kind in kinds:
+                        spec = unit.shards.spec(kind, c)
+                        if spec.home is not Tier.NVME or spec.key in resident or spec.key in self._ahead:
+                            continue
+                        staged = states.staged_nbytes(spec)
+                        if held + staged > allowance:
+                            return
+                        lease = states.lease(spec, Use.HOST, LeaseMode.READ, block=False)
+                        if lease is None:
+                            return  # no room now: the update reads the rest itself
+                        self._ahead[spec.key] = (lease, staged)
+                        held += staged
+
+    def _take_ahead(self, key):
+        with self._ahead_lock:
+            return self._ahead.pop(key, (None, 0))[0]
+
+    def drop_states_read_ahead(self, keep=frozenset()) -> None:
+        """Give back the states read ahead (READ leases: nothing is written), except `keep`'s keys. Call with
+        the optimizer lane idle, or from it."""
+        with self._ahead_lock:
+            dropped = [self._ahead.pop(k)[0] for k in list(self._ahead) if k not in keep]
+        for lease in dropped:
+            lease.release()
 
     def submit(self, updates: list[UnitUpdate]) -> None:
         """Queue the updates (in order) on the optimizer lane; each unit's `update` is its future."""
@@ -91,6 +147,15 @@ class OptimizerPipeline:
                 items.extend(mine)
             else:
                 u.done.set_result(None)  # nothing of this unit lives in this rank's shard
+        # states read ahead for chunks this update does not step go back first: their room is the lane's
+        self.drop_states_read_ahead(keep={it.update.unit.shards.spec(kind, it.chunk).key
+                                          for it in items for _, kind, _ in self._wanted(it)})
+        try:
+            self._run_items(items)
+        finally:
+            self.drop_states_read_ahead()  # (only after a failure is anything left)
+
+    def _run_items(self, items: list[_Item]) -> None:
         failed: BaseException | None = None
         for k, item in enumerate(items):
             if failed is not None:
@@ -146,9 +211,16 @@ class OptimizerPipeline:
                     grads.result()  # the kernel reads the gradient: the reduce must be over
                 elif grads is not None:
                     grads.result()  # a failed reduce fails the update
-            lease = self.ctx.states.lease(unit.shards.spec(kind, item.chunk), Use.HOST, mode, block=block)
-            if lease is None:
-                return False
+            spec = unit.shards.spec(kind, item.chunk)
+            lease = self._take_ahead(spec.key)
+            if lease is not None and mode is LeaseMode.UPDATE:
+                lease.upgrade()  # read between steps; the kernel writes it now
+            else:
+                if lease is not None:
+                    lease.release()  # (the moments of a unit's first step start at zero: not read)
+                lease = self.ctx.states.lease(spec, Use.HOST, mode, block=block)
+                if lease is None:
+                    return False
             item.leases[slot] = lease
         return True
 

@@ -16,6 +16,7 @@ Otherwise the schedule keeps nvme-homed gradients resident in the cpu budget if 
 """
 from __future__ import annotations
 
+import collections
 import logging
 import shutil
 from dataclasses import dataclass
@@ -60,6 +61,17 @@ def equal_chunk(shard_numel: int, chunk_numel: int) -> int:
     return -(-size // CHUNK_ALIGN) * CHUNK_ALIGN
 
 
+def fit_chunk(chunk_numel: int, shard_numels: list[int]) -> int:
+    """The chunk length, shortened so that the most common unit's shard (a repeated block) splits into equal
+    chunks of exactly it: most working copies then fill their staging slot (the largest chunk) to the byte,
+    and every other unit's equal chunks are no longer."""
+    counts = collections.Counter(n for n in shard_numels if n)
+    if not counts:
+        return chunk_numel
+    common = max(counts, key=lambda n: (counts[n], n))
+    return min(chunk_numel, equal_chunk(common, chunk_numel))
+
+
 @dataclass
 class UnitSize:
     index: int
@@ -80,27 +92,43 @@ def _pages(nbytes: int) -> int:
     return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
+@dataclass(frozen=True)
+class WorkingSet:
+    """Bytes of the cpu budget each background lane may hold at once to make progress (host_working_set)."""
+
+    gather: int  # every param chunk of the largest unit (while params page)
+    step: int  # one chunk of each state the optimizer steps
+    reduce: int  # one gradient chunk a reduce adds into (while gradients page)
+
+    @property
+    def total(self) -> int:
+        return self.gather + self.step + self.reduce
+
+
+def staging_slot(unit_chunks: list[list[int]]) -> int:
+    """Bytes every short-lived cpu working copy takes (the store's staging slot, store/arena.py): the largest
+    chunk of any state, in fp32, page-rounded. `unit_chunks`: every unit's chunk sizes, in elements."""
+    return _pages(4 * max((n for chunks in unit_chunks for n in chunks), default=0))
+
+
 def host_working_set(unit_chunks: list[list[int]], width: int, params_nvme: bool, optimizer_nvme: bool,
-                     grads_nvme: bool | None = None) -> int:
+                     grads_nvme: bool | None = None) -> WorkingSet:
     """Bytes of the cpu budget that the background lanes may hold at once to make progress, for nvme-homed
     states (memory homes lend their home copy and stage nothing): the gather lane reads every param chunk of
     the largest unit, the optimizer lane one chunk of each state it steps, the reduce lane one gradient chunk.
     Those lanes run concurrently and wait for one another's buffers, so all three must fit together; what
-    the prefetch and the resident states use comes on top (the schedule reserves this first).
+    the prefetch and the resident states use comes on top (the schedule reserves this first). Each of those
+    working copies takes one staging slot (staging_slot), whatever its dtype.
     `unit_chunks`: every unit's chunk sizes, in elements; grads_nvme: None when the gradients live with the
     optimizer states (their tier is decided after the fit, so the fit counts them like those)."""
     grads_nvme = optimizer_nvme if grads_nvme is None else grads_nvme
-    chunk = max((n for chunks in unit_chunks for n in chunks), default=0)
-    gather = max((sum(_pages(n * width) for n in chunks) for chunks in unit_chunks), default=0) if params_nvme else 0
-    step = 0
-    if optimizer_nvme:  # exp_avg, exp_avg_sq; and the fp32 master unless the fp32 param is it
-        step += (2 + (1 if width != 4 else 0)) * _pages(chunk * 4)
-    if grads_nvme:  # the gradient chunk the step reads
-        step += _pages(chunk * 4)
-    if params_nvme:  # the param chunk the step writes (with fp32 compute it is also the master)
-        step += _pages(chunk * width)
-    reduce = _pages(chunk * 4) if grads_nvme else 0  # the gradient chunk a reduce adds into
-    return gather + step + reduce
+    slot = staging_slot(unit_chunks)
+    gather = max((len(chunks) for chunks in unit_chunks), default=0) * slot if params_nvme else 0
+    # the step: exp_avg, exp_avg_sq and the fp32 master unless the fp32 param is it (optimizer on nvme); the
+    # gradient chunk it reads (gradients on nvme); the param chunk it writes (params on nvme)
+    kinds = (2 + (1 if width != 4 else 0) if optimizer_nvme else 0) + int(grads_nvme) + int(params_nvme)
+    reduce = slot if grads_nvme else 0  # the gradient chunk a reduce adds into
+    return WorkingSet(gather, kinds * slot, reduce)
 
 
 def gathered_bound(sizes: list[UnitSize], width: int, ahead: bool) -> int:
@@ -143,7 +171,7 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
                 f"gathered on the device, more than device_budget {format_size(budgets['device'])}; raise "
                 "device_budget or cut smaller units (Config.unit_classes / unit_min_bytes)"
             )
-    chunk_numel = chunk_numel_for(budgets["cpu"], chunk_setting)
+    chunk_numel = fit_chunk(chunk_numel_for(budgets["cpu"], chunk_setting), [s.layout.shard_numel for s in sizes])
     chunks = {s.index: [hi - lo for lo, hi in chunk_bounds(s.layout.shard_numel,
                                                           equal_chunk(s.layout.shard_numel, chunk_numel))]
               for s in sizes}
@@ -154,7 +182,7 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
 
     def staging(p: str, o: str) -> int:
         return host_working_set(list(chunks.values()), width, p == "nvme", o == "nvme",
-                                None if grads == "auto" else grads == "nvme")
+                                None if grads == "auto" else grads == "nvme").total
 
     def cpu_homed(p: str, o: str) -> int:
         return (param_bytes if p == "cpu" else 0) + (opt_bytes if o == "cpu" else 0)

@@ -141,10 +141,10 @@ class Runtime:
         lanes = Lanes.create(self.meter, threaded=cfg.pipeline)
         self.ctx = UnitContext(self.device, self.compute_dtype, self.group, gather_group, reduce_group, self.states,
                                lanes, self.meter, Counters(), schedule=None)
-        self.schedule = Schedule(self.ctx, {}, self._reserve_bytes, prefetch=cfg.pipeline, gather_ahead=False,
-                                 on_new_backward=self._on_new_backward)
-        self.ctx.schedule = self.schedule
         self.pipeline = OptimizerPipeline(self.ctx, read_ahead=placement.PIPELINE_CHUNKS - 1 if cfg.pipeline else 0)
+        self.schedule = Schedule(self.ctx, {}, self._reserve_bytes, prefetch=cfg.pipeline, gather_ahead=False,
+                                 on_new_backward=self._on_new_backward, pipeline=self.pipeline)
+        self.ctx.schedule = self.schedule
         self.step_stats = StepStats(self.meter, self.states, self.ctx.counters, log_every=cfg.log_every)
         # a module was built: the next forward may need to materialize it
         self._capture = ConstructionCapture(on_module=self._note_module,
@@ -239,6 +239,7 @@ class Runtime:
         replacing shards wholesale, and so rt.stats() counts every byte of the steps so far)."""
         for lane in self.ctx.lanes.all():
             lane.drain()
+        self.pipeline.drop_states_read_ahead()  # whoever quiesces may read or replace those states whole
         self.states.wait_moves()
 
     # ---- wrapping ---------------------------------------------------------------------------
@@ -281,17 +282,20 @@ class Runtime:
         shard_model(self, model, weights)
         return model
 
-    def _reserve_bytes(self) -> tuple[int, int]:
-        """(cpu bytes the lanes may hold at once to make progress, bytes of param reads worth holding ahead)."""
+    def _reserve_bytes(self) -> tuple[placement.WorkingSet, int, int]:
+        """(cpu bytes the lanes may hold at once to make progress, bytes of param reads worth holding ahead,
+        bytes of optimizer states worth reading ahead of the chunk being stepped)."""
         if not self.units:
-            return 0, 0
+            return placement.WorkingSet(0, 0, 0), 0, 0
         working = placement.host_working_set(
             [[c.numel for c in u.shards.chunks] for u in self.units], self.compute_dtype.itemsize,
             any(u.shards.tiers.params is Tier.NVME for u in self.units),
             any(u.shards.tiers.optimizer is Tier.NVME for u in self.units),
             any(u.shards.tiers.grads is Tier.NVME for u in self.units))
-        largest = max(u.shards.nbytes(StateKind.PARAM) for u in self.units)
-        return working, 2 * largest  # read ahead: the next unit's param chunks, and the one after
+        largest = max(sum(self.states.staged_nbytes(u.shards.spec(StateKind.PARAM, c)) for c in u.shards.chunks)
+                      for u in self.units)
+        # read ahead: the next unit's param chunks and the one after; the optimizer's next chunks
+        return working, 2 * largest, (placement.PIPELINE_CHUNKS - 1) * working.step
 
     # ---- hooks' callbacks -----------------------------------------------------------------
     def _on_new_backward(self) -> None:

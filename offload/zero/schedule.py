@@ -30,6 +30,7 @@ from ..planner import Phase, Trace, Use
 from ..planner.schedule import Read
 from ..planner.trace import TraceRecorder
 from ..store import LeaseMode, Tier
+from ..store.swap_file import SLOT_ALIGN
 from ..telemetry import span
 from .shards import ShardKey, StateKind
 from .state import TrainingState, UnitState
@@ -42,13 +43,15 @@ class Plan:
     issue: list  # issue[i]: [(use index, Read)] to issue when use i is reached
     step_order: list  # unit ids in the order the optimizer updates them
     resident: frozenset  # ShardKeys held in the cpu tier across steps
-    read_budget: int  # bytes read ahead and not yet used, at most
+    read_budget: int  # bytes of params read ahead and not yet used, at most
+    state_budget: int  # bytes of the next update's optimizer states read during the backward, at most
 
 
 class Schedule:
     def __init__(self, ctx, units_by_uid: dict, reserve_bytes, prefetch: bool, gather_ahead: bool,
-                 on_new_backward=lambda: None):
+                 on_new_backward=lambda: None, pipeline=None):
         self.ctx = ctx
+        self.pipeline = pipeline  # OptimizerPipeline: reads the next update's states during the backward
         self.on_new_backward = on_new_backward  # the runtime forgets the last clip coefficient
         self.units = units_by_uid  # uid -> ShardedUnit (the runtime adds units as it wraps models)
         self.reserve_bytes = reserve_bytes  # () -> cpu bytes the pipelines need besides what stays resident
@@ -136,6 +139,10 @@ class Schedule:
     def on_backward(self, unit) -> None:
         if self.state is not TrainingState.BACKWARD:
             self._enter(TrainingState.BACKWARD)
+            if self.prefetch and self._following and self.pipeline is not None and self.plan.state_budget:
+                # the disk is idle while the backward computes: read the next update's first states now
+                order = [self.units[uid] for uid in self.plan.step_order if uid in self.units]
+                self.pipeline.read_states_ahead(order, self.plan.state_budget)
         if unit.uid in self._backward_seen:
             return  # a unit's backward use is its first need in the pass (pre-backward or recompute)
         self._backward_seen.add(unit.uid)
@@ -215,7 +222,7 @@ class Schedule:
                 lease = self._prefetched.pop(ShardKey(unit.uid, StateKind.PARAM, c.index), None)
                 if lease is not None:
                     taken[c.index] = lease
-                    self._prefetched_bytes -= unit.shards.spec(StateKind.PARAM, c).nbytes
+                    self._prefetched_bytes -= self.ctx.states.staged_nbytes(unit.shards.spec(StateKind.PARAM, c))
         return taken
 
     def drop_prefetched(self, unit) -> None:
@@ -265,6 +272,8 @@ class Schedule:
     def forget(self) -> None:
         """Drop the plan and everything read ahead (a quiet point: before a checkpoint, at close)."""
         self._release_prefetched()
+        if self.pipeline is not None:
+            self.pipeline.drop_states_read_ahead()
         self.plan = None
         self._following = False
 
@@ -273,23 +282,38 @@ class Schedule:
             for lane in self.ctx.lanes.all():
                 lane.drain()  # residency changes below: nothing may be moving
             self._release_prefetched()
+            if self.pipeline is not None:
+                self.pipeline.drop_states_read_ahead()
+            self.ctx.states.wait_moves()  # write-behinds too: what the cpu tier holds now is held for good
             stats = self.ctx.states.stats()
             self.cost = self.cost.measured(stats["moved"], stats["busy_s"])
             specs = self._nvme_specs()
             states = self.ctx.states
-            resident_bytes = sum(s.nbytes for s in specs if s.key in states.resident_keys())
+            resident_bytes = sum(_pages(s.nbytes) for s in specs if s.key in states.resident_keys())
             # The cpu budget, what is not held for good (home shards): first the lanes' working set (so they
-            # can always make progress), then the read-ahead, then states kept resident across steps.
-            working, wanted_reads = self.reserve_bytes()
-            free = stats["cpu"]["capacity"] - (stats["cpu"]["bytes_in_use"] - resident_bytes) - working
+            # can always make progress), then the read-ahead (params, the optimizer's next chunks), then states
+            # kept resident across steps.
+            working, wanted_reads, wanted_ahead = self.reserve_bytes()
+            free = stats["cpu"]["capacity"] - (stats["cpu"]["bytes_in_use"] - resident_bytes) - working.total
             read_budget = min(wanted_reads, max(0, free))
-            capacity = free - read_budget
-            costs = [planner.ShardCost(s.key, s.key.unit, _class_of(s.key.kind, self.ctx.compute_dtype), s.nbytes,
-                                       on_nvme=True) for s in specs]
-            resident = planner.residency_plan(trace, costs, max(0, capacity)) if self.prefetch else frozenset()
-            for f in states.evict(states.resident_keys() - resident):
-                f.result()  # their buffers must be free before the new residents are read in
-            states.keep_resident([s for s in specs if s.key in resident])
+            step_ahead = min(wanted_ahead, max(0, free - read_budget))
+            costs = [planner.ShardCost(s.key, s.key.unit, _class_of(s.key.kind, self.ctx.compute_dtype),
+                                       _pages(s.nbytes), on_nvme=True) for s in specs]
+            params = {c.key for c in costs if c.cls in _PARAM_CLASSES}
+            room = free - read_budget - step_ahead
+            plan_a = planner.residency_plan(trace, costs, max(0, room)) if self.prefetch else frozenset()
+            plan, reserve = plan_a, working.total + read_budget + step_ahead
+            if self.prefetch and working.gather:
+                # every paged param can stay resident: the gather stages nothing and no param is read ahead, so
+                # their reserves hold resident states too
+                plan_b = planner.residency_plan(trace, costs, max(0, room + read_budget + working.gather))
+                if params <= plan_b:
+                    plan, reserve = plan_b, working.total - working.gather + step_ahead
+            self._settle_residency(specs, plan, reserve)
+            if plan is not plan_a and not params <= states.resident_keys():  # a param was not placed: stage it
+                self._settle_residency(specs, plan_a, working.total + read_budget + step_ahead)
+            elif plan is not plan_a:
+                read_budget = 0
             resident = states.resident_keys()
             needs = []
             for use in trace.uses:
@@ -299,11 +323,27 @@ class Schedule:
                     for c in unit.shards.chunks:
                         spec = unit.shards.spec(StateKind.PARAM, c)
                         if spec.home is Tier.NVME and spec.key not in resident:
-                            reads.append(Read(spec.key, spec.nbytes))
+                            reads.append(Read(spec.key, states.staged_nbytes(spec)))
                 needs.append(reads)
             issue = planner.plan_prefetch(trace, needs, self.cost, read_budget)
-            self.plan = Plan(trace, issue, planner.step_order(trace), resident, read_budget)
+            # the optimizer lane's share (working set and read-ahead) is idle between updates; so is the params'
+            # read-ahead budget when no param is read ahead
+            state_budget = working.step + step_ahead + (0 if any(needs) else read_budget) if self.prefetch else 0
+            self.plan = Plan(trace, issue, planner.step_order(trace), resident, read_budget, state_budget)
             self.plans_made += 1
+
+    def _settle_residency(self, specs: list, plan: frozenset, reserve: int) -> None:
+        """Hold `plan`'s shards resident (and no others), leaving room for `reserve` bytes of the lanes' staging
+        slots: residents that leave too little of it in whole slots (holes between them are lost to slots) give
+        it back, other states before params."""
+        states = self.ctx.states
+        for f in states.evict(states.resident_keys() - plan):
+            f.result()  # their buffers must be free before the new residents are read in
+        kept = sorted((s for s in specs if s.key in plan), key=lambda s: s.key.kind is not StateKind.PARAM)
+        states.keep_resident(kept)
+        while kept and states.free_staging_bytes() < reserve:
+            for f in states.evict([kept.pop().key]):
+                f.result()
 
     def _nvme_specs(self) -> list:
         """Every registered nvme-homed shard of every unit, in unit order."""
@@ -315,6 +355,14 @@ class Schedule:
                     if spec.home is Tier.NVME and self.ctx.states.has(spec):
                         out.append(spec)
         return out
+
+
+def _pages(nbytes: int) -> int:
+    """Bytes a resident copy takes from the cpu tier (whole pages)."""
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
+_PARAM_CLASSES = (planner.StateClass.PARAM, planner.StateClass.MASTER_PARAM)
 
 
 def _class_of(kind: StateKind, compute_dtype: torch.dtype) -> planner.StateClass:

@@ -138,6 +138,17 @@ class UnitStateStore:
     def nbytes_in(self, tier: str) -> int:
         return self.store.stats()[tier]["bytes_in_use"]
 
+    def set_staging_slot(self, nbytes: int) -> None:
+        """Every short-lived cpu working copy takes `nbytes` (the largest chunk): see store/arena.py."""
+        self.store.set_staging_slot(max(nbytes, self.store.staging_slot))
+
+    def free_staging_bytes(self) -> int:
+        return self.store.free_staging_bytes()
+
+    def staged_nbytes(self, spec: ShardSpec) -> int:
+        """Bytes of the cpu budget a short-lived working copy of `spec` takes (its staging slot)."""
+        return self.store.staged_nbytes(spec.nbytes)
+
     # ---- shards -----------------------------------------------------------------------------
     def has(self, spec: ShardSpec) -> bool:
         return spec.key in self._registered
@@ -181,7 +192,7 @@ class UnitStateStore:
         """Hold these nvme-homed shards in the cpu tier from now on (their bytes read in once)."""
         for spec in specs:
             if spec.key not in self._resident and spec.home is Tier.NVME:
-                lease = self.store.lease(spec.key, Tier.CPU, LeaseMode.UPDATE, block=False)
+                lease = self.store.lease(spec.key, Tier.CPU, LeaseMode.UPDATE, block=False, resident=True)
                 if lease is None:
                     break  # no room now: the rest stay paged (the plan is retried at the next re-plan)
                 self._resident[spec.key] = lease
