@@ -31,7 +31,9 @@ Bound (computed, not a contender) per offload contender: max(compute, io, adam) 
             measured separately (not concurrently),
   adam    = offload.AdamW (the fused CPU kernel) stepping bf16 params holding the model's 50M elements
             (fp32 master + moments, bf16 param output, bf16 grads), in memory.
-The table prints each term, which one binds, and overlap efficiency = bound / median step time.
+The table prints each term, which one binds, and overlap efficiency = bound / median step time. On a
+machine where the cores run the compute and the offload work alike (CPU-only), it also prints the bound
+with a fourth term, the contender's own CPU seconds per step (every thread) / the cores.
 With --world-size 2 the bound is for the whole machine: the ranks' nvme bytes summed, the torch compute
 term on the whole global batch in one process, adam over the whole model.
 
@@ -75,6 +77,7 @@ CONTENDERS = ("torch", "offload", "offload-sync", "deepspeed")
 DISTRIBUTED = ("offload", "offload-sync", "deepspeed")  # run under torchrun with --world-size 2
 RESULT_KEY = "bench_offload_step"  # marks the child's JSON line among DeepSpeed's log lines
 GiB = 1 << 30
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 @dataclasses.dataclass
@@ -192,7 +195,7 @@ def timed_steps(s: Settings, step, *, drain=None, at_start=None, trace_hooks=Non
         drain()
     if at_start is not None:
         at_start()
-    io0 = proc_io()
+    io0, cpu0 = proc_io(), os.times()
     per_step = []
     t_start = time.perf_counter()
     for i in range(s.warmup, s.warmup + s.steps):
@@ -207,9 +210,11 @@ def timed_steps(s: Settings, step, *, drain=None, at_start=None, trace_hooks=Non
     elapsed = time.perf_counter() - t_start
     if trace_hooks is not None:
         trace_hooks[1]()
-    io1 = proc_io()
+    io1, cpu1 = proc_io(), os.times()
+    cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)  # every thread of this process
     return {"s_per_step": elapsed / s.steps, "step_s": per_step, "median_step_s": float(np.median(per_step)),
-            "losses": losses, "proc_io_per_step": {k: (io1[k] - io0[k]) / s.steps for k in io0}}
+            "losses": losses, "proc_io_per_step": {k: (io1[k] - io0[k]) / s.steps for k in io0},
+            "cpu_s_per_step": cpu / s.steps}
 
 
 def gather_ranks(value: dict, directory: str) -> list[dict]:
@@ -339,6 +344,7 @@ def run_offload(s: Settings, pipeline: bool) -> dict:
         "nvme_written_bytes": after["nvme_written_bytes"] - before["nvme_written_bytes"],
         "peak_rss_bytes": peak_rss_bytes(),
         "proc_io_per_step": out["proc_io_per_step"],
+        "cpu_s_per_step": out["cpu_s_per_step"],
     }, s.nvme_dir)
     if world > 1:
         dist.destroy_process_group()
@@ -348,6 +354,7 @@ def run_offload(s: Settings, pipeline: bool) -> dict:
         nvme_read_bytes_per_step=sum(r["nvme_read_bytes"] for r in per_rank) / s.steps,
         nvme_written_bytes_per_step=sum(r["nvme_written_bytes"] for r in per_rank) / s.steps,
         per_rank_proc_io_per_step=[r["proc_io_per_step"] for r in per_rank],
+        cpu_s_per_step=sum(r["cpu_s_per_step"] for r in per_rank),
         rt_stats=after,  # rank 0's cumulative counters (since the block opened) and last_step split
         offload_kernel_threads=offload_kernel_threads(),
         trace=s.trace,
@@ -414,10 +421,11 @@ def run_deepspeed(s: Settings) -> dict:
         return loss.item()
 
     out = timed_steps(s, step)
-    per_rank = gather_ranks({"peak_rss_bytes": peak_rss_bytes(), "proc_io_per_step": out["proc_io_per_step"]},
-                            s.nvme_dir)
+    per_rank = gather_ranks({"peak_rss_bytes": peak_rss_bytes(), "proc_io_per_step": out["proc_io_per_step"],
+                             "cpu_s_per_step": out["cpu_s_per_step"]}, s.nvme_dir)
     out.update(n_params=n_params, batch_per_process=s.batch, processes=world,
                peak_rss_bytes=[r["peak_rss_bytes"] for r in per_rank],
+               cpu_s_per_step=sum(r["cpu_s_per_step"] for r in per_rank),
                per_rank_proc_io_per_step=[r["proc_io_per_step"] for r in per_rank],
                optimizer=type(optimizer.optimizer).__name__ if hasattr(optimizer, "optimizer") else
                type(optimizer).__name__,
@@ -593,7 +601,8 @@ def summarize(runs: dict, probes: dict) -> dict:
             row.update(median_s=float(np.median(t)), best_s=float(np.min(t)), rounds_s=t,
                        peak_rss_bytes=int(np.max([sum(r["peak_rss_bytes"]) for r in ok])),
                        peak_rss_bytes_per_rank=[int(x) for x in np.max([r["peak_rss_bytes"] for r in ok], axis=0)],
-                       final_loss=ok[-1]["losses"][-1])
+                       final_loss=ok[-1]["losses"][-1],
+                       cpu_s_per_step=float(np.median([r["cpu_s_per_step"] for r in ok])))
             if "nvme_read_bytes_per_step" in ok[-1]:
                 row["nvme_read_bytes_per_step"] = float(np.median([r["nvme_read_bytes_per_step"] for r in ok]))
                 row["nvme_written_bytes_per_step"] = float(np.median([r["nvme_written_bytes_per_step"] for r in ok]))
@@ -628,8 +637,14 @@ def compute_bound(runs: dict, probes: dict, table: dict) -> dict | None:
         io = row["nvme_read_bytes_per_step"] / nvme["read_Bps"] + row["nvme_written_bytes_per_step"] / nvme["write_Bps"]
         parts = {"compute": terms["compute_s"], "io": io, "adam": terms["adam_s"]}
         binds = max(parts, key=parts.get)
+        # On a CPU-only machine compute, the Adam kernel, copies, hashing and the I/O stack share the cores:
+        # no step is shorter than the CPU seconds it spends divided by the cores.
+        cpu = row["cpu_s_per_step"] / CORES
+        with_cpu = max(parts[binds], cpu)
         per[name] = {"io_s": io, "bound_s": parts[binds], "binds": binds,
-                     "overlap_efficiency": parts[binds] / row["median_s"]}
+                     "overlap_efficiency": parts[binds] / row["median_s"],
+                     "cpu_bound_s": cpu, "bound_with_cpu_s": with_cpu,
+                     "efficiency_with_cpu": with_cpu / row["median_s"]}
     return {"terms": terms, "per_contender": per}
 
 
@@ -654,7 +669,7 @@ def print_report(summary: dict, s: Settings, n_params: int | None, rounds: int) 
     print(f"# s/step over {rounds} interleaved round(s) of {s.steps} timed step(s) after {s.warmup} warm-up; "
           f"{s.threads} thread(s)/process")
     print(f"{'contender':<14}{'median':>9}{'best':>9}{'vs DS':>8}{'peak RSS':>12}{'nvme R/step':>13}"
-          f"{'nvme W/step':>13}{'disk R/step':>13}{'disk W/step':>13}{'loss':>8}")
+          f"{'nvme W/step':>13}{'disk R/step':>13}{'disk W/step':>13}{'CPU s/step':>11}{'loss':>8}")
     for name, row in table.items():
         if "median_s" not in row:
             print(f"{name:<14}   failed ({row['rounds_failed']} round(s)); see stderr / --json")
@@ -664,8 +679,10 @@ def print_report(summary: dict, s: Settings, n_params: int | None, rounds: int) 
         print(f"{name:<14}{row['median_s']:9.3f}{row['best_s']:9.3f}{vs}{fmt_bytes(row['peak_rss_bytes']):>12}"
               f"{fmt_bytes(row.get('nvme_read_bytes_per_step')):>13}"
               f"{fmt_bytes(row.get('nvme_written_bytes_per_step')):>13}"
-              f"{fmt_bytes(pio['read_bytes']):>13}{fmt_bytes(pio['write_bytes']):>13}{row['final_loss']:8.3f}")
-    print("# nvme R/W: offload's rt.stats() bytes; disk R/W: /proc/self/io read_bytes/write_bytes of the process(es)")
+              f"{fmt_bytes(pio['read_bytes']):>13}{fmt_bytes(pio['write_bytes']):>13}"
+              f"{row['cpu_s_per_step']:11.3f}{row['final_loss']:8.3f}")
+    print("# nvme R/W: offload's rt.stats() bytes; disk R/W: /proc/self/io read_bytes/write_bytes of the process(es); "
+          "CPU s/step: user + system seconds of every thread (summed over ranks)")
     if bound is None:
         print("# bound: not computed (needs the torch compute time and both probes)")
         return
@@ -676,6 +693,8 @@ def print_report(summary: dict, s: Settings, n_params: int | None, rounds: int) 
     for name, b in bound["per_contender"].items():
         print(f"# {name:<13} io {b['io_s']:.3f} s -> bound = max(compute, io, adam) = {b['bound_s']:.3f} s "
               f"(binds: {b['binds']}); overlap efficiency = bound / step = {b['overlap_efficiency']:.2f}")
+        print(f"# {'':<13} with the cores: its CPU seconds / {CORES} cores = {b['cpu_bound_s']:.3f} s -> bound "
+              f"{b['bound_with_cpu_s']:.3f} s, efficiency {b['efficiency_with_cpu']:.2f}")
 
 
 def parse_args(argv=None):
