@@ -81,6 +81,13 @@ def test_plan_70b_on_one_node(tmp_path, capsys):
         assert resource in out
     plan = json.loads((tmp_path / "p.json").read_text())
     assert plan["chosen"]["prediction"]["step_s"] > 0 and plan["advice"]
+    # the gradient shards (32 GiB a rank) fit beside the params, activations and gathered units: kept on the
+    # device, as the runtime does, so the disk writes only master and moments (12 bytes a parameter)
+    assert "grads=device" in out
+    n = PRESETS["llama-70b"].params
+    assert plan["chosen"]["prediction"]["resources"]["nvme write"] == pytest.approx(12 * n / 12e9)
+    paged = next(o for o in plan["options"] if o["placement"] == "params=device, optimizer=nvme")
+    assert paged["prediction"]["resources"]["nvme write"] == pytest.approx(16 * n / 12e9)
 
 
 def test_plan_says_what_is_short(capsys):

@@ -78,13 +78,23 @@ def gathered_bytes(m: ModelSpec, compute_bytes: int = 2) -> int:
 @dataclasses.dataclass(frozen=True)
 class Placement:
     params: str  # tier of the compute-dtype parameter shards: device, cpu or nvme
-    optimizer: str  # tier of master + moments (and the fp32 gradient shards)
+    optimizer: str  # tier of master + moments
+    grads: str | None = None  # tier of the fp32 gradient shards (None: with the optimizer states)
+
+    @property
+    def grads_tier(self) -> str:
+        return self.grads or self.optimizer
 
     def __str__(self) -> str:
-        return f"params={self.params}, optimizer={self.optimizer}"
+        extra = f", grads={self.grads}" if self.grads and self.grads != self.optimizer else ""
+        return f"params={self.params}, optimizer={self.optimizer}{extra}"
 
 
+# With the optimizer states on nvme, the runtime keeps the gradient shards on the device when the device
+# budget holds them (Config.grads="auto"): those placements are candidates too.
 PLACEMENTS = [Placement("device", "device"), Placement("device", "cpu"), Placement("cpu", "cpu"),
+              Placement("device", "nvme", "device"), Placement("cpu", "nvme", "device"),
+              Placement("nvme", "nvme", "device"),
               Placement("device", "nvme"), Placement("cpu", "nvme"), Placement("nvme", "nvme")]
 
 
@@ -100,7 +110,8 @@ def tier_bytes(m: ModelSpec, w: Workload, ranks: int, place: Placement, sb: Stat
     states = per_rank_state_bytes(m, ranks, sb)
     out = {"device": {}, "cpu": {}, "nvme": {}}
     out[place.params]["params"] = states["params"]
-    for cls in ("grads", "master", "moments"):
+    out[place.grads_tier]["grads"] = states["grads"]
+    for cls in ("master", "moments"):
         out[place.optimizer][cls] = states[cls]
     out["device"]["activations"] = activation_bytes(m, w)
     out["device"]["gathered"] = gathered_bytes(m, sb.params)

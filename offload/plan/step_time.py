@@ -72,18 +72,23 @@ def movement(shard_params: float, place: Placement, mc: Machine, sb: StateBytes 
     p_bytes, g_bytes = sb.params * shard_params, sb.grads * shard_params
     opt_bytes = (sb.master + sb.moments) * shard_params
     on_dev_params, on_dev_opt = place.params == "device", place.optimizer == "device"
+    on_dev_grads = place.grads_tier == "device"
     node = mc.gpus_per_node
     nv_fwd = node * p_bytes / mc.nvme_read_Bps if place.params == "nvme" else 0.0
-    opt_nvme = place.optimizer == "nvme"
+    opt_nvme, grads_nvme = place.optimizer == "nvme", place.grads_tier == "nvme"
+    # the updated params up (params on the device, optimizer off it); gradients kept on the device down to
+    # the CPU optimizer once a step instead of every micro-batch
+    upd_up = p_bytes / mc.pcie_Bps if (on_dev_params and not on_dev_opt) else 0.0
+    upd_down = g_bytes / mc.pcie_Bps if (on_dev_grads and not on_dev_opt) else 0.0
     return Movement(
         pcie_fwd=0.0 if on_dev_params else p_bytes / mc.pcie_Bps,
-        pcie_bwd=(0.0 if on_dev_params else p_bytes / mc.pcie_Bps) + (0.0 if on_dev_opt else g_bytes / mc.pcie_Bps),
-        pcie_upd=p_bytes / mc.pcie_Bps if (on_dev_params and not on_dev_opt) else 0.0,
+        pcie_bwd=(0.0 if on_dev_params else p_bytes / mc.pcie_Bps) + (0.0 if on_dev_grads else g_bytes / mc.pcie_Bps),
+        pcie_upd=upd_up + upd_down,
         nvme_fwd=nv_fwd,
         nvme_bwd_read=nv_fwd,
-        nvme_bwd_write=node * g_bytes / mc.nvme_write_Bps if opt_nvme else 0.0,
-        # master + moments in and out and the gradient in (optimizer on nvme); the updated params out
-        nvme_upd_read=node * (opt_bytes + g_bytes) / mc.nvme_read_Bps if opt_nvme else 0.0,
+        nvme_bwd_write=node * g_bytes / mc.nvme_write_Bps if grads_nvme else 0.0,
+        # master + moments in and out and the gradient in (on nvme); the updated params out
+        nvme_upd_read=node * ((opt_bytes if opt_nvme else 0.0) + (g_bytes if grads_nvme else 0.0)) / mc.nvme_read_Bps,
         nvme_upd_write=(node * opt_bytes / mc.nvme_write_Bps if opt_nvme else 0.0)
         + (node * p_bytes / mc.nvme_write_Bps if place.params == "nvme" else 0.0),
         adam=0.0 if on_dev_opt else node * shard_params / mc.adam_params_per_s,
