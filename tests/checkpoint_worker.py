@@ -3,7 +3,8 @@
     python checkpoint_worker.py SPEC.json
 SPEC: {"out": file, "nvme": dir, "ckpt": dir, "steps": total steps, "save_at": [steps after which to save],
        "resume": bool, "save_loaded_to": dir, "params": tier, "optimizer": tier, "compute_dtype": ...,
-       "keep_last": n, "accum": micro-batches per step, "save_mid_at": step to save after its first micro-batch}
+       "keep_last": n, "accum": micro-batches per step, "save_mid_at": step to save after its first micro-batch,
+       "cpu_budget": the runtime's (default 64MiB: every state stays resident)}
 Data come from the global torch RNG (so a resume must restore it); the LR follows a warmup schedule (so a
 resume must restore the scheduler); the loop position travels in `extra`. Writes the per-step losses and
 the final fp32 parameters (out + ".safetensors").
@@ -53,7 +54,7 @@ def main():
     torch.manual_seed(100 + rank)
     cfg = offload.Config(params=spec.get("params", "nvme"), optimizer=spec.get("optimizer", "nvme"),
                          nvme_path=spec["nvme"], compute_dtype=spec.get("compute_dtype", "fp32"),
-                         cpu_budget="64MiB", device_budget="16MiB", seed=7)
+                         cpu_budget=spec.get("cpu_budget", "64MiB"), device_budget="16MiB", seed=7)
     losses = {}
     with offload.init(cfg) as rt:
         model = FrozenFront() if spec.get("model") == "frozen_front" else TinyTransformer()

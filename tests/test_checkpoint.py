@@ -93,6 +93,65 @@ def test_resume_is_exact_one_rank(tmp_path, compute_dtype):
         assert torch.equal(value, first["params"][name]), name
 
 
+@pytest.fixture
+def xfs_dir(tmp_path):
+    """A directory on a fresh XFS filesystem with reflinks (a loop-mounted image), or a skip where this machine
+    cannot make one (no mkfs.xfs: apt-get install xfsprogs; not allowed to mount a loop device)."""
+    import shutil
+
+    if shutil.which("mkfs.xfs") is None:
+        pytest.skip("mkfs.xfs is not installed (apt-get install xfsprogs)")
+    image, mnt = tmp_path / "xfs.img", tmp_path / "xfs"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(400 << 20)  # (XFS's smallest is 300 MiB)
+    made = subprocess.run(["mkfs.xfs", "-q", "-m", "reflink=1", str(image)], capture_output=True, text=True)
+    if made.returncode:
+        pytest.skip(f"mkfs.xfs failed: {made.stderr.strip()[-200:]}")
+    mounted = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a loop device here: {mounted.stderr.strip()[-200:]}")
+    try:
+        os.chmod(mnt, 0o700)
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)  # lazy: a file still mapped (a failed
+        #                                                                   test's tensors) does not keep it
+
+
+def _transfer(ckpt: Path, tag: str) -> dict:
+    return json.loads((ckpt / tag / "manifest.json").read_text())["transfer"][rank_file(0, 1)]
+
+
+def test_swap_slots_are_reflinked_into_the_checkpoint_where_the_filesystem_shares_blocks(xfs_dir):
+    """States paging through a 160 KiB cpu budget, swap files and checkpoint on XFS: every chunk read from a
+    swap slot (checksum verified, hashed) shares the slot's blocks with the rank file instead of being
+    written, the manifest says so, and the run resumes from it bit for bit."""
+    full = _worker(xfs_dir, "full", steps=6, ckpt=str(xfs_dir / "unused"), cpu_budget="160KiB")
+    ckpt = xfs_dir / "ckpt"
+    _worker(xfs_dir, "first", steps=4, save_at=[4], ckpt=str(ckpt), cpu_budget="160KiB")
+    t = _transfer(ckpt, "step-4")
+    assert t["from_nvme_bytes"] > 0 and t["reflinked_bytes"] == t["from_nvme_bytes"], t
+    # written: the resident states and the RNG states only
+    assert "reflinked" in t["path"] and t["written_bytes"] == t["from_host_bytes"] + torch.get_rng_state().numel(), t
+    resumed = _worker(xfs_dir, "resumed", steps=6, resume=True, ckpt=str(ckpt), cpu_budget="160KiB")
+    _same(full, resumed, range(4, 6))
+
+
+def test_without_reflinks_the_slots_bytes_are_written_and_the_manifest_says_why(tmp_path):
+    """The same on the test machine's own filesystem: where it cannot share blocks (ext4) the bytes read from
+    the swap slots are written, and the manifest gives the filesystem's answer."""
+    ckpt = tmp_path / "ckpt"
+    _worker(tmp_path, "first", steps=2, save_at=[2], ckpt=str(ckpt), cpu_budget="160KiB")
+    t = _transfer(ckpt, "step-2")
+    assert t["from_nvme_bytes"] > 0
+    if t["reflinked_bytes"] == 0:
+        assert "no reflink: E" in t["path"], t  # e.g. "EOPNOTSUPP: Operation not supported"
+        assert t["written_bytes"] >= t["from_nvme_bytes"] + t["from_host_bytes"], t
+    else:  # a filesystem that clones ranges (XFS, btrfs)
+        assert t["reflinked_bytes"] == t["from_nvme_bytes"], t
+
+
 def test_resume_is_exact_two_ranks_and_reshards(tmp_path):
     full = _worker(tmp_path, "full", world=2, steps=7, ckpt=str(tmp_path / "unused"))
     ckpt = tmp_path / "ckpt"

@@ -5,22 +5,34 @@
   directory in a shared /tmp cannot redirect the writes or the reads).
 - `TensorFileWriter` writes a safetensors file whose header is known up front (names, dtypes, shapes), so
   the data streams in piece by piece in the header's order with bounded memory, and a sha256 of the whole
-  file is computed on the way. Any safetensors reader (safe_open) reads it.
+  file is computed on the way. Any safetensors reader (safe_open) reads it. A piece whose bytes also sit
+  page-aligned in another file (a swap slot) can be cloned from there (FICLONERANGE: the two files share
+  the blocks, nothing is copied) where the filesystem does reflinks (XFS, btrfs); elsewhere it is written.
+  Tensors added `aligned` start on a page (the header is padded with spaces, gaps filled by `__pad__/N`
+  tensors of zeros, as the format has no holes), so their page-aligned pieces can be cloned.
 - `fsync_dir` after a rename makes the rename durable; `atomic_write_text` writes a small file (the
   manifest, the `latest` pointer) under a temporary name, fsyncs it, renames it over the old one.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import stat
+import struct
 from pathlib import Path
 
 import torch
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+PAGE = 4096  # reflinks share whole filesystem blocks
+FICLONERANGE = 0x4020940D  # _IOW(0x94, 13, struct file_clone_range {s64 src_fd; u64 src_offset, src_length, dest_offset})
+# a clone refused with these means the filesystem (or the pair of files) cannot share blocks: write instead
+_NO_REFLINK = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ETXTBSY, errno.EPERM}
+PAD_PREFIX = "__pad__/"
 _DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8",
           torch.int64: "I64"}
 
@@ -118,10 +130,21 @@ class TensorFileWriter:
         self._next = 0  # entry being written
         self._written = 0  # bytes of that entry written so far
         self._size = 0
+        self._data_bytes = 0  # of the entries added so far
+        self._aligned = False  # some tensor asked to start on a page: the data starts on one too
+        self.cloned_bytes = 0  # shared with their source by reflink
+        self.written_bytes = 0  # tensor bytes written
+        self.no_reflink: str | None = None  # why clone() writes instead (the first refusal), once known
 
-    def add(self, name: str, dtype: torch.dtype, numel: int) -> None:
+    def add(self, name: str, dtype: torch.dtype, numel: int, aligned: bool = False) -> None:
+        """The next tensor; `aligned`: its data starts on a page (after a tensor of zeros filling the gap)."""
         assert self._f is None, "add every tensor before open()"
+        gap = -self._data_bytes % PAGE if aligned else 0
+        if gap:
+            self.entries.append((f"{PAD_PREFIX}{len(self.entries)}", torch.uint8, gap))
+        self._aligned |= aligned
         self.entries.append((name, dtype, numel))
+        self._data_bytes += gap + numel * dtype.itemsize
 
     def open(self) -> None:
         header, offset = {}, 0
@@ -132,7 +155,8 @@ class TensorFileWriter:
         if self.metadata:
             header["__metadata__"] = self.metadata
         raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
+        # the format pads the header with spaces: to 8 bytes, or so that the data starts on a page
+        raw += b" " * (-(8 + len(raw)) % PAGE if self._aligned else -len(raw) % 8)
         self._f = open_private(self.path, write=True)
         self._emit(len(raw).to_bytes(8, "little") + raw)
 
@@ -143,21 +167,64 @@ class TensorFileWriter:
 
     def write(self, values: torch.Tensor) -> None:
         """The next piece of data: part (or all) of the current tensor, in order."""
-        name, dtype, numel = self.entries[self._next]
+        data = self._piece(values)
+        self._emit(data)
+        self._advance(data.nbytes)
+
+    def clone(self, values: torch.Tensor, src_fd: int, src_offset: int) -> None:
+        """The next piece of data, `values`, whose bytes are also in the file `src_fd` at `src_offset` (a page
+        boundary; the source readable up to the next page after them): the file shares those blocks with the
+        source where the filesystem clones ranges, else the bytes are written. Hashed from `values` either
+        way (the caller read them from there)."""
+        data = self._piece(values)
+        n, at = data.nbytes, self._size
+        if self.no_reflink is None and n and at % PAGE == 0 and src_offset % PAGE == 0:
+            self._f.flush()  # the clone lands at the file's position: nothing may be buffered before it
+            try:
+                fcntl.ioctl(self._f.fileno(), FICLONERANGE, struct.pack("qQQQ", src_fd, src_offset, -(-n // PAGE) * PAGE, at))
+            except OSError as exc:
+                if exc.errno not in _NO_REFLINK:
+                    raise
+                self.no_reflink = f"{errno.errorcode.get(exc.errno, exc.errno)}: {os.strerror(exc.errno)}"
+            else:  # whole pages were shared: what lies past `n` is overwritten by what follows (or cut at close)
+                self._f.seek(at + n)
+                self._hash.update(data)
+                self._size += n
+                self.cloned_bytes += n
+                self._advance(n, counted=True)
+                return
+        self._emit(data)
+        self._advance(n)
+
+    def _piece(self, values: torch.Tensor) -> memoryview:
+        self._fill_pads()
+        name, dtype, _ = self.entries[self._next]
         if values.dtype != dtype:
             raise TypeError(f"{name}: writing {values.dtype}, declared {dtype}")
-        data = memoryview(values.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
-        self._emit(data)
-        self._written += data.nbytes
+        return memoryview(values.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+
+    def _advance(self, nbytes: int, counted: bool = False) -> None:
+        name, dtype, numel = self.entries[self._next]
+        if not counted and not name.startswith(PAD_PREFIX):
+            self.written_bytes += nbytes
+        self._written += nbytes
         if self._written > numel * dtype.itemsize:
             raise ValueError(f"{name}: more data than its declared {numel} elements")
         if self._written == numel * dtype.itemsize:
             self._next, self._written = self._next + 1, 0
 
+    def _fill_pads(self) -> None:
+        while self._next < len(self.entries) and self.entries[self._next][0].startswith(PAD_PREFIX):
+            gap = self.entries[self._next][2]
+            self._emit(bytes(gap))
+            self._advance(gap)
+
     def close(self) -> tuple[int, str]:
+        self._fill_pads()
         if self._next != len(self.entries) or self._written:
             raise ValueError(f"{self.path}: closed with tensor {self._next} of {len(self.entries)} incomplete")
         self._f.flush()
+        self._f.truncate(self._size)  # (a last clone shares whole pages: past the data is not the file's)
         os.fsync(self._f.fileno())
         self._f.close()
         return self._size, self._hash.hexdigest()

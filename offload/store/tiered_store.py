@@ -354,6 +354,13 @@ class TieredStore:
         kick()  # outside the lock: may run the move's first step (its I/O submission) right here
         return fut
 
+    def swap_location(self, name) -> tuple[int, int] | None:
+        """(file descriptor, offset) of an nvme-homed shard's swap slot (page-aligned, readable to the page after
+        its bytes); None for another home. The slot holds the shard's value only while no working copy
+        differs from it: the caller keeps the store quiet (no lease that writes, no write-behind pending)."""
+        s = self._get(name)
+        return (s.swap.file.fd, s.slot) if s.home is Tier.NVME and s.swap is not None else None
+
     def residency(self, name) -> Residency:
         return self._get(name).residency
 

@@ -232,7 +232,8 @@ def _write_rank_file(rt, path: Path, rng_tensors: dict[str, torch.Tensor]) -> di
             kinds.append(StateKind.GRAD)
         for kind in kinds:
             label = "master" if kind is unit.shards.master_kind() else kind.value
-            writer.add(f"{unit.uid}/{label}", torch.float32, unit.shards.shard_numel)
+            # on a page: its chunks (8 KiB multiples but the last) can share their swap slots' blocks
+            writer.add(f"{unit.uid}/{label}", torch.float32, unit.shards.shard_numel, aligned=True)
             plan.append((unit, kind))
     for key, t in rng_tensors.items():
         writer.add(key, t.dtype, t.numel())
@@ -243,13 +244,18 @@ def _write_rank_file(rt, path: Path, rng_tensors: dict[str, torch.Tensor]) -> di
         for unit, kind in plan:
             for c in unit.shards.chunks:  # one chunk in memory at a time
                 spec = unit.shards.spec(kind, c)
-                if spec.home is Tier.NVME and spec.key not in resident:
+                slot = rt.states.swap_location(spec) if spec.home is Tier.NVME and spec.key not in resident else None
+                if slot is not None:
                     from_nvme += spec.nbytes
                 else:
                     from_host += spec.nbytes
-                lease = rt.states.lease(spec, Use.HOST, LeaseMode.READ)
+                lease = rt.states.lease(spec, Use.HOST, LeaseMode.READ)  # (from a slot: its checksum verified)
                 try:
-                    writer.write(lease.wait().float())
+                    values = lease.wait().float()
+                    if slot is not None and values.dtype == spec.dtype:  # the slot holds these very bytes
+                        writer.clone(values, *slot)
+                    else:
+                        writer.write(values)
                 finally:
                     lease.release()
                 inject.pause(Queue.CHECKPOINT)  # a slow disk (tests: a kill lands mid-write)
@@ -259,10 +265,14 @@ def _write_rank_file(rt, path: Path, rng_tensors: dict[str, torch.Tensor]) -> di
     except BaseException:
         writer.abort()
         raise
-    # Which path the bytes took: swap slots read by the aio engine into a one-chunk host buffer (no copy of
-    # the whole state in memory, no Python loop over it), then one write(2) per chunk; no reflink is tried.
-    transfer = {"path": "engine read -> one-chunk host buffer -> write(2); no reflink",
-                "from_nvme_bytes": from_nvme, "from_host_bytes": from_host}
+    # Which path the bytes took: every chunk is read into a one-chunk host buffer (from a swap slot by the aio
+    # engine, its checksum verified) and hashed; a swap slot's bytes then share its blocks with the file where
+    # the filesystem clones ranges, and are written otherwise, as resident states are.
+    how = ("swap slots reflinked into the file (FICLONERANGE)" if writer.cloned_bytes else
+           f"written with write(2) (no reflink: {writer.no_reflink or 'no swap slot to share'})")
+    transfer = {"path": f"engine read of each chunk -> sha256 -> {how}", "from_nvme_bytes": from_nvme,
+                "from_host_bytes": from_host, "reflinked_bytes": writer.cloned_bytes,
+                "written_bytes": writer.written_bytes}
     return {"bytes": size, "sha256": digest, "transfer": transfer}
 
 

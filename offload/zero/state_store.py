@@ -142,6 +142,10 @@ class UnitStateStore:
         """Every short-lived cpu working copy takes `nbytes` (the largest chunk): see store/arena.py."""
         self.store.set_staging_slot(max(nbytes, self.store.staging_slot))
 
+    def swap_location(self, spec: ShardSpec) -> tuple[int, int] | None:
+        """Where an nvme-homed shard's slot is (fd, offset), unless it is held resident (the slot is stale)."""
+        return None if spec.key in self._resident else self.store.swap_location(spec.key)
+
     def free_staging_bytes(self) -> int:
         return self.store.free_staging_bytes()
 
