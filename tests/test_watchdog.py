@@ -51,6 +51,31 @@ def test_a_dead_rank_stops_the_other(tmp_path):
     assert wall < 120.0
 
 
+def test_a_dead_rank_without_a_launcher_to_stop_the_rest_is_named_by_the_survivor(tmp_path):
+    """Ranks started one by one (a scheduler's srun, a hand-made launch: nobody stops the others when one dies):
+    rank 1 exits at step 2; rank 0 stops within the timeout, naming the collective it was in and rank 1 as
+    silent (dead or frozen)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), "die"], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    t0 = time.monotonic()
+    out0, err0 = procs[0].communicate(timeout=300)
+    out1, _ = procs[1].communicate(timeout=60)
+    assert procs[1].returncode == 17 and "rank 1 dies" in out1
+    assert procs[0].returncode != 0 and time.monotonic() - t0 < 120.0, (out0, err0[-2000:])
+    msg = next(line for line in out0.splitlines() if line.startswith("rank 0 error"))
+    assert re.search(r"rank 0 gave up after [0-9.]+ s in \w+ #\d+ on the \w+ group", msg), msg
+    assert re.search(r"Rank 1 is (behind .*)?silent for [0-9.]+ s \(dead or frozen\)", msg), msg
+
+
 def test_collective_timeout_setting():
     assert parse_duration("250ms", "x") == 0.25 and parse_duration("10min", "x") == 600.0
     assert parse_duration(30, "x") == 30.0 and parse_duration("1.5h", "x") == 5400.0
