@@ -29,7 +29,7 @@ import torch
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 PAGE = 4096  # reflinks share whole filesystem blocks
-FICLONERANGE = 0x4020940D  # _IOW(0x94, 13, struct file_clone_range {s64 src_fd; u64 src_offset, src_length, dest_offset})
+FICLONERANGE = 0x4020940D  # _IOW(0x94, 13, struct file_clone_range: s64 src_fd; u64 src_offset, length, dest)
 # a clone refused with these means the filesystem (or the pair of files) cannot share blocks: write instead
 _NO_REFLINK = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ETXTBSY, errno.EPERM}
 PAD_PREFIX = "__pad__/"
@@ -181,7 +181,8 @@ class TensorFileWriter:
         if self.no_reflink is None and n and at % PAGE == 0 and src_offset % PAGE == 0:
             self._f.flush()  # the clone lands at the file's position: nothing may be buffered before it
             try:
-                fcntl.ioctl(self._f.fileno(), FICLONERANGE, struct.pack("qQQQ", src_fd, src_offset, -(-n // PAGE) * PAGE, at))
+                whole = -(-n // PAGE) * PAGE
+                fcntl.ioctl(self._f.fileno(), FICLONERANGE, struct.pack("qQQQ", src_fd, src_offset, whole, at))
             except OSError as exc:
                 if exc.errno not in _NO_REFLINK:
                     raise

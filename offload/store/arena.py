@@ -203,8 +203,8 @@ class PinnedArena:
             return max(self._free_sizes.values(), default=0)
 
     def alloc(self, nbytes: int, timeout: float | None = None, slot: int | None = None) -> ArenaBlock:
-        """A block of exactly `nbytes` (taking nbytes rounded up to 4096 from the arena, or `slot` bytes placed
-        from the top: see the module docstring). Waits until a large enough range is free; `timeout` seconds
+        """A block of exactly `nbytes` (taking nbytes rounded up to 4096 from the arena, or `slot` bytes: see
+        the module docstring). Waits until a large enough range is free; `timeout` seconds
         (None: forever) then ArenaFullError. A request larger than the whole arena raises ArenaFullError at
         once."""
         nbytes = int(nbytes)

@@ -147,9 +147,9 @@ class OptimizerPipeline:
                 items.extend(mine)
             else:
                 u.done.set_result(None)  # nothing of this unit lives in this rank's shard
-        # states read ahead for chunks this update does not step go back first: their room is the lane's
-        self.drop_states_read_ahead(keep={it.update.unit.shards.spec(kind, it.chunk).key
-                                          for it in items for _, kind, _ in self._wanted(it)})
+        if self._ahead:  # states read ahead for chunks this update does not step go back first (the lane's room)
+            self.drop_states_read_ahead(keep={it.update.unit.shards.spec(kind, it.chunk).key
+                                              for it in items for _, kind, _ in self._wanted(it)})
         try:
             self._run_items(items)
         finally:

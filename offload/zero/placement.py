@@ -47,6 +47,7 @@ class Placement:
     tiers: StateTiers
     chunk_numel: int  # target elements per chunk (a unit's shard is cut into equal chunks at most this long)
     gather_ahead: bool  # the device budget holds one more gathered unit: gather the next unit while one runs
+    staging_slot: int = 0  # bytes every short-lived cpu working copy takes (staging_slot())
     # "auto" tiers: every pair that fit, with the step its data movement alone is predicted to take (seconds)
     considered: tuple[tuple[str, str, float], ...] = ()
 
@@ -87,7 +88,7 @@ def chunk_numel_for(cpu_budget: int, setting: int | None) -> int:
     return max(CHUNK_ALIGN, nbytes // 4 // CHUNK_ALIGN * CHUNK_ALIGN)
 
 
-def _pages(nbytes: int) -> int:
+def page_bytes(nbytes: int) -> int:
     """Bytes the store holds for a buffer of nbytes (whole pages)."""
     return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
@@ -108,7 +109,7 @@ class WorkingSet:
 def staging_slot(unit_chunks: list[list[int]]) -> int:
     """Bytes every short-lived cpu working copy takes (the store's staging slot, store/arena.py): the largest
     chunk of any state, in fp32, page-rounded. `unit_chunks`: every unit's chunk sizes, in elements."""
-    return _pages(4 * max((n for chunks in unit_chunks for n in chunks), default=0))
+    return page_bytes(4 * max((n for chunks in unit_chunks for n in chunks), default=0))
 
 
 def host_working_set(unit_chunks: list[list[int]], width: int, params_nvme: bool, optimizer_nvme: bool,
@@ -177,8 +178,8 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
               for s in sizes}
     # bytes the new units' shards hold in their home tier, as the store holds them (every chunk page-rounded)
     new_chunks = [n for s in new for n in chunks[s.index]]
-    param_bytes = sum(_pages(n * width) for n in new_chunks)
-    opt_bytes = (3 + (1 if width != 4 else 0)) * sum(_pages(n * 4) for n in new_chunks)  # m, v, grad (+ master)
+    param_bytes = sum(page_bytes(n * width) for n in new_chunks)
+    opt_bytes = (3 + (1 if width != 4 else 0)) * sum(page_bytes(n * 4) for n in new_chunks)  # m, v, grad (+ master)
 
     def staging(p: str, o: str) -> int:
         return host_working_set(list(chunks.values()), width, p == "nvme", o == "nvme",
@@ -247,14 +248,14 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
             "params='cpu' / 'nvme'"
         )
     device_left = device_free - (param_bytes if params == "device" else 0) - (opt_bytes if optimizer == "device" else 0)
-    grad_bytes = sum(_pages(n * 4) for n in new_chunks)
+    grad_bytes = sum(page_bytes(n * 4) for n in new_chunks)
     grads = grads_tier(grads, optimizer, grad_bytes, device_left - gathered_bound(sizes, width, ahead=True),
                        cpu_free - cpu_need - working, device_budget_given)
     if grads == "device" and optimizer != "device":
         device_left -= grad_bytes
     ahead = gathered_bound(sizes, width, ahead=True) <= device_left
     tiers = StateTiers(Tier(params), Tier(optimizer), Tier(grads))
-    return Placement(tiers, chunk_numel, ahead, considered)
+    return Placement(tiers, chunk_numel, ahead, staging_slot(list(chunks.values())), considered)
 
 
 def grads_tier(setting: str, optimizer: str, grad_bytes: int, device_room: int, cpu_room: int,

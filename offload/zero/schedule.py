@@ -30,8 +30,8 @@ from ..planner import Phase, Trace, Use
 from ..planner.schedule import Read
 from ..planner.trace import TraceRecorder
 from ..store import LeaseMode, Tier
-from ..store.swap_file import SLOT_ALIGN
 from ..telemetry import span
+from .placement import page_bytes
 from .shards import ShardKey, StateKind
 from .state import TrainingState, UnitState
 from .state_store import Use as Where
@@ -289,7 +289,7 @@ class Schedule:
             self.cost = self.cost.measured(stats["moved"], stats["busy_s"])
             specs = self._nvme_specs()
             states = self.ctx.states
-            resident_bytes = sum(_pages(s.nbytes) for s in specs if s.key in states.resident_keys())
+            resident_bytes = sum(page_bytes(s.nbytes) for s in specs if s.key in states.resident_keys())
             # The cpu budget, what is not held for good (home shards): first the lanes' working set (so they
             # can always make progress), then the read-ahead (params, the optimizer's next chunks), then states
             # kept resident across steps.
@@ -298,7 +298,7 @@ class Schedule:
             read_budget = min(wanted_reads, max(0, free))
             step_ahead = min(wanted_ahead, max(0, free - read_budget))
             costs = [planner.ShardCost(s.key, s.key.unit, _class_of(s.key.kind, self.ctx.compute_dtype),
-                                       _pages(s.nbytes), on_nvme=True) for s in specs]
+                                       page_bytes(s.nbytes), on_nvme=True) for s in specs]
             params = {c.key for c in costs if c.cls in _PARAM_CLASSES}
             room = free - read_budget - step_ahead
             plan_a = planner.residency_plan(trace, costs, max(0, room)) if self.prefetch else frozenset()
@@ -355,11 +355,6 @@ class Schedule:
                     if spec.home is Tier.NVME and self.ctx.states.has(spec):
                         out.append(spec)
         return out
-
-
-def _pages(nbytes: int) -> int:
-    """Bytes a resident copy takes from the cpu tier (whole pages)."""
-    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
 _PARAM_CLASSES = (planner.StateClass.PARAM, planner.StateClass.MASTER_PARAM)

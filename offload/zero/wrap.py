@@ -40,9 +40,7 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
                            rt.compute_dtype, cfg.bytes_of("chunk_size"), cfg.nvme_path, grads=cfg.grads,
                            device_budget_given=cfg.device_budget != "auto", machine=rt.machine)
     rt.placement = place
-    rt.states.set_staging_slot(placement.staging_slot(  # before the new shards' first staging buffers
-        [[c.numel for c in u.shards.chunks] for u in rt.units]
-        + [[place.chunk_of(s.layout.shard_numel)] for s in new]))
+    rt.states.set_staging_slot(place.staging_slot)  # before the new shards' first staging buffers
     rt.params_tier, rt.optimizer_tier = place.tiers.params.value, place.tiers.optimizer.value
     rt.grads_tier = place.tiers.grads.value
     rt.schedule.gather_ahead = place.gather_ahead
