@@ -17,6 +17,9 @@ interleaved rounds, round r in an order rotated by r, and gets one JSON line bac
                 device_budget="256MiB", compute_dtype="bf16", pipeline=True)), model built inside,
                 offload.AdamW, rt.clip_grad_norm_.
   offload-sync  the same with pipeline=False (no prefetch, no overlap).
+  offload-inbwd the same with update_in_backward=True (opt-in, not a default: each unit's update runs in the
+                backward, clipped by the previous step's coefficient; offload/zero/backward_updates.py).
+                Not in the default list: --contenders torch,offload,offload-inbwd,offload-sync,deepspeed.
   deepspeed     DeepSpeed ZeRO-3, offload_param and offload_optimizer on nvme, bf16, gradient_clipping
                 1.0, "AdamW" (DeepSpeed's CPU Adam), model built inside deepspeed.zero.Init, gloo backend.
 Timing: `--warmup` steps, then `--steps` timed steps; s/step of a round = the timed steps' wall time /
@@ -74,7 +77,8 @@ import tempfile
 import time
 
 CONTENDERS = ("torch", "offload", "offload-sync", "deepspeed")
-DISTRIBUTED = ("offload", "offload-sync", "deepspeed")  # run under torchrun with --world-size 2
+OPT_IN = ("offload-inbwd",)  # run when named in --contenders
+DISTRIBUTED = ("offload", "offload-sync", "offload-inbwd", "deepspeed")  # run under torchrun with --world-size 2
 RESULT_KEY = "bench_offload_step"  # marks the child's JSON line among DeepSpeed's log lines
 GiB = 1 << 30
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -299,7 +303,7 @@ def run_torch(s: Settings) -> dict:
     return out
 
 
-def run_offload(s: Settings, pipeline: bool) -> dict:
+def run_offload(s: Settings, pipeline: bool, update_in_backward: bool = False) -> dict:
     """offload.init with params and optimizer states on nvme; the model is built (and sharded) inside."""
     import offload
     import offload.telemetry
@@ -310,7 +314,8 @@ def run_offload(s: Settings, pipeline: bool) -> dict:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")  # ours, so the per-rank stats can be gathered after the block
     cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path=s.nvme_dir, cpu_budget="384MiB",
-                         device_budget="256MiB", compute_dtype="bf16", pipeline=pipeline, seed=s.seed)
+                         device_budget="256MiB", compute_dtype="bf16", pipeline=pipeline, seed=s.seed,
+                         update_in_backward=update_in_backward)
     with offload.init(cfg) as rt:
         model = model_from(s)  # forward runs in bf16 under the runtime: no autocast
         opt = offload.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
@@ -512,6 +517,7 @@ CHILDREN = {
     "torch": run_torch,
     "offload": lambda s: run_offload(s, pipeline=True),
     "offload-sync": lambda s: run_offload(s, pipeline=False),
+    "offload-inbwd": lambda s: run_offload(s, pipeline=True, update_in_backward=True),
     "deepspeed": run_deepspeed,
     "probe-nvme": probe_nvme,
     "probe-adam": probe_adam,
@@ -630,7 +636,7 @@ def compute_bound(runs: dict, probes: dict, table: dict) -> dict | None:
     terms = {"compute_s": float(np.median(compute)), "adam_s": adam["adam_s"],
              "read_GBps": nvme["read_Bps"] / 1e9, "write_GBps": nvme["write_Bps"] / 1e9}
     per = {}
-    for name in ("offload", "offload-sync"):
+    for name in ("offload", "offload-sync", "offload-inbwd"):
         row = table.get(name, {})
         if "nvme_read_bytes_per_step" not in row:
             continue
@@ -708,6 +714,7 @@ def parse_args(argv=None):
     ap.add_argument("--json", default=None, help="write settings, environment, every run and the summary here")
     ap.add_argument("--world-size", type=int, default=1, choices=(1, 2))
     ap.add_argument("--trace", default=None, help="offload contender: Chrome trace of the last timed step")
+    ap.add_argument("--trace-contender", default="offload", help="whose step --trace records")
     ap.add_argument("--dim", type=int, default=640)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--vocab", type=int, default=16000)
@@ -727,9 +734,9 @@ def main(argv=None) -> int:
         child_main(args.child, args.settings)
         return 0
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    unknown = [c for c in contenders if c not in CONTENDERS]
+    unknown = [c for c in contenders if c not in CONTENDERS + OPT_IN]
     if unknown:
-        raise SystemExit(f"unknown contender(s) {unknown}; choose from {CONTENDERS}")
+        raise SystemExit(f"unknown contender(s) {unknown}; choose from {CONTENDERS + OPT_IN}")
     base = Settings(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads, ff=args.ff, seq=args.seq,
                     batch=args.batch, world_size=args.world_size, warmup=args.warmup, steps=args.steps,
                     threads=args.threads, seed=args.seed)
@@ -754,7 +761,7 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
             for name in order:
-                trace = args.trace if (name == "offload" and r == args.rounds - 1) else None
+                trace = args.trace if (name == args.trace_contender and r == args.rounds - 1) else None
                 s = dataclasses.replace(base, nvme_dir=os.path.join(root, f"{name}-r{r}"),
                                         trace=os.path.abspath(trace) if trace else None)
                 res = spawn(name, s)
@@ -769,8 +776,8 @@ def main(argv=None) -> int:
     summary = summarize(runs, probes)
     n_params = next((r["n_params"] for rs in runs.values() for r in rs if "n_params" in r), None)
     print_report(summary, base, n_params, args.rounds)
-    if args.trace and "offload" in contenders:
-        print(f"# trace of offload's last timed step: {args.trace} (python benchmarks/plot_trace.py "
+    if args.trace and args.trace_contender in contenders:
+        print(f"# trace of {args.trace_contender}'s last timed step: {args.trace} (python benchmarks/plot_trace.py "
               f"{args.trace} trace.png)")
     if args.json:
         doc = {"command": [sys.executable] + sys.argv, "settings": dataclasses.asdict(base),

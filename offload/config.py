@@ -87,6 +87,14 @@ class Config:
       "auto" params / optimizer take the pair of tiers that fits and whose data movement the plan's step model
       predicts fastest with these figures, as `offload plan --bench-json` does (None: the device's nominal
       figures).
+    update_in_backward: opt-in, off by default. Each unit's AdamW update runs during the backward, as soon as
+      its gradient is final, instead of after it, so the optimizer's nvme traffic overlaps the backward. Without
+      gradient clipping the results are bitwise those of the default path. With rt.clip_grad_norm_ the update
+      of step t is scaled by step t-1's clip coefficient (the global norm is only known once the backward is
+      over): the stated bound, reported per step in rt.stats()["last_step"]["clip"]; the first step is exact.
+      Contract: one gradient reduce per step (accumulate inside rt.no_sync()), hyperparameters set before the
+      backward (an LR scheduler stepped after opt.step()), checkpoints after opt.step(); a breach raises.
+      See offload/zero/backward_updates.py.
     """
 
     params: str = "auto"
@@ -107,6 +115,7 @@ class Config:
     collective_timeout: str | int | float = "10min"
     swap_checksums: bool = True
     machine: str | None = None
+    update_in_backward: bool = False
     # Keys of an imported DeepSpeed config that have no effect here (filled by from_deepspeed).
     deepspeed_ignored: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
@@ -150,6 +159,9 @@ class Config:
             raise ValueError(f"offload.Config.seed: expected an int, got {self.seed!r}")
         if not isinstance(self.swap_checksums, bool):
             raise ValueError(f"offload.Config.swap_checksums: expected True or False, got {self.swap_checksums!r}")
+        if not isinstance(self.update_in_backward, bool):
+            raise ValueError("offload.Config.update_in_backward: expected True or False, got "
+                             f"{self.update_in_backward!r}")
         if not isinstance(self.pipeline, bool):
             raise ValueError(f"offload.Config.pipeline: expected True or False, got {self.pipeline!r}")
         if self.chunk_size is not None and parse_size(self.chunk_size, "chunk_size") < 4096:

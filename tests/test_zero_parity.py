@@ -15,6 +15,7 @@ Every case also runs the runtime twice: synchronous (Config.pipeline=False, ever
 asked for) and pipelined (read-ahead, gather-ahead, background reduce and optimizer). They must agree bit for
 bit at every step. The DELAYS cases make one queue slow in the pipelined run (a slow disk read or write, a
 slow Adam, a slow gather or reduce, a slow copy): a missing wait then shows as a difference.
+Config.update_in_backward cases run against a reference clipped with the previous step's coefficient.
 """
 import dataclasses
 import json
@@ -52,6 +53,13 @@ def grid(world):
             Case(world=world, model="llama-ckpt", params="nvme", optimizer="cpu"),  # HF activation checkpointing
         ]
     cases += delay_cases(world)
+    # Config.update_in_backward: each update queued in the backward, clipped by the previous step's coefficient
+    # (the reference does the same); slowed disk reads and Adam must not let an update read a gradient early
+    cases += [Case(world=world, params="nvme", optimizer="nvme", update_in_backward=True),
+              Case(world=world, dtype="bf16", accum=4, params="nvme", optimizer="nvme", clip=clip,
+                   update_in_backward=True)]
+    cases += [Case(world=world, params="nvme", optimizer="nvme", grads="nvme", delay=f"{queue}=0.005", snapshot_every=10,
+                   cpu_budget="128KiB", update_in_backward=True) for queue in ("nvme_read", "optimizer", "reduce")]
     cases += [Case(world=world, params="nvme", optimizer="nvme", flow="skip"),
               Case(world=world, params="nvme", optimizer="nvme", flow="eval"),
               Case(world=world, params="nvme", optimizer="nvme", flow="accum", accum=3, no_sync=False)]
@@ -96,6 +104,10 @@ def check(result, case):
     # states are on nvme, else with the optimizer states
     expected = case.grads if case.grads != "auto" else ("device" if case.optimizer == "nvme" else case.optimizer)
     assert result["grads_tier"] == expected, result
+    if case.update_in_backward:  # the last step's updates were queued in its backward: on one rank the root unit
+        # and both blocks; on two only the root (a block's unused branch might get a gradient on the other rank,
+        # so blocks wait for opt.step(), which ORs the flags first)
+        assert result["updated_in_backward"] >= (3 if case.world == 1 else 1), result
     if "nvme" in (case.params, case.optimizer, case.grads):  # (what stays resident is never written back)
         assert result["nvme_read"] > 0, result
     else:

@@ -146,6 +146,7 @@ class Case:
     #   "skip"   block 1 does not run on odd steps     "accum"  step s runs 1 + s % accum micro-batches
     #   "eval"   a forward under no_grad (its loss compared too) before every step after the first
     flow: str = ""
+    update_in_backward: bool = False  # Config.update_in_backward (offload_run only)
 
     @property
     def name(self) -> str:
@@ -155,6 +156,7 @@ class Case:
                 f"{'-' + sync if self.accum > 1 else ''}{'-noclip' if self.clip is None or self.clip >= 1e9 else ''}"
                 f"{'-cpu' + self.cpu_budget if self.cpu_budget != '256MiB' else ''}"
                 f"{'-flow_' + self.flow if self.flow else ''}"
+                f"{'-update_in_backward' if self.update_in_backward else ''}"
                 f"{'-slow_' + self.delay.replace('=', '') if self.delay else ''}")
 
 
@@ -182,6 +184,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
+def _clip(params, case: Case, norms: list) -> float:
+    """torch.nn.utils.clip_grad_norm_(params, case.clip); with Config.update_in_backward, the gradients are
+    scaled by the previous step's coefficient instead (its stated bound; the first step is exact). Returns
+    this step's norm."""
+    if not case.update_in_backward or not norms:
+        return float(torch.nn.utils.clip_grad_norm_(params, case.clip))
+    norm = float(torch.nn.utils.clip_grad_norm_(params, math.inf))  # (coefficient min(1, inf) = 1: unscaled)
+    previous = torch.clamp(case.clip / (torch.tensor(norms[-1], dtype=torch.float32) + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:  # (an unused parameter has none)
+            p.grad.mul_(previous)  # as clip_grad_norm_ scales
+    return norm
+
+
 def reference_run(case: Case, model: nn.Module, data: torch.Tensor):
     """Plain PyTorch. fp32: full-batch micro-batches, torch.optim.AdamW. bf16: a bf16 model whose grads go to
     fp32 master params (stepped by plain offload.AdamW, see below), with the same per-rank split and the
@@ -203,8 +219,7 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor):
                 loss.backward()
                 total += loss.item()
             if case.clip is not None:
-                norms.append(float(torch.nn.utils.clip_grad_norm_(
-                    [p for p in model.parameters() if p.requires_grad], case.clip)))
+                norms.append(_clip([p for p in model.parameters() if p.requires_grad], case, norms))
             opt.step()
             opt.zero_grad()
             losses.append(total)
@@ -252,7 +267,7 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor):
         for n in trainable:
             master[n].grad = acc[n]
         if case.clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_([master[n] for n in trainable], case.clip)))
+            norms.append(_clip([master[n] for n in trainable], case, norms))
         opt.step()
         opt.zero_grad()
         with torch.no_grad():
@@ -270,7 +285,8 @@ def offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str,
     assert world == case.world, (world, case.world)
     cfg = offload.Config(params=case.params, optimizer=case.optimizer, grads=case.grads, compute_dtype=case.dtype,
                          nvme_path=nvme_dir if "nvme" in (case.params, case.optimizer, case.grads) else None,
-                         device_budget="256MiB", cpu_budget=case.cpu_budget, pipeline=pipeline)
+                         device_budget="256MiB", cpu_budget=case.cpu_budget, pipeline=pipeline,
+                         update_in_backward=case.update_in_backward)
     losses, snaps, norms = [], {}, []
     mine = slice(rank * MICRO, (rank + 1) * MICRO)
     with offload.init(cfg) as rt:
@@ -366,7 +382,8 @@ def _run_case(case: Case, nvme_dir: str) -> dict:
             "pipeline_mismatches": mismatches, "plans_made": stats["plans_made"],
             "peak_cpu": stats["peak_resident_bytes"]["cpu"], "cpu_budget": stats["budgets"]["cpu"],
             "peak_device": stats["peak_resident_bytes"]["device"], "device_budget": stats["budgets"]["device"],
-            "grads_tier": stats["grads_tier"]}
+            "grads_tier": stats["grads_tier"],
+            "updated_in_backward": (stats["last_step"].get("clip") or {}).get("in_backward", 0)}
 
 
 def transformers_available() -> bool:

@@ -64,6 +64,7 @@ class UnitContext:
     sync_grads: bool = True  # False inside rt.no_sync(): backward accumulates locally
     max_reduces_in_flight: int = 2  # full gradients queued on the reduce lane at once (bounded memory)
     reduce_window: collections.deque = field(default_factory=collections.deque)  # their futures, oldest first
+    on_reduce: object = None  # (unit) -> None after a unit's reduce is queued (Config.update_in_backward)
 
     @property
     def rank(self) -> int:

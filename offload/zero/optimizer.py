@@ -96,14 +96,14 @@ class ShardedAdamW(AdamW):
         self.rt.optimizers.append(weakref.ref(self))  # checkpoints save and load every optimizer of the run
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _unit_plan(self):
-        """unit -> [(piece, group, param)] for this rank's shard, in shard order."""
+    def _unit_plan(self, units=None):
+        """unit -> [(piece, group, param)] for this rank's shard, in shard order (every unit, or `units`)."""
         by_slot = {}
         for group in self.param_groups:
             for p in group["params"]:
                 by_slot[(id(p._offload_unit), p._offload_slot)] = (group, p)
         plan = []
-        for unit in self.rt.units:
+        for unit in self.rt.units if units is None else units:
             entries = []
             for piece in unit.layout.pieces(self.rt.rank):
                 hit = by_slot.get((id(unit), piece.slot))
@@ -112,6 +112,31 @@ class ShardedAdamW(AdamW):
             if entries:
                 plan.append((unit, entries))
         return plan
+
+    def _live_runs(self, unit, entries, ahead: int) -> list[Run]:
+        """The kernel runs of `unit`'s pieces that got a gradient, with their hyperparameters as they are now and
+        step counts `ahead` past the recorded ones."""
+        live = [(pc, g, p) for pc, g, p in entries if unit.has_grad and bool(unit.used[pc.slot])]
+        hypers = {id(g): {k: g[k] for k in _HYPER if k in g} for _, g, _ in live}
+        return [Run(lo, hi, hypers[id(g)], step) for lo, hi, g, step in _runs(live, self.state, ahead)]
+
+    def holds_all_of(self, unit) -> bool:
+        """Every parameter of `unit` that trains is one of this optimizer's."""
+        mine = {id(p) for g in self.param_groups for p in g["params"]}
+        return all(id(p) in mine for p, slot in zip(unit.placeholders, unit.layout.slots) if slot.requires_grad)
+
+    def backward_runs(self, unit) -> list[Run] | None:
+        """Config.update_in_backward: the runs opt.step() will give `unit` (captured now, in its backward), or
+        None to leave it to opt.step(): with several ranks, a parameter with no gradient here may have one on
+        another rank (opt.step() ORs the flags first), so only a unit whose every trained parameter got one."""
+        plan = self._unit_plan([unit])
+        if not plan:
+            return None
+        trained = [s.index for s in unit.layout.slots if s.requires_grad]
+        if self.rt.world_size > 1 and not all(bool(unit.used[i]) for i in trained):
+            return None
+        unit.check_requires_grad()
+        return self._live_runs(unit, plan[0][1], ahead=1)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -138,9 +163,7 @@ class ShardedAdamW(AdamW):
                     state = self.state[p]
                     state["step"] = state.get("step", 0) + 1
             # everything the update needs is read now: a scheduler may change the groups once step() returns
-            hypers = {id(g): {k: g[k] for k in _HYPER if k in g} for _, g, _ in live}
-            runs = [Run(lo, hi, hypers[id(g)], step) for lo, hi, g, step in _runs(live, self.state)]
-            work.append((unit, runs))
+            work.append((unit, self._live_runs(unit, entries, ahead=0)))
         # rt.grad_scale stays: another optimizer over other parameters may step after this one with the same
         # clipping coefficient; the next backward (or rt.zero_grad) resets it.
         rt.step_units(work)
@@ -154,6 +177,7 @@ class ShardedAdamW(AdamW):
     def state_dict(self):
         """torch-style state dict of this rank's shard: per parameter its step and the exp_avg /
         exp_avg_sq elements of the parameter that live in this rank's shard (1-D, with `shard_range`)."""
+        self.rt.backward_updates.check_quiet("offload.AdamW.state_dict")
         self.rt.quiesce()  # every queued update is in the moments read below
         sd = super().state_dict()
         index = {}
@@ -221,11 +245,11 @@ def _index_of(by_index, p):
     return None
 
 
-def _runs(live, state):
+def _runs(live, state, ahead: int = 0):
     """Merge adjacent pieces with the same group and step into one kernel call: (lo, hi, group, step)."""
     runs = []
     for piece, group, p in live:
-        step = state[p]["step"]
+        step = state[p].get("step", 0) + ahead if p in state else ahead
         if runs and runs[-1][1] == piece.lo and runs[-1][2] is group and runs[-1][3] == step:
             runs[-1][1] = piece.hi
         else:

@@ -40,6 +40,7 @@ from ..config import Config, parse_duration, parse_size
 from ..store import Tier
 from ..telemetry import Meter, Queue
 from . import comm, placement
+from .backward_updates import BackwardUpdates
 from .context import Counters, Lanes, UnitContext
 from .host_memory import peak_rss_bytes, tune_malloc
 from .materialize import ConstructionCapture
@@ -98,6 +99,8 @@ class Runtime:
         self.optimizers: list = []  # weak references to the sharded optimizers over this runtime, in creation order
         self.last_checkpoint_seconds: float | None = None
         self.watchdog: Watchdog | None = None
+        self.backward_updates = BackwardUpdates(config.update_in_backward, self._queue_backward_update,
+                                                self._optimizer_of)
 
     # ---- lifetime ---------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -143,8 +146,10 @@ class Runtime:
                                lanes, self.meter, Counters(), schedule=None)
         self.pipeline = OptimizerPipeline(self.ctx, read_ahead=placement.PIPELINE_CHUNKS - 1 if cfg.pipeline else 0)
         self.schedule = Schedule(self.ctx, {}, self._reserve_bytes, prefetch=cfg.pipeline, gather_ahead=False,
-                                 on_new_backward=self._on_new_backward, pipeline=self.pipeline)
+                                 on_new_backward=self._on_new_backward, pipeline=self.pipeline,
+                                 states_in_backward=not cfg.update_in_backward)  # (the updates read them)
         self.ctx.schedule = self.schedule
+        self.ctx.on_reduce = self.backward_updates.on_reduce
         self.step_stats = StepStats(self.meter, self.states, self.ctx.counters, log_every=cfg.log_every)
         # a module was built: the next forward may need to materialize it
         self._capture = ConstructionCapture(on_module=self._note_module,
@@ -334,6 +339,7 @@ class Runtime:
                                          what="clip_grad_norm_") ** (1.0 / norm_type)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # fp32, exactly as torch computes it
         self.grad_scale = float(coef)
+        self.backward_updates.on_clip(self.grad_scale)
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -378,26 +384,46 @@ class Runtime:
         unit.shards.moments_registered = True
         return True
 
-    def step_units(self, work: list) -> None:
-        """Queue the optimizer's updates: [(unit, runs)] from ShardedAdamW.step, captured at the call."""
-        updates = []
-        for unit, runs in work:
-            first = self.register_moments(unit)
-            real = sum(p.hi - p.lo for p in unit.layout.pieces(self.rank))
-            covered = sum(r.hi - r.lo for r in runs)
-            overwrite = not unit.shards.master_is_param and covered == real
-            updates.append(UnitUpdate(unit, runs, self.grad_scale, zero_moments=first, param_overwrite=overwrite,
-                                      grads_ready=unit.grads))
-        order = self.schedule.before_step([u.unit for u in updates])
-        rank = {id(u): k for k, u in enumerate(order)}
-        updates.sort(key=lambda u: rank[id(u.unit)])
+    def _unit_update(self, unit: ShardedUnit, runs: list, grad_scale: float) -> UnitUpdate:
+        first = self.register_moments(unit)
+        real = sum(p.hi - p.lo for p in unit.layout.pieces(self.rank))
+        covered = sum(r.hi - r.lo for r in runs)
+        overwrite = not unit.shards.master_is_param and covered == real
+        return UnitUpdate(unit, runs, grad_scale, zero_moments=first, param_overwrite=overwrite, grads_ready=unit.grads)
+
+    def _submit(self, updates: list[UnitUpdate]) -> None:
         for u in updates:
             self.schedule.drop_prefetched(u.unit)  # nothing read ahead of a shard about to be written
             if u.unit.state is UnitState.UNSHARDED:
                 u.unit.stale = True  # persistent units re-gather before their next use
         self.pipeline.submit(updates)
+
+    def step_units(self, work: list) -> None:
+        """Queue the optimizer's updates: [(unit, runs)] from ShardedAdamW.step, captured at the call (units
+        whose update Config.update_in_backward already queued are checked and skipped)."""
+        early = self.backward_updates
+        scale = early.scale(self.grad_scale)
+        done = [unit for unit, runs in work if early.check_step(unit, runs)]
+        updates = [self._unit_update(unit, runs, scale) for unit, runs in work if id(unit) not in early.issued]
+        order = self.schedule.before_step(done + [u.unit for u in updates])
+        rank = {id(u): k for k, u in enumerate(order)}
+        updates.sort(key=lambda u: rank[id(u.unit)])
+        self._submit(updates)
         self.schedule.after_step()
+        early.end_step()
         self.step_stats.end_step()
+        if early.last is not None:
+            self.step_stats.last["clip"] = early.last  # the coefficient applied and the step's own
+
+    def _queue_backward_update(self, unit: ShardedUnit, runs: list, grad_scale: float) -> None:
+        """Config.update_in_backward: `unit`'s gradient is final (its reduce is queued): queue its update now."""
+        self._submit([self._unit_update(unit, runs, grad_scale)])
+
+    def _optimizer_of(self, unit: ShardedUnit):
+        """The one offload optimizer of this runtime when it holds every trained parameter of `unit`, else None
+        (several optimizers: each step() is its own, so updates wait for them)."""
+        alive = [o for o in (ref() for ref in self.optimizers) if o is not None]
+        return alive[0] if len(alive) == 1 and alive[0].holds_all_of(unit) else None
 
     # ---- checkpoints (checkpoint.py) ---------------------------------------------------------
     def save_checkpoint(self, root, extra: dict | None = None, lr_scheduler=None, keep_last: int | None = None,
@@ -408,6 +434,7 @@ class Runtime:
         `add_files(dir)` puts auxiliary files (config.json, a tokenizer) in it. Collective: every rank calls it,
         between steps."""
         self._check_open("rt.save_checkpoint")
+        self.backward_updates.check_quiet("rt.save_checkpoint")
         from .checkpoint import save_checkpoint
 
         with self.meter.waiting(Queue.CHECKPOINT):

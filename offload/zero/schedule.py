@@ -49,9 +49,10 @@ class Plan:
 
 class Schedule:
     def __init__(self, ctx, units_by_uid: dict, reserve_bytes, prefetch: bool, gather_ahead: bool,
-                 on_new_backward=lambda: None, pipeline=None):
+                 on_new_backward=lambda: None, pipeline=None, states_in_backward: bool = True):
         self.ctx = ctx
         self.pipeline = pipeline  # OptimizerPipeline: reads the next update's states during the backward
+        self.states_in_backward = states_in_backward  # (not when the updates themselves run in the backward)
         self.on_new_backward = on_new_backward  # the runtime forgets the last clip coefficient
         self.units = units_by_uid  # uid -> ShardedUnit (the runtime adds units as it wraps models)
         self.reserve_bytes = reserve_bytes  # () -> cpu bytes the pipelines need besides what stays resident
@@ -139,7 +140,8 @@ class Schedule:
     def on_backward(self, unit) -> None:
         if self.state is not TrainingState.BACKWARD:
             self._enter(TrainingState.BACKWARD)
-            if self.prefetch and self._following and self.pipeline is not None and self.plan.state_budget:
+            if (self.prefetch and self._following and self.pipeline is not None and self.plan.state_budget
+                    and self.states_in_backward):
                 # the disk is idle while the backward computes: read the next update's first states now
                 order = [self.units[uid] for uid in self.plan.step_order if uid in self.units]
                 self.pipeline.read_states_ahead(order, self.plan.state_budget)

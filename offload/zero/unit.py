@@ -281,6 +281,8 @@ class ShardedUnit:
         self.grads = self.ctx.lanes.reduce.submit(f"reduce:{self.uid or '<root>'}", self._reduce_now, full_grad,
                                                   overwrite, self.update)
         window.append(self.grads)
+        if self.ctx.on_reduce is not None:
+            self.ctx.on_reduce(self)
 
     def _reduce_now(self, full_grad: torch.Tensor, overwrite: bool, after_update: cf.Future | None) -> None:
         _result(after_update)  # the last update reads the gradient chunks: it must be over before they change

@@ -1,0 +1,116 @@
+"""Config.update_in_backward (opt-in): each unit's AdamW update queued in the backward, when its gradient is final.
+
+By default a unit's update waits for opt.step(), after the whole backward, because global-norm clipping
+needs every gradient first: the optimizer's nvme reads and writes then run while the disk would be idle
+only under the next forward, never under the backward. This mode queues unit u's update right after u's
+gradient reduce, so the update's I/O and the fused AdamW overlap the rest of the backward.
+
+What it costs, stated: the clip coefficient of step t is not known during step t's backward, so an update
+queued there is scaled by step t-1's coefficient, min(1, max_norm / (norm_{t-1} + 1e-6)) (1 when step t-1
+did not clip). Without clipping nothing is stale: results are bitwise those of the default path. The first
+step of a run is exact (it has no previous coefficient) and arms the mode for the next.
+
+The contract, each breach raised where it is seen (never trained through):
+  - one gradient reduce per unit per step: accumulate micro-batches inside rt.no_sync(); a second reduce
+    of a unit whose update already ran (a second backward, or a step skipped) raises;
+  - the hyperparameters the update read during the backward (lr, betas, eps, weight decay, step counts)
+    are those opt.step() sees: an LR scheduler steps after opt.step(); a change in between raises;
+  - checkpoints and optimizer state dicts are taken after opt.step(), not between a backward and its step.
+Units whose parameters are held by more than one optimizer, or (with several ranks) that did not give every
+parameter a gradient on this rank, are updated at opt.step() as usual, with the same coefficient.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Issued:
+    """An update queued in the backward: what opt.step() must find the same."""
+
+    unit: object  # ShardedUnit
+    runs: tuple  # optimizer_pipeline.Run, captured when queued
+
+
+class BackwardUpdates:
+    """The mode's bookkeeping for one runtime: when it is armed, which units it updated this step, and the
+    clip coefficient it applies. Called from the training thread only (reduce hooks, clip, opt.step)."""
+
+    def __init__(self, enabled: bool, queue, optimizer_of):
+        self.enabled = enabled
+        self._queue = queue  # (unit, runs, grad_scale) -> None: queue one unit's update on the optimizer lane
+        self._optimizer_of = optimizer_of  # unit -> the one ShardedAdamW holding its params, else None
+        self._previous_coef: float | None = None  # the last finished step's clip coefficient (None: no step yet)
+        self._single_reduce = False  # the last finished step reduced every unit at most once
+        self._armed: bool | None = None  # decided at this step's first reduce
+        self._reduced: set[str] = set()  # unit uids reduced since the last opt.step()
+        self._reduced_twice = False
+        self.issued: dict[int, Issued] = {}  # id(unit) -> the update queued in this step's backward
+        self._clip_coef: float | None = None  # this step's own coefficient (rt.clip_grad_norm_), for the next
+        self.last: dict | None = None  # the last step's coefficients, for rt.stats()
+
+    @property
+    def armed(self) -> bool:
+        """This step's updates are queued in the backward with the previous step's coefficient."""
+        return bool(self._armed)
+
+    def scale(self, exact: float) -> float:
+        """The clip coefficient every update of this step uses: the previous step's when armed, else `exact`."""
+        return self._previous_coef if self.armed else exact
+
+    def on_reduce(self, unit) -> None:
+        """Unit `unit`'s gradient reduce was just queued (its `grads` future is the reduce)."""
+        if unit.uid in self._reduced:
+            self._reduced_twice = True
+            if id(unit) in self.issued:
+                raise RuntimeError(
+                    f"offload.Config.update_in_backward: {unit.label}'s gradient was reduced again after its update "
+                    "ran in the backward (a second backward, or gradient accumulation outside rt.no_sync(), or a "
+                    "backward whose opt.step() was skipped). Accumulate micro-batches inside `with rt.no_sync():` "
+                    "and call opt.step() after every backward, or set update_in_backward=False.")
+            return
+        self._reduced.add(unit.uid)
+        if self._armed is None:
+            self._armed = self.enabled and self._previous_coef is not None and self._single_reduce
+        if not self._armed:
+            return
+        opt = self._optimizer_of(unit)
+        runs = opt.backward_runs(unit) if opt is not None else None
+        if runs:
+            self._queue(unit, runs, self._previous_coef)
+            self.issued[id(unit)] = Issued(unit, tuple(runs))
+
+    def on_clip(self, coefficient: float) -> None:
+        self._clip_coef = coefficient
+
+    def check_step(self, unit, runs) -> bool:
+        """opt.step() is about to update `unit` with `runs`: True when the backward already did (the same runs),
+        False when it is left to the step; raises when the backward's update read other hyperparameters."""
+        done = self.issued.get(id(unit))
+        if done is None:
+            return False
+        if tuple(runs) != done.runs:
+            raise RuntimeError(
+                f"offload.Config.update_in_backward: {unit.label} was updated during the backward with "
+                "hyperparameters or step counts that differ from those opt.step() sees now (an LR or weight decay "
+                "changed between loss.backward() and opt.step()). Change them before the backward (step LR "
+                "schedulers after opt.step()), or set update_in_backward=False.")
+        return True
+
+    def end_step(self) -> None:
+        """opt.step() has queued every update of this step."""
+        if self.enabled:
+            exact = self._clip_coef if self._clip_coef is not None else 1.0
+            self.last = {"applied": self.scale(exact), "exact": exact, "in_backward": len(self.issued)}
+            self._previous_coef = exact
+            self._single_reduce = not self._reduced_twice
+        self._armed, self._reduced, self._reduced_twice = None, set(), False
+        self.issued, self._clip_coef = {}, None
+
+    def check_quiet(self, what: str) -> None:
+        """`what` reads optimizer states: refused between a backward that updated units and its opt.step()."""
+        if self.issued:
+            raise RuntimeError(
+                f"offload: {what} was called between a backward whose updates already ran "
+                "(Config.update_in_backward) and its opt.step(); the states are a step ahead of the step counts "
+                "there. Call it after opt.step().")
