@@ -139,3 +139,38 @@ def test_checkpoint_between_backward_and_step_is_refused(tmp_path):
         opt.zero_grad()
         rt.save_checkpoint(tmp_path / "ckpt")  # after the step: fine
         assert (tmp_path / "ckpt" / "latest").exists()
+
+
+def test_after_the_backward_the_queued_updates_run_in_the_next_forwards_order(tmp_path, monkeypatch):
+    """Updates queued in the backward run oldest first while it lasts; those still queued when it ends run in the
+    next forward's order (its first units are needed first), not in the backward's. Adam made 60 ms slow per
+    unit so most updates are still queued at the end; the order they ran in is observed on the lane."""
+    from offload.zero.optimizer_pipeline import OptimizerPipeline
+
+    ran = []
+    real_run = OptimizerPipeline._run
+
+    def observed(self, updates, keep_read_ahead):
+        ran.extend(u.unit.uid for u in updates)
+        return real_run(self, updates, keep_read_ahead)
+
+    monkeypatch.setattr(OptimizerPipeline, "_run", observed)
+    torch.manual_seed(0)
+    model = TinyTransformer(layers=8)
+    with offload.init(_config(tmp_path)) as rt:
+        rt.wrap(model)
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        forward = [u.uid for u in rt.units]  # the root unit (embedding) runs first, then the blocks in order
+        with inject.delay(Queue.OPTIMIZER, 0.06):
+            for s in range(3):
+                ran.clear()
+                _step(rt, model, opt, s)
+                rt.quiesce()
+        assert rt.stats()["last_step"]["clip"]["in_backward"] == 9
+    backward = ["layers.7", "layers.6", "layers.5", "layers.4", "layers.3", "layers.2", "layers.1", "layers.0", "<root>"]
+    assert forward == ["<root>", *backward[-2::-1]] and sorted(ran) == sorted(forward), (forward, ran)
+    k = 0
+    while k < len(ran) and ran[k] == backward[k]:
+        k += 1  # run in the backward, as their reduces came
+    rest = ran[k:]
+    assert len(rest) >= 3 and rest == sorted(rest, key=forward.index), ran  # then the forward's order

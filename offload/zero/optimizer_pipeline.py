@@ -82,6 +82,14 @@ class OptimizerPipeline:
         self.read_ahead = read_ahead  # chunks leased ahead of the one being stepped (0: none)
         self._ahead: dict = {}  # ShardKey -> (READ lease, bytes), taken between steps (read_states_ahead)
         self._ahead_lock = threading.Lock()
+        # updates queued one by one in the backward (Config.update_in_backward), each lane item runs the one that
+        # is needed first: in the backward the oldest; once it is over, the next forward's order
+        self._pending: list[tuple[int, UnitUpdate]] = []
+        self._pending_lock = threading.Lock()
+        self._sequence = 0
+        self._forward_rank: dict | None = None  # unit uid -> position in the next forward (None: oldest first)
+        self._order: list = []  # the units of the last read_states_ahead, in the order their updates come
+        self._allowance = 0
 
     # ---- between steps: the next update's first states, read while the backward computes -------------
     def read_states_ahead(self, units: list, allowance: int) -> None:
@@ -90,6 +98,7 @@ class OptimizerPipeline:
         only where there is room now. States that are resident, not on nvme, or not yet created (a unit's
         first step starts its moments at zero) are skipped: there is nothing to read."""
         if self.read_ahead and allowance > 0 and units:
+            self._order, self._allowance = list(units), allowance  # the one-unit updates keep reading in this order
             self.ctx.lanes.optimizer.submit("state read-ahead", self._read_states_ahead, list(units), allowance)
 
     def _read_states_ahead(self, units: list, allowance: int) -> None:
@@ -130,14 +139,45 @@ class OptimizerPipeline:
             lease.release()
 
     def submit(self, updates: list[UnitUpdate]) -> None:
-        """Queue the updates (in order) on the optimizer lane; each unit's `update` is its future."""
+        """Queue the updates (in order) on the optimizer lane; each unit's `update` is its future. States read
+        ahead for chunks they do not step are given back first."""
         for u in updates:
             u.unit.update = u.done
         if updates:
-            self.ctx.lanes.optimizer.submit("optimizer step", self._run, updates)
+            self.ctx.lanes.optimizer.submit("optimizer step", self._run, updates, False)
+
+    def submit_one(self, update: UnitUpdate) -> None:
+        """Queue one unit's update from the backward; see prefer_forward_order for which runs first."""
+        update.unit.update = update.done
+        with self._pending_lock:
+            self._pending.append((self._sequence, update))
+            self._sequence += 1
+        self.ctx.lanes.optimizer.submit("optimizer step", self._run_next)
+
+    def prefer_forward_order(self, order: list | None) -> None:
+        """Run the queued one-unit updates in `order` (unit uids: the next forward's, once the backward is over:
+        the forward waits for its first units' updates first), or oldest first (None, while a backward runs)."""
+        with self._pending_lock:
+            self._forward_rank = None if order is None else {uid: k for k, uid in enumerate(order)}
+
+    def _run_next(self) -> None:
+        with self._pending_lock:
+            rank = self._forward_rank
+            queued = sorted(self._pending, key=lambda p: (p[0],) if rank is None else (
+                rank.get(p[1].unit.uid, len(rank)), p[0]))
+            best = queued[0]
+            self._pending.remove(best)
+        unit = best[1].unit
+        if self._allowance and self.read_ahead:
+            # while this unit steps, read the first states of those after it (queued ones first, then, while the
+            # backward runs, the units it reaches next): one lane item per unit, so the run's own read-ahead stops
+            # at its last chunk
+            later = self._order[self._order.index(unit) + 1:] if rank is None and unit in self._order else []
+            self._read_states_ahead(list(dict.fromkeys([p[1].unit for p in queued[1:]] + later)), self._allowance)
+        self._run([best[1]], keep_read_ahead=True)  # (the states read ahead are the next units')
 
     # ---- on the optimizer lane ------------------------------------------------------------------
-    def _run(self, updates: list[UnitUpdate]) -> None:
+    def _run(self, updates: list[UnitUpdate], keep_read_ahead: bool) -> None:
         items: list[_Item] = []
         for u in updates:
             mine = [_Item(u, c, u.runs_in(c), False) for c in u.unit.shards.chunks]
@@ -147,13 +187,17 @@ class OptimizerPipeline:
                 items.extend(mine)
             else:
                 u.done.set_result(None)  # nothing of this unit lives in this rank's shard
-        if self._ahead:  # states read ahead for chunks this update does not step go back first (the lane's room)
+        if self._ahead and not keep_read_ahead:  # states read ahead for chunks this update does not step go back
+            # first (the lane's room)
             self.drop_states_read_ahead(keep={it.update.unit.shards.spec(kind, it.chunk).key
                                               for it in items for _, kind, _ in self._wanted(it)})
         try:
             self._run_items(items)
-        finally:
-            self.drop_states_read_ahead()  # (only after a failure is anything left)
+        except BaseException:
+            self.drop_states_read_ahead()
+            raise
+        if not keep_read_ahead:
+            self.drop_states_read_ahead()  # (nothing is left: every state kept was stepped)
 
     def _run_items(self, items: list[_Item]) -> None:
         failed: BaseException | None = None

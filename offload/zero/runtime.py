@@ -391,12 +391,10 @@ class Runtime:
         overwrite = not unit.shards.master_is_param and covered == real
         return UnitUpdate(unit, runs, grad_scale, zero_moments=first, param_overwrite=overwrite, grads_ready=unit.grads)
 
-    def _submit(self, updates: list[UnitUpdate]) -> None:
-        for u in updates:
-            self.schedule.drop_prefetched(u.unit)  # nothing read ahead of a shard about to be written
-            if u.unit.state is UnitState.UNSHARDED:
-                u.unit.stale = True  # persistent units re-gather before their next use
-        self.pipeline.submit(updates)
+    def _before_update(self, unit: ShardedUnit) -> None:
+        self.schedule.drop_prefetched(unit)  # nothing read ahead of a shard about to be written
+        if unit.state is UnitState.UNSHARDED:
+            unit.stale = True  # persistent units re-gather before their next use
 
     def step_units(self, work: list) -> None:
         """Queue the optimizer's updates: [(unit, runs)] from ShardedAdamW.step, captured at the call (units
@@ -408,7 +406,9 @@ class Runtime:
         order = self.schedule.before_step(done + [u.unit for u in updates])
         rank = {id(u): k for k, u in enumerate(order)}
         updates.sort(key=lambda u: rank[id(u.unit)])
-        self._submit(updates)
+        for u in updates:
+            self._before_update(u.unit)
+        self.pipeline.submit(updates)
         self.schedule.after_step()
         early.end_step()
         self.step_stats.end_step()
@@ -417,7 +417,9 @@ class Runtime:
 
     def _queue_backward_update(self, unit: ShardedUnit, runs: list, grad_scale: float) -> None:
         """Config.update_in_backward: `unit`'s gradient is final (its reduce is queued): queue its update now."""
-        self._submit([self._unit_update(unit, runs, grad_scale)])
+        update = self._unit_update(unit, runs, grad_scale)
+        self._before_update(update.unit)
+        self.pipeline.submit_one(update)
 
     def _optimizer_of(self, unit: ShardedUnit):
         """The one offload optimizer of this runtime when it holds every trained parameter of `unit`, else None

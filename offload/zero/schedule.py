@@ -52,7 +52,9 @@ class Schedule:
                  on_new_backward=lambda: None, pipeline=None, states_in_backward: bool = True):
         self.ctx = ctx
         self.pipeline = pipeline  # OptimizerPipeline: reads the next update's states during the backward
-        self.states_in_backward = states_in_backward  # (not when the updates themselves run in the backward)
+        # the next update's first states are read while the backward computes; with the updates in the backward
+        # (Config.update_in_backward) the disk is idle under the forward instead: read them then, backward order
+        self.states_in_backward = states_in_backward
         self.on_new_backward = on_new_backward  # the runtime forgets the last clip coefficient
         self.units = units_by_uid  # uid -> ShardedUnit (the runtime adds units as it wraps models)
         self.reserve_bytes = reserve_bytes  # () -> cpu bytes the pipelines need besides what stays resident
@@ -135,22 +137,30 @@ class Schedule:
             return  # eval / generate under no_grad: not part of a training step's trace
         if self.state is not TrainingState.FORWARD:
             self._enter(TrainingState.FORWARD)
+            if not self.states_in_backward:
+                self._read_states_ahead(self.plan.trace.units(Phase.BACKWARD) if self.plan else [])
         self._use(Use(Phase.FORWARD, unit.uid))
 
     def on_backward(self, unit) -> None:
         if self.state is not TrainingState.BACKWARD:
             self._enter(TrainingState.BACKWARD)
-            if (self.prefetch and self._following and self.pipeline is not None and self.plan.state_budget
-                    and self.states_in_backward):
-                # the disk is idle while the backward computes: read the next update's first states now
-                order = [self.units[uid] for uid in self.plan.step_order if uid in self.units]
-                self.pipeline.read_states_ahead(order, self.plan.state_budget)
+            if self.states_in_backward:  # the disk is idle while the backward computes
+                self._read_states_ahead(self.plan.step_order if self.plan else [])
+            elif self.pipeline is not None:
+                self.pipeline.prefer_forward_order(None)  # updates queued in the backward: oldest first
         if unit.uid in self._backward_seen:
             return  # a unit's backward use is its first need in the pass (pre-backward or recompute)
         self._backward_seen.add(unit.uid)
         self._use(Use(Phase.BACKWARD, unit.uid))
 
+    def _read_states_ahead(self, uids: list) -> None:
+        """Read the first optimizer states of the units `uids` will update first, within the plan's allowance."""
+        if self.prefetch and self._following and self.pipeline is not None and self.plan.state_budget:
+            self.pipeline.read_states_ahead([self.units[u] for u in uids if u in self.units], self.plan.state_budget)
+
     def on_backward_end(self) -> None:
+        if not self.states_in_backward and self.pipeline is not None and self.plan is not None:
+            self.pipeline.prefer_forward_order(self.plan.step_order)  # the forward waits for its first units first
         self._backward_seen.clear()
         self._enter(TrainingState.IDLE)
 
@@ -329,8 +339,10 @@ class Schedule:
                 needs.append(reads)
             issue = planner.plan_prefetch(trace, needs, self.cost, read_budget)
             # the optimizer lane's share (working set and read-ahead) is idle between updates; so is the params'
-            # read-ahead budget when no param is read ahead
-            state_budget = working.step + step_ahead + (0 if any(needs) else read_budget) if self.prefetch else 0
+            # read-ahead budget when no param is read ahead. Read during the forward (updates in the backward), the
+            # lane's working set stays free: an update runs while later units' states wait in the read-ahead.
+            working_step = working.step if self.states_in_backward else 0
+            state_budget = working_step + step_ahead + (0 if any(needs) else read_budget) if self.prefetch else 0
             self.plan = Plan(trace, issue, planner.step_order(trace), resident, read_budget, state_budget)
             self.plans_made += 1
 
