@@ -174,3 +174,19 @@ def test_after_the_backward_the_queued_updates_run_in_the_next_forwards_order(tm
         k += 1  # run in the backward, as their reduces came
     rest = ran[k:]
     assert len(rest) >= 3 and rest == sorted(rest, key=forward.index), ran  # then the forward's order
+
+
+def test_accumulation_outside_no_sync_from_the_start_stays_off_and_says_so(tmp_path, caplog):
+    """Reducing every micro-batch from the first step on never arms the mode: the updates wait for opt.step()
+    (exact) and one warning names the fix."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    with offload.init(_config(tmp_path)) as rt, caplog.at_level("WARNING", logger="offload"):
+        rt.wrap(model)
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        for s in range(3):
+            compute_loss(model, token_ids(10 + s), "tiny").backward()
+            _step(rt, model, opt, s)
+            assert rt.stats()["last_step"]["clip"]["in_backward"] == 0
+    warnings = [r for r in caplog.records if "update_in_backward stays off" in r.getMessage()]
+    assert len(warnings) == 1 and "rt.no_sync()" in warnings[0].getMessage()

@@ -21,7 +21,10 @@ parameter a gradient on this rank, are updated at opt.step() as usual, with the 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+
+log = logging.getLogger("offload")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class BackwardUpdates:
         self.issued: dict[int, Issued] = {}  # id(unit) -> the update queued in this step's backward
         self._clip_coef: float | None = None  # this step's own coefficient (rt.clip_grad_norm_), for the next
         self.last: dict | None = None  # the last step's coefficients, for rt.stats()
+        self._warned = False
 
     @property
     def armed(self) -> bool:
@@ -104,6 +108,11 @@ class BackwardUpdates:
             self.last = {"applied": self.scale(exact), "exact": exact, "in_backward": len(self.issued)}
             self._previous_coef = exact
             self._single_reduce = not self._reduced_twice
+            if self._reduced_twice and not self._warned:
+                self._warned = True
+                log.warning("offload: Config.update_in_backward stays off while a step reduces a unit's gradient "
+                            "more than once (gradient accumulation outside rt.no_sync()): updates wait for "
+                            "opt.step(). Accumulate micro-batches inside `with rt.no_sync():` to use it.")
         self._armed, self._reduced, self._reduced_twice = None, set(), False
         self.issued, self._clip_coef = {}, None
 
