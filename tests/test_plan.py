@@ -66,8 +66,32 @@ def test_step_model_by_hand():
     fwd = max(fwd_c, 2 * n / 10e9, 2 * n / 2e9)
     bwd = max(2 * fwd_c, 6 * n / 10e9, 2 * n / 2e9 + 4 * n / 1e9)
     upd = max(16 * n / 2e9 + 12 * n / 1e9 + 2 * n / 1e9, n / 1e9)
-    assert p["step_s"] == pytest.approx(bwd + max(fwd, upd))
+    assert p["step_s"] == pytest.approx(bwd + max(fwd_c, 2 * n / 10e9, 2 * n / 2e9 + upd))  # the drive is shared
+    assert fwd < upd
     assert p["bottleneck"] == "nvme write"
+
+
+def test_step_model_with_the_update_in_the_backward():
+    """Config.update_in_backward: the update's nvme traffic and Adam share the backward's phase instead of
+    following it; the same machine and model as above, by hand."""
+    m = ModelSpec("x", vocab=500_000_000, hidden=1, intermediate=1, layers=0, heads=1, kv_heads=1)
+    mc = Machine(gpus_per_node=1, device_flops=1e15, mfu=0.5, pcie_Bps=10e9, nvme_read_Bps=2e9,
+                 nvme_write_Bps=1e9, adam_params_per_s=1e9, interconnect_Bps=1e9)
+    w = Workload(micro_batch=1, seq_len=1000, grad_accum=1, checkpointing=False)
+    exact = predict(m, w, Placement("nvme", "nvme"), mc)
+    early = predict(m, Workload(micro_batch=1, seq_len=1000, grad_accum=1, checkpointing=False,
+                                update_in_backward=True), Placement("nvme", "nvme"), mc)
+    n = m.params
+    # disk-bound: forward reads, backward reads and writes and the update's, one after the other on one drive
+    nvme = 2 * n / 2e9 + (2 * n / 2e9 + 4 * n / 1e9) + (16 * n / 2e9 + 14 * n / 1e9)
+    assert early["step_s"] == pytest.approx(nvme) == exact["step_s"]  # the drive binds: nothing to gain
+    assert early["resources"] == exact["resources"]  # the same bytes, overlapped differently
+    fast = Machine(gpus_per_node=1, device_flops=1e15, mfu=0.5, pcie_Bps=10e9, nvme_read_Bps=200e9,
+                   nvme_write_Bps=100e9, adam_params_per_s=1e11, interconnect_Bps=1e9)
+    w_early = Workload(micro_batch=1, seq_len=1000, grad_accum=1, checkpointing=False, update_in_backward=True)
+    e, x = predict(m, w_early, Placement("nvme", "nvme"), fast), predict(m, w, Placement("nvme", "nvme"), fast)
+    c = 3 * 2 * n * 1000 / 5e14  # compute binds once the drives are fast: the update hides under it
+    assert e["step_s"] == pytest.approx(max(c, 8 * n / 10e9)) and e["step_s"] < x["step_s"]
 
 
 def test_plan_70b_on_one_node(tmp_path, capsys):
@@ -88,6 +112,19 @@ def test_plan_70b_on_one_node(tmp_path, capsys):
     assert plan["chosen"]["prediction"]["resources"]["nvme write"] == pytest.approx(12 * n / 12e9)
     paged = next(o for o in plan["options"] if o["placement"] == "params=device, optimizer=nvme")
     assert paged["prediction"]["resources"]["nvme write"] == pytest.approx(16 * n / 12e9)
+
+
+def test_plan_update_in_backward(tmp_path, capsys):
+    args = ["plan", "--model", "llama-70b", "--gpus", "8", "--gpu-mem", "80GiB", "--cpu-mem", "1TiB",
+            "--nvme-read", "25GB/s", "--nvme-write", "12GB/s"]
+    steps = []
+    for extra in ([], ["--update-in-backward"]):
+        assert main(args + extra + ["--json", str(tmp_path / "p.json")]) == 0
+        steps.append(json.loads((tmp_path / "p.json").read_text())["chosen"]["prediction"]["step_s"])
+    assert steps[1] < steps[0]
+    capsys.readouterr()
+    assert main(args + ["--update-in-backward", "--grad-accum", "4"]) == 2
+    assert "--update-in-backward needs one gradient reduce per step" in capsys.readouterr().err
 
 
 def test_plan_says_what_is_short(capsys):

@@ -45,7 +45,12 @@ def plan_from_args(args: argparse.Namespace) -> dict:
         figures["adam_params_per_s"] = args.adam_params_per_s
     mc = Machine(gpus_per_node=args.gpus, nodes=args.nodes, mfu=args.mfu, **figures)
     w = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len or min(m.max_seq, 4096),
-                 grad_accum=args.grad_accum, checkpointing=not args.no_checkpointing)
+                 grad_accum=args.grad_accum, checkpointing=not args.no_checkpointing,
+                 update_in_backward=args.update_in_backward)
+    if args.update_in_backward and args.grad_accum > 1:
+        raise ValueError("--update-in-backward needs one gradient reduce per step, so gradient "
+                         "accumulation runs inside rt.no_sync(), holding every unit's full gradient, which the "
+                         "plan does not model; plan it with --grad-accum 1")
     cap = capacity(parse_size(args.gpu_mem or dev["memory"], "--gpu-mem"), parse_size(args.cpu_mem, "--cpu-mem"),
                    parse_size(args.nvme_size, "--nvme-size") if args.nvme_size else None)
     options = evaluate(m, w, mc, cap)
@@ -127,5 +132,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, help="default: the model's maximum, at most 4096")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--no-checkpointing", action="store_true", help="activation checkpointing off")
+    p.add_argument("--update-in-backward", action="store_true",
+                   help="model Config.update_in_backward (opt-in: each update under the backward, clipped by the "
+                        "previous step's coefficient)")
     p.add_argument("--json", help="write the whole plan as JSON")
     p.set_defaults(func=_cmd_plan)

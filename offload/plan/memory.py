@@ -59,6 +59,7 @@ class Workload:
     seq_len: int = 4096
     grad_accum: int = 1
     checkpointing: bool = True
+    update_in_backward: bool = False  # Config.update_in_backward: the update runs under the last backward
 
 
 def activation_bytes(m: ModelSpec, w: Workload) -> int:

@@ -18,8 +18,15 @@ clipping needs every gradient before any update, and each unit's next gather wai
     forward  = max(its compute, its pcie, its nvme reads, its all-gathers)
     backward = max(its compute, its pcie, its nvme reads + writes, its collectives)
     update   = max(optimizer nvme reads + writes, cpu adam, parameter upload)
-    step     = grad_accum x backward + (grad_accum - 1) x forward + max(forward, update)
-(the update runs under the next step's first forward, unit by unit).
+    step     = grad_accum x backward + (grad_accum - 1) x forward + first forward
+    first forward = the forward and the update on the same links: max(its compute, pcie + the update's,
+                    nvme reads + the update's nvme traffic, all-gathers, cpu adam)
+(the update runs under the next step's first forward, unit by unit). With Config.update_in_backward (opt-in:
+clipped by the previous step's coefficient) each unit's update runs as soon as its gradient is final, so it
+spreads over the last backward and the next first forward:
+    last     = the last forward + backward + the update, each resource's seconds summed: max(compute,
+               pcie, nvme, collectives, cpu adam)
+    step     = (grad_accum - 1) x (forward + backward) + last
 """
 from __future__ import annotations
 
@@ -162,7 +169,14 @@ def predict(m: ModelSpec, w: Workload, place: Placement, mc: Machine, sb: StateB
     bwd = max(c_bwd, mv.pcie_bwd, mv.nvme_bwd_read + mv.nvme_bwd_write, ag + rs)
     upd = mv.update
     a = w.grad_accum
-    step = phases_step_s(fwd, bwd, upd, a)
+    nvme_upd = mv.nvme_upd_read + mv.nvme_upd_write
+    if w.update_in_backward:
+        last = max(c_fwd + c_bwd, mv.pcie_fwd + mv.pcie_bwd + mv.pcie_upd,
+                   mv.nvme_fwd + mv.nvme_bwd_read + mv.nvme_bwd_write + nvme_upd, 2 * ag + rs, mv.adam)
+        step = (a - 1) * (fwd + bwd) + last
+    else:
+        first = max(c_fwd, mv.pcie_fwd + mv.pcie_upd, mv.nvme_fwd + nvme_upd, ag, mv.adam)
+        step = a * bwd + (a - 1) * fwd + first
     resources = {
         "compute": a * compute,
         "pcie": a * (mv.pcie_fwd + mv.pcie_bwd) + mv.pcie_upd,
