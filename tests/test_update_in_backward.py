@@ -1,6 +1,7 @@
 """Config.update_in_backward (offload/zero/backward_updates.py): updates queued in the backward really overlap it,
 and every breach of the mode's contract raises instead of training on. Parity (bit for bit against a reference
 clipped with the previous step's coefficient, 1 and 2 ranks, slowed queues) is in tests/test_zero_parity.py."""
+import contextlib
 import os
 import sys
 import time
@@ -23,6 +24,16 @@ def _one_thread():
 
 def _config(nvme_path, in_backward=True):
     return small_config(params="nvme", optimizer="nvme", nvme_path=str(nvme_path), update_in_backward=in_backward)
+
+
+@contextlib.contextmanager
+def _training(nvme_path):
+    """(rt, model, opt): the tiny model wrapped with the mode on, and its optimizer."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    with offload.init(_config(nvme_path)) as rt:
+        rt.wrap(model)
+        yield rt, model, offload.AdamW(model.parameters(), lr=1e-2)
 
 
 def _step(rt, model, opt, s, clip=0.5):
@@ -67,11 +78,7 @@ def test_the_updates_overlap_a_slow_backward(tmp_path):
 def test_first_step_exact_then_the_previous_coefficient(tmp_path):
     """rt.stats() reports the coefficient each step applied and its own: the first step's own, then the one
     before's."""
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    with offload.init(_config(tmp_path)) as rt:
-        rt.wrap(model)
-        opt = offload.AdamW(model.parameters(), lr=1e-2)
+    with _training(tmp_path) as (rt, model, opt):
         seen = []
         for s in range(3):
             _step(rt, model, opt, s, clip=1e-3)  # clips every step: coefficients well below 1, all different
@@ -84,11 +91,7 @@ def test_first_step_exact_then_the_previous_coefficient(tmp_path):
 def test_a_second_reduce_after_the_update_raises(tmp_path):
     """Accumulation outside rt.no_sync() once the mode is armed: the second backward would add to a gradient
     whose update already ran. It raises, naming the setting and the fix."""
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    with offload.init(_config(tmp_path)) as rt:
-        rt.wrap(model)
-        opt = offload.AdamW(model.parameters(), lr=1e-2)
+    with _training(tmp_path) as (rt, model, opt):
         _step(rt, model, opt, 0)  # arms the mode
         compute_loss(model, token_ids(1), "tiny").backward()
         with pytest.raises(RuntimeError, match=r"update_in_backward.*reduced again.*rt\.no_sync\(\)"):
@@ -96,11 +99,7 @@ def test_a_second_reduce_after_the_update_raises(tmp_path):
 
 
 def test_accumulation_in_no_sync_stays_armed(tmp_path):
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    with offload.init(_config(tmp_path)) as rt:
-        rt.wrap(model)
-        opt = offload.AdamW(model.parameters(), lr=1e-2)
+    with _training(tmp_path) as (rt, model, opt):
         for s in range(3):
             with rt.no_sync():
                 compute_loss(model, token_ids(10 + s), "tiny").backward()
@@ -109,11 +108,7 @@ def test_accumulation_in_no_sync_stays_armed(tmp_path):
 
 
 def test_hyperparameters_changed_between_backward_and_step_raise(tmp_path):
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    with offload.init(_config(tmp_path)) as rt:
-        rt.wrap(model)
-        opt = offload.AdamW(model.parameters(), lr=1e-2)
+    with _training(tmp_path) as (rt, model, opt):
         _step(rt, model, opt, 0)
         compute_loss(model, token_ids(1), "tiny").backward()
         opt.param_groups[0]["lr"] = 5e-3  # a warm-up written between backward and step
@@ -122,12 +117,8 @@ def test_hyperparameters_changed_between_backward_and_step_raise(tmp_path):
 
 
 def test_checkpoint_between_backward_and_step_is_refused(tmp_path):
-    torch.manual_seed(0)
-    model = TinyTransformer()
     (tmp_path / "swap").mkdir()
-    with offload.init(_config(tmp_path / "swap")) as rt:
-        rt.wrap(model)
-        opt = offload.AdamW(model.parameters(), lr=1e-2)
+    with _training(tmp_path / "swap") as (rt, model, opt):
         _step(rt, model, opt, 0)
         compute_loss(model, token_ids(1), "tiny").backward()
         with pytest.raises(RuntimeError, match=r"between a backward whose updates already ran"):
@@ -179,11 +170,7 @@ def test_after_the_backward_the_queued_updates_run_in_the_next_forwards_order(tm
 def test_accumulation_outside_no_sync_from_the_start_stays_off_and_says_so(tmp_path, caplog):
     """Reducing every micro-batch from the first step on never arms the mode: the updates wait for opt.step()
     (exact) and one warning names the fix."""
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    with offload.init(_config(tmp_path)) as rt, caplog.at_level("WARNING", logger="offload"):
-        rt.wrap(model)
-        opt = offload.AdamW(model.parameters(), lr=1e-2)
+    with _training(tmp_path) as (rt, model, opt), caplog.at_level("WARNING", logger="offload"):
         for s in range(3):
             compute_loss(model, token_ids(10 + s), "tiny").backward()
             _step(rt, model, opt, s)
