@@ -92,8 +92,9 @@ class Config:
       gradient clipping the results are bitwise those of the default path. With rt.clip_grad_norm_ the update
       of step t is scaled by step t-1's clip coefficient (the global norm is only known once the backward is
       over): the stated bound, reported per step in rt.stats()["last_step"]["clip"]; the first step is exact.
-      Contract: one gradient reduce per step (accumulate inside rt.no_sync()), hyperparameters set before the
-      backward (an LR scheduler stepped after opt.step()), checkpoints after opt.step(); a breach raises.
+      Contract: the backward passes before a step's last run inside rt.accumulating() or rt.no_sync(),
+      hyperparameters are set before the backward (an LR scheduler stepped after opt.step()), checkpoints are
+      taken after opt.step(); a breach raises.
       See offload/zero/backward_updates.py.
     """
 

@@ -134,6 +134,20 @@ def test_first_step_loss_matches_transformers(tmp_path, tiny_model, text_file, d
     assert r.losses[0] == pytest.approx(expected.item(), rel=rtol)
 
 
+def test_update_in_backward_with_accumulation(tmp_path, tiny_model, text_file):
+    """update_in_backward with --grad-accum 2: the job runs each step's first backward inside rt.accumulating(),
+    so the mode arms from the second step; the first two losses are the default run's (the first update is
+    exact), later ones differ by the clip coefficient's lag only."""
+    seen = {}
+    kw = dict(model=str(tiny_model), data=str(text_file), steps=4, seq_len=64, grad_accum=2, cpu_budget="8MiB")
+    base = finetune(FinetuneConfig(output=str(tmp_path / "a"), **kw))
+    early = finetune(FinetuneConfig(output=str(tmp_path / "b"), update_in_backward=True, **kw),
+                     on_trained=lambda rt, model: seen.update(rt.stats()["last_step"]["clip"]))
+    assert seen["in_backward"] > 0
+    assert early.losses[:2] == base.losses[:2]
+    assert early.losses == pytest.approx(base.losses, rel=1e-2)
+
+
 # ---- streaming load ----------------------------------------------------------------------------
 def test_streaming_load_peak_rss(tmp_path):
     """A model of 327 MB fp32 (5x the 64 MiB cpu budget) streams in: RSS grows by at most the budget + 3

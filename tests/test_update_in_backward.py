@@ -98,10 +98,11 @@ def test_a_second_reduce_after_the_update_raises(tmp_path):
             compute_loss(model, token_ids(2), "tiny").backward()
 
 
-def test_accumulation_in_no_sync_stays_armed(tmp_path):
+@pytest.mark.parametrize("before_last", ["no_sync", "accumulating"])
+def test_accumulation_that_says_which_backward_is_last_stays_armed(tmp_path, before_last):
     with _training(tmp_path) as (rt, model, opt):
         for s in range(3):
-            with rt.no_sync():
+            with getattr(rt, before_last)():
                 compute_loss(model, token_ids(10 + s), "tiny").backward()
             _step(rt, model, opt, s)
         assert rt.stats()["last_step"]["clip"]["in_backward"] >= 3

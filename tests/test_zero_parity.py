@@ -57,7 +57,8 @@ def grid(world):
     # (the reference does the same); slowed disk reads and Adam must not let an update read a gradient early
     cases += [Case(world=world, params="nvme", optimizer="nvme", update_in_backward=True),
               Case(world=world, dtype="bf16", accum=4, params="nvme", optimizer="nvme", clip=clip,
-                   update_in_backward=True)]
+                   update_in_backward=True),
+              Case(world=world, accum=4, no_sync=False, params="nvme", optimizer="nvme", update_in_backward=True)]
     cases += [Case(world=world, params="nvme", optimizer="nvme", grads="nvme", delay=f"{queue}=0.005", snapshot_every=10,
                    cpu_budget="128KiB", update_in_backward=True) for queue in ("nvme_read", "optimizer", "reduce")]
     cases += [Case(world=world, params="nvme", optimizer="nvme", flow="skip"),

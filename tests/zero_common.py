@@ -302,7 +302,9 @@ def offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str,
                 losses.append(seen.item() / world)
             total = torch.zeros(())
             for k in range(A):
-                ctx = rt.no_sync() if (case.no_sync and k < A - 1) else contextlib.nullcontext()
+                ctx = contextlib.nullcontext()
+                if k < A - 1:  # a micro-batch before the step's last
+                    ctx = rt.no_sync() if case.no_sync else rt.accumulating()
                 with ctx:
                     loss = compute_loss(model, data[s, k, mine], case.model, skip) / A
                     loss.backward()

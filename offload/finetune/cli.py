@@ -126,6 +126,9 @@ def add_finetune_parser(sub) -> None:
     p.add_argument("--device-budget", help="accelerator bytes for states (default auto)")
     p.add_argument("--compute-dtype", choices=("fp32", "bf16"), help="default bf16")
     p.add_argument("--grad-checkpointing", action="store_true", help="the model's own activation checkpointing")
+    p.add_argument("--update-in-backward", action="store_true", default=None,
+                   help="opt-in: each unit's update under the backward, clipped by the previous step's norm "
+                        "coefficient (offload.Config.update_in_backward)")
     p.add_argument("--config", dest="offload_config",
                    help="an offload Config JSON or a DeepSpeed JSON (zero_optimization); flags override it")
     p.add_argument("--save-every", type=int, default=d.save_every, help="also save OUTPUT/checkpoint-STEP")

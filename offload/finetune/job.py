@@ -14,6 +14,7 @@ ZeRO-3 over ranks: each rank trains on its slice of every global batch (batches.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -62,6 +63,7 @@ class FinetuneConfig:
     cpu_budget: str | None = None  # default 256MiB for the built-in model (so shards really page), else auto
     device_budget: str | None = None  # default auto
     compute_dtype: str | None = None  # default bf16
+    update_in_backward: bool | None = None  # Config.update_in_backward (opt-in; default off)
     grad_checkpointing: bool = False
     offload_config: str | None = None  # an offload Config JSON or a DeepSpeed JSON; the flags above override
     save_every: int = 0  # also save to OUTPUT/checkpoint-STEP every this many steps (0: only at the end)
@@ -115,14 +117,16 @@ class FinetuneResult:
     checkpoints: list[dict] = dataclasses.field(default_factory=list)  # {"path", "bytes", "seconds"} per save
 
 
-_RUNTIME_FIELDS = ("params", "optimizer", "nvme_path", "cpu_budget", "device_budget", "compute_dtype")
+_RUNTIME_FIELDS = ("params", "optimizer", "nvme_path", "cpu_budget", "device_budget", "compute_dtype",
+                   "update_in_backward")
 
 
 def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
     """The runtime's Config: each field from the flag if given, else the --config file if it sets it, else
     the fine-tune's default."""
     defaults = dict(params="nvme", optimizer="nvme", nvme_path=default_nvme_path, device_budget="auto",
-                    compute_dtype="bf16", cpu_budget="256MiB" if cfg.model is None else "auto")
+                    compute_dtype="bf16", cpu_budget="256MiB" if cfg.model is None else "auto",
+                    update_in_backward=False)
     from_file: dict = {}
     if cfg.offload_config is not None:
         import json
@@ -335,8 +339,10 @@ def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneRes
                 for micro in range(cfg.grad_accum):
                     batch = train.take(sampler.indices(step, micro, rt.rank))
                     loss_sum = _loss_sum(model, batch, rt.device)
-                    # the reduce averages over ranks: world_size / tokens makes the gradient the global token mean
-                    (loss_sum * (rt.world_size / max(1, tokens))).backward()
+                    # the reduce averages over ranks: world_size / tokens makes the gradient the global token mean;
+                    # every backward but the step's last says so (Config.update_in_backward waits for the last)
+                    with rt.accumulating() if micro < cfg.grad_accum - 1 else contextlib.nullcontext():
+                        (loss_sum * (rt.world_size / max(1, tokens))).backward()
                     local += loss_sum.detach().cpu()
                 rt.clip_grad_norm_(cfg.max_grad_norm)
                 opt.step()

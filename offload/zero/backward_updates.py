@@ -11,8 +11,9 @@ did not clip). Without clipping nothing is stale: results are bitwise those of t
 step of a run is exact (it has no previous coefficient) and arms the mode for the next.
 
 The contract, each breach raised where it is seen (never trained through):
-  - one gradient reduce per unit per step: accumulate micro-batches inside rt.no_sync(); a second reduce
-    of a unit whose update already ran (a second backward, or a step skipped) raises;
+  - one final gradient reduce per unit per step: the backward passes before a step's last run inside
+    rt.no_sync() (local accumulation) or rt.accumulating() (reduced, not final); a second reduce of a unit
+    whose update already ran (a second backward, or a step skipped) raises;
   - the hyperparameters the update read during the backward (lr, betas, eps, weight decay, step counts)
     are those opt.step() sees: an LR scheduler steps after opt.step(); a change in between raises;
   - checkpoints and optimizer state dicts are taken after opt.step(), not between a backward and its step.
@@ -52,6 +53,7 @@ class BackwardUpdates:
         self._clip_coef: float | None = None  # this step's own coefficient (rt.clip_grad_norm_), for the next
         self.last: dict | None = None  # the last step's coefficients, for rt.stats()
         self._warned = False
+        self.accumulating = False  # inside rt.accumulating(): this backward is not its step's last
 
     @property
     def armed(self) -> bool:
@@ -69,10 +71,13 @@ class BackwardUpdates:
             if id(unit) in self.issued:
                 raise RuntimeError(
                     f"offload.Config.update_in_backward: {unit.label}'s gradient was reduced again after its update "
-                    "ran in the backward (a second backward, or gradient accumulation outside rt.no_sync(), or a "
-                    "backward whose opt.step() was skipped). Accumulate micro-batches inside `with rt.no_sync():` "
-                    "and call opt.step() after every backward, or set update_in_backward=False.")
+                    "ran in the backward (a second backward, or gradient accumulation outside rt.no_sync() / "
+                    "rt.accumulating(), or a backward whose opt.step() was skipped). Run the micro-batches before "
+                    "a step's last inside `with rt.accumulating():` (or rt.no_sync()) and call opt.step() after "
+                    "the last, or set update_in_backward=False.")
             return
+        if self.accumulating:
+            return  # not the step's last backward: the update waits for the reduce that makes the gradient final
         self._reduced.add(unit.uid)
         if self._armed is None:
             self._armed = self.enabled and self._previous_coef is not None and self._single_reduce
@@ -111,8 +116,9 @@ class BackwardUpdates:
             if self._reduced_twice and not self._warned:
                 self._warned = True
                 log.warning("offload: Config.update_in_backward stays off while a step reduces a unit's gradient "
-                            "more than once (gradient accumulation outside rt.no_sync()): updates wait for "
-                            "opt.step(). Accumulate micro-batches inside `with rt.no_sync():` to use it.")
+                            "more than once (gradient accumulation outside rt.accumulating() / rt.no_sync()): "
+                            "updates wait for opt.step(). Run the micro-batches before a step's last inside "
+                            "`with rt.accumulating():` to use it.")
         self._armed, self._reduced, self._reduced_twice = None, set(), False
         self.issued, self._clip_coef = {}, None
 

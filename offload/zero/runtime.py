@@ -316,6 +316,17 @@ class Runtime:
         finally:
             self.ctx.sync_grads = previous
 
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Backward passes in here are not their step's last (accumulation that reduces every micro-batch, memory:
+        one shard per unit): Config.update_in_backward queues the updates in the backward after them. Elsewhere
+        a no-op."""
+        previous, self.backward_updates.accumulating = self.backward_updates.accumulating, True
+        try:
+            yield
+        finally:
+            self.backward_updates.accumulating = previous
+
     def flush_grads(self) -> None:
         for unit in self.units:
             unit.flush_local_grad()
