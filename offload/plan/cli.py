@@ -47,10 +47,6 @@ def plan_from_args(args: argparse.Namespace) -> dict:
     w = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len or min(m.max_seq, 4096),
                  grad_accum=args.grad_accum, checkpointing=not args.no_checkpointing,
                  update_in_backward=args.update_in_backward)
-    if args.update_in_backward and args.grad_accum > 1:
-        raise ValueError("--update-in-backward needs one gradient reduce per step, so gradient "
-                         "accumulation runs inside rt.no_sync(), holding every unit's full gradient, which the "
-                         "plan does not model; plan it with --grad-accum 1")
     cap = capacity(parse_size(args.gpu_mem or dev["memory"], "--gpu-mem"), parse_size(args.cpu_mem, "--cpu-mem"),
                    parse_size(args.nvme_size, "--nvme-size") if args.nvme_size else None)
     options = evaluate(m, w, mc, cap)

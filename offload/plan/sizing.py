@@ -92,9 +92,8 @@ def advice(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity, chosen: dict |
     if bottleneck in ("nvme read", "nvme write"):
         rerun("a second NVMe drive (twice the bandwidth)", nvme_read_Bps=2 * mc.nvme_read_Bps,
               nvme_write_Bps=2 * mc.nvme_write_Bps)
-        if not w.update_in_backward:  # (it takes one reduce a step: accumulation is not planned with it)
-            rerun(f"twice the gradient accumulation (--grad-accum {2 * w.grad_accum})", grad_accum=2 * w.grad_accum)
-    elif bottleneck == "cpu adam" and not w.update_in_backward:
+        rerun(f"twice the gradient accumulation (--grad-accum {2 * w.grad_accum})", grad_accum=2 * w.grad_accum)
+    elif bottleneck == "cpu adam":
         rerun(f"twice the gradient accumulation (--grad-accum {2 * w.grad_accum})", grad_accum=2 * w.grad_accum)
     elif bottleneck == "pcie":
         rerun(f"twice the micro-batch (--micro-batch {2 * w.micro_batch})", micro_batch=2 * w.micro_batch)
