@@ -19,6 +19,11 @@ into the lane's own share of the cpu budget, so the update starts on bytes alrea
 READ leases until the update takes them (Lease.upgrade: then written home on release); a unit the update
 does not step gives them back unwritten, and anyone else about to read or replace those states whole
 (checkpoints, state dicts, a re-plan, close) drops them first (drop_states_read_ahead, once the lanes are idle).
+
+With Config.update_in_backward the runtime queues each unit's update from its reduce (submit_one): the
+states are then read ahead under the forward, in the backward's order; each lane item runs the queued update
+needed first (the oldest while the backward lasts, then the next forward's order: prefer_forward_order) and
+reads the first states of the units after it while it steps.
 """
 from __future__ import annotations
 
