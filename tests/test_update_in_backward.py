@@ -178,3 +178,30 @@ def test_accumulation_outside_no_sync_from_the_start_stays_off_and_says_so(tmp_p
             assert rt.stats()["last_step"]["clip"]["in_backward"] == 0
     warnings = [r for r in caplog.records if "update_in_backward stays off" in r.getMessage()]
     assert len(warnings) == 1 and "rt.no_sync()" in warnings[0].getMessage()
+
+
+def test_zero_grad_between_backward_and_step_raises(tmp_path):
+    with _training(tmp_path) as (rt, model, opt):
+        _step(rt, model, opt, 0)
+        compute_loss(model, token_ids(1), "tiny").backward()
+        opt.zero_grad()  # the updates already ran on the gradients cleared here
+        with pytest.raises(RuntimeError, match=r"update_in_backward.*updated during the backward but opt\.step\(\)"):
+            opt.step()
+
+
+def test_two_optimizers_never_arm(tmp_path):
+    """Each optimizer's step() would end a step of its own: with two, every update waits for its step(), exact."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    with offload.init(_config(tmp_path)) as rt:
+        rt.wrap(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opts = [offload.AdamW(params[:3], lr=1e-2), offload.AdamW(params[3:], lr=1e-2)]
+        for s in range(3):
+            compute_loss(model, token_ids(s), "tiny").backward()
+            rt.clip_grad_norm_(0.5)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            assert rt.stats()["last_step"]["clip"]["in_backward"] == 0
+            assert rt.stats()["last_step"]["clip"]["applied"] == rt.stats()["last_step"]["clip"]["exact"]

@@ -17,8 +17,10 @@ The contract, each breach raised where it is seen (never trained through):
   - the hyperparameters the update read during the backward (lr, betas, eps, weight decay, step counts)
     are those opt.step() sees: an LR scheduler steps after opt.step(); a change in between raises;
   - checkpoints and optimizer state dicts are taken after opt.step(), not between a backward and its step.
-Units whose parameters are held by more than one optimizer, or (with several ranks) that did not give every
-parameter a gradient on this rank, are updated at opt.step() as usual, with the same coefficient.
+The mode arms only with one offload optimizer over the runtime (each optimizer's step() ends a step of its
+own). Units with trained parameters outside it, or (with several ranks) that did not give every parameter a
+gradient on this rank, are updated at opt.step() as usual, with the same coefficient: whether a step is
+armed is decided from what every rank saw alike (the last step's reduces, which are collectives).
 """
 from __future__ import annotations
 
@@ -40,10 +42,10 @@ class BackwardUpdates:
     """The mode's bookkeeping for one runtime: when it is armed, which units it updated this step, and the
     clip coefficient it applies. Called from the training thread only (reduce hooks, clip, opt.step)."""
 
-    def __init__(self, enabled: bool, queue, optimizer_of):
+    def __init__(self, enabled: bool, queue, optimizers):
         self.enabled = enabled
         self._queue = queue  # (unit, runs, grad_scale) -> None: queue one unit's update on the optimizer lane
-        self._optimizer_of = optimizer_of  # unit -> the one ShardedAdamW holding its params, else None
+        self._optimizers = optimizers  # () -> the live offload optimizers of the runtime
         self._previous_coef: float | None = None  # the last finished step's clip coefficient (None: no step yet)
         self._single_reduce = False  # the last finished step reduced every unit at most once
         self._armed: bool | None = None  # decided at this step's first reduce
@@ -79,18 +81,32 @@ class BackwardUpdates:
         if self.accumulating:
             return  # not the step's last backward: the update waits for the reduce that makes the gradient final
         self._reduced.add(unit.uid)
+        optimizers = self._optimizers() if self._armed is None or self._armed else []
         if self._armed is None:
-            self._armed = self.enabled and self._previous_coef is not None and self._single_reduce
+            self._armed = (self.enabled and self._previous_coef is not None and self._single_reduce
+                           and len(optimizers) == 1)
         if not self._armed:
             return
-        opt = self._optimizer_of(unit)
-        runs = opt.backward_runs(unit) if opt is not None else None
+        opt = optimizers[0]
+        runs = opt.backward_runs(unit) if opt.holds_all_of(unit) else None
         if runs:
             self._queue(unit, runs, self._previous_coef)
             self.issued[id(unit)] = Issued(unit, tuple(runs))
 
     def on_clip(self, coefficient: float) -> None:
         self._clip_coef = coefficient
+
+    def check_all_stepped(self, units) -> None:
+        """opt.step() steps `units`: every unit the backward updated must be among them (else its update ran on
+        a gradient the step no longer sees, e.g. zero_grad() between backward and step)."""
+        missed = set(self.issued) - {id(u) for u in units}
+        if missed:
+            label = self.issued[next(iter(missed))].unit.label
+            raise RuntimeError(
+                f"offload.Config.update_in_backward: {label} was updated during the backward but opt.step() "
+                "does not step it now (its gradient was cleared or changed in between, e.g. zero_grad() before "
+                "opt.step()). Leave the gradients alone between loss.backward() and opt.step(), or set "
+                "update_in_backward=False.")
 
     def check_step(self, unit, runs) -> bool:
         """opt.step() is about to update `unit` with `runs`: True when the backward already did (the same runs),

@@ -100,7 +100,7 @@ class Runtime:
         self.last_checkpoint_seconds: float | None = None
         self.watchdog: Watchdog | None = None
         self.backward_updates = BackwardUpdates(config.update_in_backward, self._queue_backward_update,
-                                                self._optimizer_of)
+                                                self._live_optimizers)
 
     # ---- lifetime ---------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -412,6 +412,7 @@ class Runtime:
         whose update Config.update_in_backward already queued are checked and skipped)."""
         early = self.backward_updates
         scale = early.scale(self.grad_scale)
+        early.check_all_stepped([unit for unit, _ in work])
         done = [unit for unit, runs in work if early.check_step(unit, runs)]
         updates = [self._unit_update(unit, runs, scale) for unit, runs in work if id(unit) not in early.issued]
         order = self.schedule.before_step(done + [u.unit for u in updates])
@@ -432,11 +433,8 @@ class Runtime:
         self._before_update(update.unit)
         self.pipeline.submit_one(update)
 
-    def _optimizer_of(self, unit: ShardedUnit):
-        """The one offload optimizer of this runtime when it holds every trained parameter of `unit`, else None
-        (several optimizers: each step() is its own, so updates wait for them)."""
-        alive = [o for o in (ref() for ref in self.optimizers) if o is not None]
-        return alive[0] if len(alive) == 1 and alive[0].holds_all_of(unit) else None
+    def _live_optimizers(self) -> list:
+        return [o for o in (ref() for ref in self.optimizers) if o is not None]
 
     # ---- checkpoints (checkpoint.py) ---------------------------------------------------------
     def save_checkpoint(self, root, extra: dict | None = None, lr_scheduler=None, keep_last: int | None = None,
