@@ -102,19 +102,25 @@ def movement(shard_params: float, place: Placement, mc: Machine, sb: StateBytes 
     )
 
 
-def phases_step_s(fwd: float, bwd: float, upd: float, grad_accum: int) -> float:
-    """A step from its phases: every backward, the forwards after the first, and the update under the next
-    step's first forward."""
-    return grad_accum * bwd + (grad_accum - 1) * fwd + max(fwd, upd)
+def phases(mv: Movement, grad_accum: int, update_in_backward: bool = False, c_fwd: float = 0.0,
+           c_bwd: float = 0.0, ag: float = 0.0, rs: float = 0.0) -> tuple[float, float, float]:
+    """(forward, backward, step) seconds from a placement's movement, the compute of one forward and one
+    backward and the collectives (all-gather, reduce-scatter) of one micro-batch (module docstring)."""
+    fwd = max(c_fwd, mv.pcie_fwd, mv.nvme_fwd, ag)
+    bwd = max(c_bwd, mv.pcie_bwd, mv.nvme_bwd_read + mv.nvme_bwd_write, ag + rs)
+    nvme_upd = mv.nvme_upd_read + mv.nvme_upd_write
+    if update_in_backward:
+        last = max(c_fwd + c_bwd, mv.pcie_fwd + mv.pcie_bwd + mv.pcie_upd,
+                   mv.nvme_fwd + mv.nvme_bwd_read + mv.nvme_bwd_write + nvme_upd, 2 * ag + rs, mv.adam)
+        return fwd, bwd, (grad_accum - 1) * (fwd + bwd) + last
+    first = max(c_fwd, mv.pcie_fwd + mv.pcie_upd, mv.nvme_fwd + nvme_upd, ag, mv.adam)
+    return fwd, bwd, grad_accum * bwd + (grad_accum - 1) * fwd + first
 
 
 def movement_step_s(shard_params: float, place: Placement, mc: Machine, grad_accum: int = 1) -> float:
     """The step a placement's data movement alone would take (compute and collectives free): what the
     runtime's "auto" tiers compare (offload.zero.placement)."""
-    mv = movement(shard_params, place, mc)
-    fwd = max(mv.pcie_fwd, mv.nvme_fwd)
-    bwd = max(mv.pcie_bwd, mv.nvme_bwd_read + mv.nvme_bwd_write)
-    return phases_step_s(fwd, bwd, mv.update, grad_accum)
+    return phases(movement(shard_params, place, mc), grad_accum)[2]
 
 
 def bench_figures(path: str, setting: str) -> dict:
@@ -165,18 +171,8 @@ def predict(m: ModelSpec, w: Workload, place: Placement, mc: Machine, sb: StateB
     ag = coll * sb.params * m.params / mc.interconnect_Bps  # one all-gather of every unit
     rs = coll * 4 * m.params / mc.interconnect_Bps  # fp32 gradient reduce-scatter
 
-    fwd = max(c_fwd, mv.pcie_fwd, mv.nvme_fwd, ag)
-    bwd = max(c_bwd, mv.pcie_bwd, mv.nvme_bwd_read + mv.nvme_bwd_write, ag + rs)
-    upd = mv.update
     a = w.grad_accum
-    nvme_upd = mv.nvme_upd_read + mv.nvme_upd_write
-    if w.update_in_backward:
-        last = max(c_fwd + c_bwd, mv.pcie_fwd + mv.pcie_bwd + mv.pcie_upd,
-                   mv.nvme_fwd + mv.nvme_bwd_read + mv.nvme_bwd_write + nvme_upd, 2 * ag + rs, mv.adam)
-        step = (a - 1) * (fwd + bwd) + last
-    else:
-        first = max(c_fwd, mv.pcie_fwd + mv.pcie_upd, mv.nvme_fwd + nvme_upd, ag, mv.adam)
-        step = a * bwd + (a - 1) * fwd + first
+    fwd, bwd, step = phases(mv, a, w.update_in_backward, c_fwd, c_bwd, ag, rs)
     resources = {
         "compute": a * compute,
         "pcie": a * (mv.pcie_fwd + mv.pcie_bwd) + mv.pcie_upd,
@@ -185,6 +181,6 @@ def predict(m: ModelSpec, w: Workload, place: Placement, mc: Machine, sb: StateB
         "cpu adam": mv.adam,
         "collectives": a * (2 * ag + rs),
     }
-    return {"resources": resources, "phases": {"forward": fwd, "backward": bwd, "update": upd}, "step_s": step,
+    return {"resources": resources, "phases": {"forward": fwd, "backward": bwd, "update": mv.update}, "step_s": step,
             "bottleneck": max(resources, key=resources.get),
             "tokens_per_s": a * tokens * r / step if step > 0 else float("inf")}

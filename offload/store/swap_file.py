@@ -18,9 +18,14 @@ import stat
 from .aio import AioEngine, AioError, AioFile
 from .sizes import format_bytes
 
-__all__ = ["SwapDir", "SwapFile", "SwapSpaceError", "SLOT_ALIGN"]
+__all__ = ["SwapDir", "SwapFile", "SwapSpaceError", "SLOT_ALIGN", "page_bytes"]
 
 SLOT_ALIGN = 4096
+
+
+def page_bytes(nbytes: int) -> int:
+    """`nbytes` rounded up to whole pages: what a swap slot, and the store's buffer, of that many bytes takes."""
+    return -(-int(nbytes) // SLOT_ALIGN) * SLOT_ALIGN
 
 
 class SwapSpaceError(OSError):
@@ -87,7 +92,7 @@ class SwapFile:
     def reserve(self, nbytes: int) -> int:
         """A 4096-aligned slot of nbytes (rounded up to 4096) at the end of the file; the file is
         extended with fallocate so later writes cannot run out of space."""
-        slot = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+        slot = page_bytes(nbytes)
         off = self.size
         if slot == 0:
             return off

@@ -67,7 +67,7 @@ from .lease import Lease, LeaseMode
 from .links import Link, LinkMeter
 from .residency import TRANSITIONS, Residency, Tier
 from .sizes import format_bytes
-from .swap_file import SLOT_ALIGN, SwapDir, SwapFile, SwapSpaceError
+from .swap_file import SLOT_ALIGN, SwapDir, SwapFile, SwapSpaceError, page_bytes
 
 __all__ = ["TieredStore", "StoreConfig", "StoreError", "ShardInfo"]
 
@@ -217,7 +217,7 @@ class TieredStore:
         s = _Shard(name, numel, dtype, home, tier_class, nbytes, R.NVME if home is Tier.NVME else R(home.value))
         if home is Tier.NVME:
             swap = self._swap_file(tier_class)
-            slot_bytes = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+            slot_bytes = page_bytes(nbytes)
             # The initial bytes go out through a staging buffer, taken first so that a refusal leaves
             # no swap slot behind: the shard starts as a working copy at CPU and its first move writes
             # it home and drops it.
@@ -262,7 +262,7 @@ class TieredStore:
         except BaseException:
             blk.free()
             with self._lock:
-                self._home_bytes[kind] -= -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+                self._home_bytes[kind] -= page_bytes(nbytes)
             raise
         s.home_block = blk
         with self._lock:
@@ -272,7 +272,7 @@ class TieredStore:
     def set_staging_slot(self, nbytes: int) -> None:
         """Every short-lived cpu buffer from now on takes `nbytes` (rounded up to a page): the largest such
         buffer the caller will ask for. A larger one takes its own size."""
-        self.staging_slot = -(-int(nbytes) // SLOT_ALIGN) * SLOT_ALIGN
+        self.staging_slot = page_bytes(nbytes)
 
     def free_staging_bytes(self) -> int:
         """Bytes of the cpu tier short-lived buffers can take at once now (whole staging slots; every free
@@ -283,7 +283,7 @@ class TieredStore:
 
     def staged_nbytes(self, nbytes: int) -> int:
         """Bytes of the cpu budget a short-lived buffer of `nbytes` takes."""
-        size = -(-int(nbytes) // SLOT_ALIGN) * SLOT_ALIGN
+        size = page_bytes(nbytes)
         return self.staging_slot if 0 < size <= self.staging_slot else size
 
     def fetch(self, name, tier: str | Tier = "device", timeout: float | None = None,
@@ -471,7 +471,7 @@ class TieredStore:
         try:
             for k in kinds:
                 pool = self._arena if k == "cpu" else self._dev
-                size = -(-s.nbytes // SLOT_ALIGN) * SLOT_ALIGN
+                size = page_bytes(s.nbytes)
                 with self._lock:
                     held = self._home_bytes[k]
                     if size <= pool.capacity and size > pool.capacity - held:

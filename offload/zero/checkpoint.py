@@ -71,10 +71,6 @@ def _barrier(rt) -> None:
         _watched(rt, "barrier", dist.barrier)
 
 
-def _optimizers(rt) -> list:
-    return [o for o in (r() for r in rt.optimizers) if o is not None]
-
-
 def _rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
     """(JSON part: python and numpy; tensors: torch CPU and CUDA generator states)."""
     import numpy as np
@@ -154,7 +150,8 @@ def save_checkpoint(rt, root, extra: dict | None = None, lr_schedulers=(), keep_
     name = rank_file(rt.rank, rt.world_size)
     rng_json, rng_tensors = _rng_state()
     # each rank counts steps for the parameters in its own shard: the manifest takes the union
-    steps = [{_param_key(p): int(st["step"]) for p, st in opt.state.items() if "step" in st} for opt in _optimizers(rt)]
+    steps = [{_param_key(p): int(st["step"]) for p, st in opt.state.items() if "step" in st}
+             for opt in rt.live_optimizers()]
     status = {"file": name, "rng": rng_json, "steps": steps,
               "used": {u.uid: u.used.tolist() for u in rt.units if u.has_grad},
               "moments": [u.uid for u in rt.units if u.shards.moments_registered]}
@@ -287,7 +284,7 @@ def _manifest(rt, tag: str, statuses: list[dict], extra: dict, lr_schedulers) ->
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"save_checkpoint: the state of {type(s).__name__} is not JSON ({exc})") from None
     optimizers = []
-    for k, opt in enumerate(_optimizers(rt)):
+    for k, opt in enumerate(rt.live_optimizers()):
         groups = []
         for g in opt.param_groups:
             hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
@@ -317,8 +314,8 @@ def _manifest(rt, tag: str, statuses: list[dict], extra: dict, lr_schedulers) ->
         "rng": [s["rng"] for s in statuses],
         "extra": extra,
         "files": {s["file"]: {"bytes": s["bytes"], "sha256": s["sha256"]} for s in statuses},
-        "moments_on": {s["file"]: s["moments"] for s in statuses},
-        "transfer": {s["file"]: s["transfer"] for s in statuses},  # which path the bytes took, per rank  # a rank whose shard is all frozen has none
+        "moments_on": {s["file"]: s["moments"] for s in statuses},  # a rank whose shard is all frozen has none
+        "transfer": {s["file"]: s["transfer"] for s in statuses},  # which path the bytes took, per rank
     }
 
 
@@ -402,7 +399,7 @@ def _load_verified(rt, path: Path, manifest: dict, saved: dict, needed: list, fi
 
     old_world = manifest["world_size"]
     names = [rank_file(r, old_world) for r in range(old_world)]
-    optimizers = _optimizers(rt)
+    optimizers = rt.live_optimizers()
     if len(manifest["optimizers"]) != len(optimizers):
         raise CheckpointError(f"{path}: saved with {len(manifest['optimizers'])} optimizer(s), this run has "
                               f"{len(optimizers)}; create the same optimizers before load_checkpoint")

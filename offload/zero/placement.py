@@ -28,7 +28,7 @@ from ..plan.memory import Placement as TierPair
 from ..plan.sizing import DEVICES
 from ..plan.step_time import Machine, bench_figures, movement_step_s
 from ..store import Tier
-from ..store.swap_file import SLOT_ALIGN
+from ..store.swap_file import page_bytes
 from .layout import FlatLayout
 from .shards import StateTiers, chunk_bounds
 from .state_store import check_nvme_path
@@ -86,11 +86,6 @@ def chunk_numel_for(cpu_budget: int, setting: int | None) -> int:
     """Elements per chunk: the setting (fp32 bytes), else cpu_budget / 64 within [1 MiB, 64 MiB] of fp32."""
     nbytes = setting if setting is not None else min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, cpu_budget // 64))
     return max(CHUNK_ALIGN, nbytes // 4 // CHUNK_ALIGN * CHUNK_ALIGN)
-
-
-def page_bytes(nbytes: int) -> int:
-    """Bytes the store holds for a buffer of nbytes (whole pages)."""
-    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
 
 
 @dataclass(frozen=True)

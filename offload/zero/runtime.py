@@ -100,7 +100,7 @@ class Runtime:
         self.last_checkpoint_seconds: float | None = None
         self.watchdog: Watchdog | None = None
         self.backward_updates = BackwardUpdates(config.update_in_backward, self._queue_backward_update,
-                                                self._live_optimizers)
+                                                self.live_optimizers)
 
     # ---- lifetime ---------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -433,7 +433,8 @@ class Runtime:
         self._before_update(update.unit)
         self.pipeline.submit_one(update)
 
-    def _live_optimizers(self) -> list:
+    def live_optimizers(self) -> list:
+        """The offload optimizers over this runtime still alive, in creation order."""
         return [o for o in (ref() for ref in self.optimizers) if o is not None]
 
     # ---- checkpoints (checkpoint.py) ---------------------------------------------------------
