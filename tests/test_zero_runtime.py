@@ -450,6 +450,26 @@ def test_auto_tiers_read_the_machine_figures_from_a_bench_json(tmp_path):
         _cfg(machine=str(tmp_path / "missing.json"))
 
 
+def test_auto_tiers_predict_the_update_mode_the_run_uses(tmp_path):
+    """With Config.update_in_backward the update runs under the backward, so where the CPU Adam binds (a slow
+    one, from a bench JSON) a placement that reads params from nvme in the backward is predicted faster than
+    the default step, whose update waits for the whole backward."""
+    bench = tmp_path / "bench.json"
+    bench.write_text('{"adam": {"offload_params_per_s": 1e5}}')
+
+    def considered(update_in_backward: bool) -> dict:
+        cfg = _cfg(params="auto", optimizer="auto", device_budget="40KiB", cpu_budget="140KiB",
+                   nvme_path=str(tmp_path), machine=str(bench), update_in_backward=update_in_backward)
+        with offload.init(cfg) as rt:
+            rt.wrap(TinyTransformer())
+            return {(p, o): t for p, o, t in rt.placement.considered}
+
+    default, in_backward = considered(False), considered(True)
+    assert default.keys() == in_backward.keys() and ("nvme", "cpu") in default
+    assert in_backward[("nvme", "cpu")] < default[("nvme", "cpu")], (default, in_backward)
+    assert all(in_backward[k] <= default[k] for k in default), (default, in_backward)
+
+
 def test_optimizer_rejects_foreign_params():
     plain = nn.Linear(2, 2)  # built outside: real, not the runtime's
     with offload.init(_cfg()) as rt:

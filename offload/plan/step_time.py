@@ -117,10 +117,11 @@ def phases(mv: Movement, grad_accum: int, update_in_backward: bool = False, c_fw
     return fwd, bwd, grad_accum * bwd + (grad_accum - 1) * fwd + first
 
 
-def movement_step_s(shard_params: float, place: Placement, mc: Machine, grad_accum: int = 1) -> float:
+def movement_step_s(shard_params: float, place: Placement, mc: Machine, grad_accum: int = 1,
+                    update_in_backward: bool = False) -> float:
     """The step a placement's data movement alone would take (compute and collectives free): what the
-    runtime's "auto" tiers compare (offload.zero.placement)."""
-    return phases(movement(shard_params, place, mc), grad_accum)[2]
+    runtime's "auto" tiers compare (offload.zero.placement), in the update mode the run uses."""
+    return phases(movement(shard_params, place, mc), grad_accum, update_in_backward)[2]
 
 
 def bench_figures(path: str, setting: str) -> dict:

@@ -153,11 +153,13 @@ def machine_for(device: torch.device, ranks_per_node: int, bench_json: str | Non
 
 def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str, budgets: dict,
          in_use: dict, compute_dtype: torch.dtype, chunk_setting: int | None, nvme_path: str | None,
-         grads: str = "auto", device_budget_given: bool = False, machine: Machine | None = None) -> Placement:
+         grads: str = "auto", device_budget_given: bool = False, machine: Machine | None = None,
+         update_in_backward: bool = False) -> Placement:
     """The placement for `new` units joining `sizes` (every unit, new ones included). `params` /
     `optimizer` / `grads`: the configured tiers ("auto" allowed); budgets / in_use: bytes per tier;
     device_budget_given: the device budget is the user's figure (not "auto"); machine: the figures "auto"
-    tiers are compared with (machine_for; default: a CPU's)."""
+    tiers are compared with (machine_for; default: a CPU's); update_in_backward: the step they predict is
+    Config.update_in_backward's."""
     width = compute_dtype.itemsize
     for s in new:
         full = s.layout.padded_numel * width
@@ -203,7 +205,8 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
         shard_numel = sum(s.layout.shard_numel for s in new)
         options = [(p, o) for p in (("device", "cpu", "nvme") if params == "auto" else (params,))
                    for o in (("cpu", "nvme") if optimizer == "auto" else (optimizer,)) if fits(p, o)]
-        considered = tuple((p, o, movement_step_s(shard_numel, TierPair(p, o), mc)) for p, o in options)
+        considered = tuple((p, o, movement_step_s(shard_numel, TierPair(p, o), mc, 1, update_in_backward))
+                           for p, o in options)
         if considered:  # the fastest predicted; ties to the earlier (faster) tiers
             params, optimizer, _ = min(considered, key=lambda c: c[2])
             log.info("offload: auto placement params=%s optimizer=%s (predicted data movement per step: %s)",
