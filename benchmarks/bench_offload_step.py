@@ -36,7 +36,9 @@ Bound (computed, not a contender) per offload contender: max(compute, io, adam) 
             (fp32 master + moments, bf16 param output, bf16 grads), in memory.
 The table prints each term, which one binds, and overlap efficiency = bound / median step time. On a
 machine where the cores run the compute and the offload work alike (CPU-only), it also prints the bound
-with a fourth term, the contender's own CPU seconds per step (every thread) / the cores.
+with a fourth term, the contender's own CPU seconds per step (every thread) / the cores, and where those
+seconds went, thread by thread (/proc/self/task: the training thread, each offload lane and pool, and the
+native threads: torch's intra-op workers and the aio engine).
 With --world-size 2 the bound is for the whole machine: the ranks' nvme bytes summed, the torch compute
 term on the whole global batch in one process, adam over the whole model.
 
@@ -69,6 +71,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -184,6 +187,35 @@ def proc_io() -> dict:
     return {"read_bytes": out.get("read_bytes", 0), "write_bytes": out.get("write_bytes", 0)}
 
 
+def thread_cpu_s() -> dict:
+    """User + system CPU seconds of each live thread of this process (/proc/self/task), summed by name: Python
+    threads by their name (a pool's "_N" suffix dropped, "main" for the main thread), the rest (torch's
+    intra-op workers, the aio engine's threads) as "native"."""
+    import threading
+
+    names = {t.native_id: "main" if t is threading.main_thread() else re.sub(r"_\d+$", "", t.name)
+             for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        name = names.get(int(tid), "native")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+def sum_by_name(dicts) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
 def rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -199,7 +231,7 @@ def timed_steps(s: Settings, step, *, drain=None, at_start=None, trace_hooks=Non
         drain()
     if at_start is not None:
         at_start()
-    io0, cpu0 = proc_io(), os.times()
+    io0, cpu0, threads0 = proc_io(), os.times(), thread_cpu_s()
     per_step = []
     t_start = time.perf_counter()
     for i in range(s.warmup, s.warmup + s.steps):
@@ -214,11 +246,12 @@ def timed_steps(s: Settings, step, *, drain=None, at_start=None, trace_hooks=Non
     elapsed = time.perf_counter() - t_start
     if trace_hooks is not None:
         trace_hooks[1]()
-    io1, cpu1 = proc_io(), os.times()
+    io1, cpu1, threads1 = proc_io(), os.times(), thread_cpu_s()
     cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)  # every thread of this process
     return {"s_per_step": elapsed / s.steps, "step_s": per_step, "median_step_s": float(np.median(per_step)),
             "losses": losses, "proc_io_per_step": {k: (io1[k] - io0[k]) / s.steps for k in io0},
-            "cpu_s_per_step": cpu / s.steps}
+            "cpu_s_per_step": cpu / s.steps,
+            "cpu_s_per_step_by_thread": {k: (v - threads0.get(k, 0.0)) / s.steps for k, v in threads1.items()}}
 
 
 def gather_ranks(value: dict, directory: str) -> list[dict]:
@@ -350,6 +383,7 @@ def run_offload(s: Settings, pipeline: bool, update_in_backward: bool = False) -
         "peak_rss_bytes": peak_rss_bytes(),
         "proc_io_per_step": out["proc_io_per_step"],
         "cpu_s_per_step": out["cpu_s_per_step"],
+        "cpu_s_per_step_by_thread": out["cpu_s_per_step_by_thread"],
     }, s.nvme_dir)
     if world > 1:
         dist.destroy_process_group()
@@ -360,6 +394,7 @@ def run_offload(s: Settings, pipeline: bool, update_in_backward: bool = False) -
         nvme_written_bytes_per_step=sum(r["nvme_written_bytes"] for r in per_rank) / s.steps,
         per_rank_proc_io_per_step=[r["proc_io_per_step"] for r in per_rank],
         cpu_s_per_step=sum(r["cpu_s_per_step"] for r in per_rank),
+        cpu_s_per_step_by_thread=sum_by_name(r["cpu_s_per_step_by_thread"] for r in per_rank),
         rt_stats=after,  # rank 0's cumulative counters (since the block opened) and last_step split
         offload_kernel_threads=offload_kernel_threads(),
         trace=s.trace,
@@ -427,10 +462,12 @@ def run_deepspeed(s: Settings) -> dict:
 
     out = timed_steps(s, step)
     per_rank = gather_ranks({"peak_rss_bytes": peak_rss_bytes(), "proc_io_per_step": out["proc_io_per_step"],
-                             "cpu_s_per_step": out["cpu_s_per_step"]}, s.nvme_dir)
+                             "cpu_s_per_step": out["cpu_s_per_step"],
+                             "cpu_s_per_step_by_thread": out["cpu_s_per_step_by_thread"]}, s.nvme_dir)
     out.update(n_params=n_params, batch_per_process=s.batch, processes=world,
                peak_rss_bytes=[r["peak_rss_bytes"] for r in per_rank],
                cpu_s_per_step=sum(r["cpu_s_per_step"] for r in per_rank),
+               cpu_s_per_step_by_thread=sum_by_name(r["cpu_s_per_step_by_thread"] for r in per_rank),
                per_rank_proc_io_per_step=[r["proc_io_per_step"] for r in per_rank],
                optimizer=type(optimizer.optimizer).__name__ if hasattr(optimizer, "optimizer") else
                type(optimizer).__name__,
@@ -609,6 +646,9 @@ def summarize(runs: dict, probes: dict) -> dict:
                        peak_rss_bytes_per_rank=[int(x) for x in np.max([r["peak_rss_bytes"] for r in ok], axis=0)],
                        final_loss=ok[-1]["losses"][-1],
                        cpu_s_per_step=float(np.median([r["cpu_s_per_step"] for r in ok])))
+            names = sorted({k for r in ok for k in r.get("cpu_s_per_step_by_thread", {})})
+            row["cpu_s_per_step_by_thread"] = {k: float(np.median([r.get("cpu_s_per_step_by_thread", {}).get(k, 0.0)
+                                                                   for r in ok])) for k in names}
             if "nvme_read_bytes_per_step" in ok[-1]:
                 row["nvme_read_bytes_per_step"] = float(np.median([r["nvme_read_bytes_per_step"] for r in ok]))
                 row["nvme_written_bytes_per_step"] = float(np.median([r["nvme_written_bytes_per_step"] for r in ok]))
@@ -689,6 +729,10 @@ def print_report(summary: dict, s: Settings, n_params: int | None, rounds: int) 
               f"{row['cpu_s_per_step']:11.3f}{row['final_loss']:8.3f}")
     print("# nvme R/W: offload's rt.stats() bytes; disk R/W: /proc/self/io read_bytes/write_bytes of the process(es); "
           "CPU s/step: user + system seconds of every thread (summed over ranks)")
+    for name, row in table.items():
+        split = sorted(row.get("cpu_s_per_step_by_thread", {}).items(), key=lambda kv: -kv[1])
+        if split:
+            print(f"# CPU s/step by thread, {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in split if v >= 0.0005))
     if bound is None:
         print("# bound: not computed (needs the torch compute time and both probes)")
         return
