@@ -391,7 +391,7 @@ class Runtime:
             return False
         for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
             for c in unit.shards.chunks:
-                self.states.register(unit.shards.spec(kind, c)).result()
+                self.states.register(unit.shards.spec(kind, c)).result()  # the first update leases them next
         unit.shards.moments_registered = True
         return True
 

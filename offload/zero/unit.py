@@ -315,7 +315,7 @@ class ShardedUnit:
     def register_grads(self) -> None:
         if not self.shards.grads_registered:
             for c in self.shards.chunks:
-                self.ctx.states.register(self.shards.spec(StateKind.GRAD, c)).result()
+                self.ctx.states.register(self.shards.spec(StateKind.GRAD, c)).result()  # leased just after
             self.shards.grads_registered = True
 
     def flush_local_grad(self) -> None:
