@@ -297,6 +297,44 @@ def test_optimizer_state_dict_resumes_exactly(tmp_path):
         assert torch.equal(value, resumed[name]), name
 
 
+def test_optimizer_follows_groups_added_or_loaded_after_it_stepped():
+    """The optimizer indexes its parameters once (the backward looks units up in it) and again when its groups
+    change: a group added after a step and groups replaced by load_state_dict (another lr) both take effect on
+    the next step, as in torch."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    ref = copy.deepcopy(model)
+    with offload.init(_cfg()) as rt:
+        rt.wrap(model)
+        params, ref_params = list(model.parameters()), list(ref.parameters())
+        half = len(params) // 2
+        opt = offload.AdamW(params[:half], lr=1e-2)
+        ref_opt = torch.optim.AdamW(ref_params[:half], lr=1e-2)
+
+        def step(seed):
+            for m, o in ((model, opt), (ref, ref_opt)):
+                compute_loss(m, _ids(seed=seed), "tiny").backward()
+                o.step()
+                o.zero_grad()
+
+        step(0)
+        opt.add_param_group({"params": params[half:]})
+        ref_opt.add_param_group({"params": ref_params[half:]})
+        step(1)
+        loaded = []
+        for o in (opt, ref_opt):
+            sd = o.state_dict()
+            for g in sd["param_groups"]:
+                g["lr"] = 3e-2
+            o.load_state_dict(sd)
+            loaded.append([g["lr"] for g in o.param_groups])
+        assert loaded == [[3e-2, 3e-2]] * 2
+        step(2)
+        got = rt.full_state_dict(model)
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_model_to_moves_buffers_and_leaves_placeholders():
     model = TinyTransformer()
     with offload.init(_cfg()) as rt:

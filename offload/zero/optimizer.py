@@ -96,12 +96,20 @@ class ShardedAdamW(AdamW):
         self.rt.optimizers.append(weakref.ref(self))  # checkpoints save and load every optimizer of the run
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _slot_index(self) -> dict:
+        """(id(unit), slot) -> (group, param) over every parameter, built once and again only when the groups
+        change (add_param_group, load_state_dict): the backward asks for it per unit (update_in_backward)."""
+        groups = [(g, g["params"], len(g["params"])) for g in self.param_groups]  # held: no id is reused
+        cached = getattr(self, "_slot_cache", None)
+        if cached is None or len(cached[0]) != len(groups) or any(
+                a[0] is not b[0] or a[1] is not b[1] or a[2] != b[2] for a, b in zip(cached[0], groups)):
+            by_slot = {(id(p._offload_unit), p._offload_slot): (g, p) for g in self.param_groups for p in g["params"]}
+            self._slot_cache = cached = (groups, by_slot)
+        return cached[1]
+
     def _unit_plan(self, units=None):
         """unit -> [(piece, group, param)] for this rank's shard, in shard order (every unit, or `units`)."""
-        by_slot = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                by_slot[(id(p._offload_unit), p._offload_slot)] = (group, p)
+        by_slot = self._slot_index()
         plan = []
         for unit in self.rt.units if units is None else units:
             entries = []
@@ -122,8 +130,8 @@ class ShardedAdamW(AdamW):
 
     def holds_all_of(self, unit) -> bool:
         """Every parameter of `unit` that trains is one of this optimizer's."""
-        mine = {id(p) for g in self.param_groups for p in g["params"]}
-        return all(id(p) in mine for p, slot in zip(unit.placeholders, unit.layout.slots) if slot.requires_grad)
+        mine = self._slot_index()
+        return all((id(unit), slot.index) in mine for slot in unit.layout.slots if slot.requires_grad)
 
     def backward_runs(self, unit) -> list[Run] | None:
         """Config.update_in_backward: the runs opt.step() will give `unit` (captured now, in its backward), or

@@ -30,8 +30,8 @@ from ..planner import Phase, Trace, Use
 from ..planner.schedule import Read
 from ..planner.trace import TraceRecorder
 from ..store import LeaseMode, Tier
+from ..store.swap_file import page_bytes
 from ..telemetry import span
-from .placement import page_bytes
 from .shards import ShardKey, StateKind
 from .state import TrainingState, UnitState
 from .state_store import Use as Where
