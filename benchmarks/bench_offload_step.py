@@ -10,9 +10,10 @@ bf16 compute. One step: forward, backward, clip grad norm 1.0, AdamW (lr 1e-4, w
 
 Contenders (each run in its own subprocess, so peak RSS = VmHWM is per contender; the parent runs them in
 interleaved rounds, round r in an order rotated by r, and gets one JSON line back from each):
-  torch         plain model in memory, torch.autocast("cpu", bf16), torch.optim.AdamW (fused if it
-                works on CPU, else foreach), torch.nn.utils.clip_grad_norm_. Also times fwd+bwd alone
-                (the compute term of the bound).
+  torch         plain model and batches on the compute device (compute_device(): the GPU where CUDA is,
+                else the CPU), torch.autocast(device type, bf16), torch.optim.AdamW (fused if it works
+                there, else foreach), torch.nn.utils.clip_grad_norm_. Also times fwd+bwd alone (the
+                compute term of the bound).
   offload       offload.init(Config(params="nvme", optimizer="nvme", cpu_budget="384MiB",
                 device_budget="256MiB", compute_dtype="bf16", pipeline=True)), model built inside,
                 offload.AdamW, rt.clip_grad_norm_.
@@ -220,6 +221,25 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def compute_device():
+    """cuda:(LOCAL_RANK % device_count) where CUDA is available, else the CPU: the rule the offload runtime
+    picks its device by, so the torch baseline computes where the offload contenders do (the modulo: one
+    visible GPU per process has index 0 whatever LOCAL_RANK is)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
+def sync(device) -> None:
+    """Wait for the work queued on `device` (a GPU runs behind the host; the CPU has nothing queued)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def timed_steps(s: Settings, step, *, drain=None, at_start=None, trace_hooks=None) -> dict:
     """Warm-up steps, then `s.steps` timed ones. `drain()` waits for queued background work: called
     untimed before the clock starts and timed at the end. `at_start()` runs just before the clock starts.
@@ -295,12 +315,15 @@ def run_torch(s: Settings) -> dict:
     import torch
 
     setup_threads(s)
+    device = compute_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this process's GPU, before anything touches CUDA
     torch.manual_seed(s.seed)
-    model = model_from(s)
+    model = model_from(s).to(device)  # built on the CPU from the seed: the same weights on any device
     n_params = sum(p.numel() for p in model.parameters())
     try:
-        probe = torch.nn.Parameter(torch.zeros(4))
-        probe.grad = torch.ones(4)
+        probe = torch.nn.Parameter(torch.zeros(4, device=device))
+        probe.grad = torch.ones(4, device=device)
         torch.optim.AdamW([probe], fused=True).step()
         opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay, fused=True)
         impl = "fused"
@@ -309,8 +332,8 @@ def run_torch(s: Settings) -> dict:
         impl = f"foreach (fused failed: {exc})"
 
     def fwd_bwd(i):
-        ids, targets = make_batch(s, i)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        ids, targets = (t.to(device) for t in make_batch(s, i))
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = lm_loss(model, ids, targets)
         loss.backward()
         return loss
@@ -326,11 +349,14 @@ def run_torch(s: Settings) -> dict:
     compute = []  # the bound's compute term: fwd+bwd alone, gradients cleared outside the clock
     for i in range(s.warmup, s.warmup + s.steps):
         opt.zero_grad()
+        sync(device)  # nothing queued before the clock starts lands in this window
         t0 = time.perf_counter()
         fwd_bwd(i)
+        sync(device)  # the clock stops when the GPU has done the fwd+bwd, not when the host queued it
         compute.append(time.perf_counter() - t0)
     opt.zero_grad()
-    out.update(n_params=n_params, optimizer=f"torch.optim.AdamW {impl}", compute_only_step_s=compute,
+    out.update(n_params=n_params, optimizer=f"torch.optim.AdamW {impl}", device=str(device),
+               compute_only_step_s=compute,
                compute_only_s=float(np.mean(compute)), batch_per_process=s.global_batch, processes=1,
                peak_rss_bytes=[peak_rss_bytes()])
     return out
@@ -355,7 +381,7 @@ def run_offload(s: Settings, pipeline: bool, update_in_backward: bool = False) -
         n_params = sum(p.numel() for p in model.parameters())
 
         def step(i):
-            ids, targets = make_batch(s, i, rt.rank, rt.world_size)
+            ids, targets = (t.to(rt.device) for t in make_batch(s, i, rt.rank, rt.world_size))
             loss = lm_loss(model, ids, targets)
             loss.backward()
             rt.clip_grad_norm_(s.clip)

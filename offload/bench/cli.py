@@ -119,8 +119,12 @@ def _cmd_pcie(args: argparse.Namespace, result: dict | None = None) -> int:
             print(f"{row['gpu']:>3} {'pinned' if row['pinned'] else 'pageable':<9} {row['bytes']:>10} "
                   f"{row['h2d_GBps']:>9.2f} {row['d2h_GBps']:>9.2f}")
         print(f"both directions at once (pinned, largest size): {r['both_directions_GBps']}")
-        if r["all_gpus"]:
-            print(f"all GPUs at once: {r['all_gpus']}")
+        together = r["all_gpus"]
+        if together:
+            per_gpu = ", ".join(f"{g['gpu']}: {g['h2d_GBps']:.2f}/{g['d2h_GBps']:.2f}" for g in together["per_gpu"])
+            print(f"all GPUs at once (pinned, {together['bytes_per_copy']} bytes x {together['rounds']} each, "
+                  f"bytes over the host's wall clock): h2d {together['h2d_GBps']:.2f} GB/s, d2h "
+                  f"{together['d2h_GBps']:.2f} GB/s; each GPU meanwhile (h2d/d2h GB/s) {per_gpu}")
     return _emit("pcie", r, args, result)
 
 
