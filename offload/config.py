@@ -66,6 +66,10 @@ class Config:
       `init` fails at once when the filesystem has less free.
     compute_dtype: "fp32" (like plain PyTorch) or "bf16" (params gathered and computed in bf16; the master
       copy stays fp32).
+    reduce_dtype: the dtype gradients are summed over ranks in: "fp32" (default, exact as plain PyTorch's DDP
+      in fp32) or "bf16" (half the reduce-scatter bytes, FSDP2's MixedPrecisionPolicy(reduce_dtype=bf16): each
+      rank's gradient is rounded to bf16 before the sum and the sum is rounded once more; the shard is stored
+      in fp32). With one rank nothing is summed and it has no effect.
     unit_classes: module classes (types or class names) whose instances become units. Empty (default): each
       element of a ModuleList of repeated, same-class blocks is a unit (HF decoder layers,
       nn.TransformerEncoderLayer stacks), everything else the root unit.
@@ -106,6 +110,7 @@ class Config:
     cpu_budget: str | int = "auto"
     nvme_budget: str | int | None = None
     compute_dtype: str = "fp32"
+    reduce_dtype: str = "fp32"
     unit_classes: tuple = ()
     unit_min_bytes: str | int | None = None
     persist_threshold: str | int = 0
@@ -130,6 +135,9 @@ class Config:
                 f"offload.Config.compute_dtype: {self.compute_dtype!r} is not supported; "
                 f"choose one of {COMPUTE_DTYPES}"
             )
+        if self.reduce_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"offload.Config.reduce_dtype: {self.reduce_dtype!r} is not supported; "
+                             f"choose one of {COMPUTE_DTYPES}")
         if "nvme" in (self.params, self.optimizer, self.grads) and not self.nvme_path:
             which = next(n for n in ("params", "optimizer", "grads") if getattr(self, n) == "nvme")
             raise ValueError(f"offload.Config.nvme_path: required because {which}='nvme'; give a directory")
@@ -185,6 +193,12 @@ class Config:
         import torch
 
         return torch.bfloat16 if self.compute_dtype == "bf16" else torch.float32
+
+    @property
+    def torch_reduce_dtype(self):
+        import torch
+
+        return torch.bfloat16 if self.reduce_dtype == "bf16" else torch.float32
 
     # ---- DeepSpeed import ------------------------------------------------------------------
     @classmethod

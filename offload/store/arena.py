@@ -38,6 +38,7 @@ import os
 import resource
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,20 @@ class ArenaFullError(MemoryError):
 class ArenaBusyError(ArenaFullError):
     """No range is free now and none came free within the timeout (timeout=0: at once): the request
     itself could fit, so a caller may back off and try later."""
+
+
+def _clear_cuda_last_error() -> int | None:
+    """cudaGetLastError() of the libcudart this process loaded (torch does not bind it): a failed
+    cudaHostRegister leaves its error as CUDA's last error, which torch's next kernel-launch check would
+    report as its own. The error cleared, or None when no libcudart is loaded."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line}
+        for path in sorted(paths):
+            return int(ctypes.CDLL(path).cudaGetLastError())
+    except OSError:
+        pass
+    return None
 
 
 def _round_up(n: int, a: int = ALIGN) -> int:
@@ -146,7 +161,9 @@ class PinnedArena:
             if code == 0:
                 self.lock_kind = "cuda"
                 return
-            self.lock_error = f"cudaHostRegister({format_bytes(self.capacity)}) failed with cudaError {code}"
+            cleared = _clear_cuda_last_error()  # else torch's next CUDA check raises this error, far from here
+            self.lock_error = (f"cudaHostRegister({format_bytes(self.capacity)}) failed with cudaError {code}"
+                               + ("" if cleared is not None else " (libcudart not found to clear the error)"))
         else:
             soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
             over = soft != resource.RLIM_INFINITY and soft < self.capacity
@@ -166,6 +183,10 @@ class PinnedArena:
                 self.lock_error = f"mlock({format_bytes(self.capacity)}) failed: {os.strerror(e)} (errno {e})"
         if required:
             raise OSError(f"{self.name}: could not page-lock the arena: {self.lock_error}")
+        if torch.cuda.is_available():  # on a GPU unpinned host memory makes every copy synchronous: say so
+            warnings.warn(f"offload: {self.name} is not page-locked ({self.lock_error}); host<->GPU copies of it "
+                          "will not overlap compute. Lower cpu_budget or raise the locked-memory limit (ulimit -l)",
+                          RuntimeWarning, stacklevel=3)
 
     def _unlock(self) -> None:
         if self.lock_kind == "cuda":

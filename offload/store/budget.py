@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -73,8 +74,9 @@ class DeviceTier:
     (rounded to 512 bytes, torch's own granularity). Without: a host PinnedArena (not locked), so
     the budget is enforced exactly the same way and the compute device is the CPU."""
 
-    def __init__(self, capacity: int, device: torch.device):
+    def __init__(self, capacity: int, device: torch.device, alloc_stream=None):
         self.device = device
+        self.alloc_stream = alloc_stream  # CUDA: blocks come from this stream's pool (the stream that fills them)
         self.capacity = capacity
         self._host = None
         if device.type == "cpu":
@@ -114,7 +116,8 @@ class DeviceTier:
             self._in_use += size
             self._peak = max(self._peak, self._in_use)
         try:
-            t = torch.empty(size, dtype=torch.uint8, device=self.device)[:nbytes]
+            with torch.cuda.stream(self.alloc_stream) if self.alloc_stream is not None else contextlib.nullcontext():
+                t = torch.empty(size, dtype=torch.uint8, device=self.device)[:nbytes]
         except Exception:
             self._release(size)
             raise

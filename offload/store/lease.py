@@ -18,6 +18,7 @@ import enum
 
 import torch
 
+from ..device import retire
 from .residency import Tier
 
 __all__ = ["Lease", "LeaseMode"]
@@ -73,6 +74,9 @@ class Lease:
         """Give the bytes back: written home first for UPDATE / OVERWRITE (write-behind), then the working
         copy's buffer returns to its tier. Returns the move's future. Idempotent."""
         if self._released is None:
+            if (self.tier is Tier.DEVICE and self._ready.done() and not self._ready.cancelled()
+                    and self._ready.exception() is None):
+                retire(self._ready.result())  # read or written on the holder's stream: reused only after it
             writeback = self.mode is not LeaseMode.READ
             self._released = self.store.release(self.key, writeback=writeback)
         return self._released

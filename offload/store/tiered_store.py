@@ -58,6 +58,11 @@ from typing import Callable
 import torch
 import xxhash
 
+from ..device import Streams, thread_initializer
+from ..device import record as device_record
+from ..device import resolve as resolve_device
+from ..device import sync as device_sync
+from ..device import wait as device_wait
 from ..ops.copy import copy_ as _host_copy
 from .. import inject
 from ..telemetry import Queue
@@ -151,7 +156,8 @@ class TieredStore:
         if overrides:
             cfg = StoreConfig(**{**cfg.__dict__, **overrides})
         self.config = cfg
-        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # an index always: "cuda" alone would mean each worker thread's current device (0 unless bound)
+        self.device = resolve_device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # Re-entrant: a future's done-callbacks (which take the lock) can fire inside _chain, which holds it.
         self._lock = threading.RLock()
         self._closed = False
@@ -167,7 +173,7 @@ class TieredStore:
         self.staging_slot = 0  # bytes every short-lived cpu buffer takes (0: its own size, first fit)
         self._dev: DeviceTier | None = None
         self._pool: cf.ThreadPoolExecutor | None = None
-        self._cuda_streams = threading.local()
+        self._streams = Streams(self.device)  # GPU: one host->device and one device->host copy stream
         try:
             page = SLOT_ALIGN
             cpu_cap = resolve_budget(cfg.cpu_budget, "cpu") // page * page
@@ -180,8 +186,10 @@ class TieredStore:
 
                 self._engine = AioEngine(cfg.aio_block_size, cfg.aio_queue_depth, cfg.aio_workers, cfg.aio_backend)
             self._arena = PinnedArena(cpu_cap, lock=cfg.lock_memory, name="cpu tier (pinned arena)")
-            self._dev = DeviceTier(dev_cap, self.device)
-            self._pool = cf.ThreadPoolExecutor(max(1, cfg.io_workers), thread_name_prefix="offload-store")
+            # device blocks are allocated on the host->device stream that fills them (device.py)
+            self._dev = DeviceTier(dev_cap, self.device, alloc_stream=self._streams.get(Link.CPU_TO_DEVICE))
+            self._pool = cf.ThreadPoolExecutor(max(1, cfg.io_workers), thread_name_prefix="offload-store",
+                                               initializer=thread_initializer(self.device))
         except BaseException:
             self._teardown()
             raise
@@ -309,7 +317,9 @@ class TieredStore:
                 staged = plan is None and s.home is Tier.NVME and read  # nvme -> cpu -> device
                 need = ["dev", "cpu"] if staged else ["dev"]
         new = self._alloc(s, need, timeout, resident=resident)
-        after = self._stream_point()
+        # Only a move that reads a device working copy (down to cpu) waits for the caller's queued work on it; a
+        # fetch up to the device fills a block of its own and is not ordered behind compute queued earlier.
+        after = self._stream_point() if plan is Tier.DEVICE and tier is not Tier.DEVICE else None
         with self._lock:
             if tier is not s.home:
                 s.target = tier
@@ -642,14 +652,12 @@ class TieredStore:
         if dst.device.type == "cpu" and src.device.type == "cpu":
             _host_copy(dst, src)  # multi-threaded C++ copy (GIL released)
             return
-        stream = getattr(self._cuda_streams, "s", None)
-        if stream is None:
-            stream = self._cuda_streams.s = torch.cuda.Stream(self.device)
-        if after is not None:
-            stream.wait_event(after)  # the caller's work queued before this request comes first
-        with torch.cuda.stream(stream):
+        link = Link.CPU_TO_DEVICE if dst.is_cuda else Link.DEVICE_TO_CPU
+        with self._streams.use(link):  # pinned arena <-> device block: a DMA on the copy stream
+            device_wait(after, self.device)  # the caller's writes to the working copy, queued before the request
             dst.copy_(src, non_blocking=True)
-        stream.synchronize()  # the future resolves (and a buffer may be freed) only after the copy is over
+            done = device_record(self.device)
+        device_sync(done)  # this worker: the future resolves (and a buffer may be freed) only once the copy is over
 
     def _copy_down(self, s: _Shard, dst_block, after=None) -> None:
         """The device working copy -> dst_block (a cpu buffer): DEVICE -> TO_CPU, back to DEVICE on failure;
@@ -764,7 +772,7 @@ class TieredStore:
             yield _TO_WORKER  # copies run in a worker, never in the caller
             self._transition(s, R.CPU, R.TO_DEVICE)
             try:
-                self._copy(s, Link.CPU_TO_DEVICE, _view(dev, s), _view(src, s), after)
+                self._copy(s, Link.CPU_TO_DEVICE, _view(dev, s), _view(src, s))
             except BaseException:
                 self._transition(s, R.TO_DEVICE, R.CPU)
                 raise

@@ -1,11 +1,27 @@
-"""Free-function collectives over the data-parallel group (torch.distributed; gloo on CPU, NCCL on GPU).
+"""Free-function collectives over the data-parallel group (torch.distributed; gloo on CPU, NCCL on GPU), issued
+as FSDP2 issues them.
 
-World size 1 needs no process group: every function degrades to a local copy.
+- Async: every collective is issued with async_op=True and returns a `Pending`; the consumer calls wait()
+  where it needs the result. On NCCL that makes the caller's current stream wait for the collective's
+  stream (the host goes on); on gloo the host blocks until it is over. The same calls on both, so the CPU
+  tests run the ordering logic of a GPU run.
+- Program order: the gather and reduce lanes each own a group (`ProgramOrder`): every collective on it is
+  announced by the training thread when it asks for the work (`ticket()`, in program order, the same on
+  every rank) and issued from the lane's one thread in ticket order. Another thread, or a later ticket
+  issued before an earlier one, raises at once: on NCCL either could enqueue [reduce k, gather j] on one rank
+  and [gather j, reduce k] on another and hang both for ever.
+- One device rule: every tensor of a collective lives on the group's compute device (NCCL's only device on
+  GPU; the CPU on gloo). The hot-path collectives (all_gather_into, reduce_scatter_mean) assert it; the
+  training thread's small host values (flags, norms, losses) and the state dict's host shards go through the
+  `*_host` helpers, which stage them on the device and back.
+
+World size 1 needs no process group: every function degrades to a local copy and a done Pending.
 """
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -16,6 +32,43 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class OrderError(RuntimeError):
+    """A lane issued a collective outside its program order (or from a thread that does not own the group)."""
+
+
+class ProgramOrder:
+    """The order one group's collectives must be issued in: tickets handed out in program order by the
+    training thread, issued in increasing order from one thread (the first that issues owns the group)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._next = 0
+        self._last_issued = -1
+        self._owner: int | None = None
+        self._lock = threading.Lock()
+
+    def ticket(self) -> int:
+        with self._lock:
+            self._next += 1
+            return self._next - 1
+
+    def issue(self, ticket: int, what: str) -> None:
+        """Called right before the collective is issued; raises OrderError out of order."""
+        me = threading.get_ident()
+        with self._lock:
+            if self._owner is None:
+                self._owner = me
+            if me != self._owner:
+                raise OrderError(f"offload: {what}: a collective of the {self.name} group was issued from thread "
+                                 f"{threading.current_thread().name}, but that group's collectives are issued by its "
+                                 "lane's one thread only (in program order on every rank; else NCCL can hang)")
+            if ticket <= self._last_issued:
+                raise OrderError(f"offload: {what}: the {self.name} group's collective #{ticket} was issued after "
+                                 f"#{self._last_issued}, out of program order (every rank must issue them in the "
+                                 "order the training thread asked for them; else NCCL can hang)")
+            self._last_issued = ticket
+
+
 @dataclass
 class Group:
     rank: int = 0
@@ -23,54 +76,144 @@ class Group:
     pg: object | None = None  # None: the default group
     name: str = "main"  # which of the runtime's groups (the watchdog counts collectives per group)
     watchdog: object | None = None  # watchdog.Watchdog: every collective runs through it
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # every collective tensor's device
+    order: ProgramOrder | None = None  # a lane's group: issued in ticket order from one thread
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    def ticket(self) -> int | None:
+        """The next collective's place in this group's program order (training thread, when it asks)."""
+        return self.order.ticket() if self.order is not None and self.distributed else None
 
 
 def sub_group(group: Group, name: str, timeout_s: float | None = None) -> Group:
     """A new process group over the same ranks, for one lane's collectives (every rank calls this in the
     same order). Each lane issuing on its own group keeps each group's calls in one thread's order."""
     if not group.distributed:
-        return Group(group.rank, group.world_size, name=name)
+        return Group(group.rank, group.world_size, name=name, device=group.device, order=ProgramOrder(name))
     kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     return Group(group.rank, group.world_size, dist.new_group(backend=dist.get_backend(), **kwargs), name,
-                 group.watchdog)
+                 group.watchdog, group.device, ProgramOrder(name))
 
 
-def _guarded(group: Group, collective: str, what: str, fn):
-    return fn() if group.watchdog is None else group.watchdog.run(group.name, collective, what, fn)
+class Pending:
+    """A collective in flight (FSDP2's wait_for_unshard half): wait() once where the result is needed.
+    `then` runs after the wait, on the same stream (e.g. the mean's division)."""
+
+    def __init__(self, group: Group | None = None, work=None, collective: str = "", what: str = "", then=None):
+        self._group, self._work, self._collective, self._what, self._then = group, work, collective, what, then
+
+    def wait(self) -> None:
+        work, self._work = self._work, None
+        if work is not None:
+            _guarded(self._group, self._collective, self._what, work.wait, counted=False)
+        then, self._then = self._then, None
+        if then is not None:
+            then()
+
+    @property
+    def waited(self) -> bool:
+        return self._work is None and self._then is None
 
 
-def all_gather_into(group: Group, out: torch.Tensor, shard: torch.Tensor, what: str = "") -> None:
-    """out (world_size * shard.numel()) <- every rank's shard, in rank order."""
+def _guarded(group: Group, collective: str, what: str, fn, counted: bool = True):
+    if group.watchdog is None:
+        return fn()
+    return group.watchdog.run(group.name, collective, what, fn, counted=counted)
+
+
+def _check(group: Group, what: str, *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.device != group.device:
+            raise ValueError(f"offload: {what}: a collective tensor is on {t.device} but the {group.name} group's "
+                             f"tensors live on {group.device} (comm.py: one device for every collective; host "
+                             "values go through the *_host helpers)")
+
+
+def _issue(group: Group, ticket: int | None, collective: str, what: str, fn) -> Pending:
+    if group.order is not None:
+        group.order.issue(-1 if ticket is None else ticket, what)
+    work = _guarded(group, collective, what, fn)
+    return Pending(group, work, collective, what)
+
+
+def all_gather_into(group: Group, out: torch.Tensor, shard: torch.Tensor, what: str = "",
+                    ticket: int | None = None) -> Pending:
+    """Issue: out (world_size * shard.numel()) <- every rank's shard, in rank order. Both on group.device."""
     if not group.distributed:
         out.copy_(shard)
-        return
-    _guarded(group, "all_gather", what, lambda: _all_gather(out, shard.contiguous(), group=group.pg))
+        return Pending()
+    _check(group, what, out, shard)
+    shard = shard.contiguous()
+    return _issue(group, ticket, "all_gather", what,
+                  lambda: _all_gather(out, shard, group=group.pg, async_op=True))
 
 
-def reduce_scatter_mean(group: Group, full: torch.Tensor, what: str = "") -> torch.Tensor:
-    """This rank's shard of the element-wise mean of `full` over ranks. One rank: `full` itself (callers
-    pass a gradient they own and only read the result)."""
+def reduce_scatter_mean(group: Group, full: torch.Tensor, what: str = "", ticket: int | None = None,
+                        ) -> tuple[torch.Tensor, Pending]:
+    """Issue: this rank's shard of the element-wise mean of `full` over ranks (the division runs at wait()).
+    One rank: `full` itself (callers pass a gradient they own and only read the result)."""
     if not group.distributed:
-        return full
+        return full, Pending()
+    _check(group, what, full)
+    full = full.contiguous()
     out = torch.empty(full.numel() // group.world_size, dtype=full.dtype, device=full.device)
-    _guarded(group, "reduce_scatter", what,
-             lambda: _reduce_scatter(out, full.contiguous(), op=dist.ReduceOp.SUM, group=group.pg))
-    out.div_(group.world_size)
-    return out
+    pending = _issue(group, ticket, "reduce_scatter", what,
+                     lambda: _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group.pg, async_op=True))
+    pending._then = lambda: out.div_(group.world_size)
+    return out, pending
 
 
 def all_reduce_(group: Group, t: torch.Tensor, op: str = "sum", what: str = "") -> torch.Tensor:
+    """In place, waited (the training thread needs the value now). `t` on group.device."""
     if group.distributed:
+        _check(group, what, t)
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        _guarded(group, "all_reduce", what, lambda: dist.all_reduce(t, op=reduce_op, group=group.pg))
+        _issue(group, None, "all_reduce", what,
+               lambda: dist.all_reduce(t, op=reduce_op, group=group.pg, async_op=True)).wait()
     return t
 
 
 def broadcast_(group: Group, t: torch.Tensor, src: int = 0, what: str = "") -> torch.Tensor:
+    """In place, waited. `t` on group.device."""
     if group.distributed:
-        _guarded(group, "broadcast", what, lambda: dist.broadcast(t, src=src, group=group.pg))
+        _check(group, what, t)
+        _issue(group, None, "broadcast", what,
+               lambda: dist.broadcast(t, src=src, group=group.pg, async_op=True)).wait()
     return t
+
+
+# ---- host values: staged through the compute device (small ones, or one unit at a time) ---------------------
+def _staged(group: Group, t: torch.Tensor, run) -> torch.Tensor:
+    if t.device == group.device:
+        return run(t)
+    on_device = run(t.to(group.device))
+    t.copy_(on_device)  # blocking: the caller reads the host value next
+    return t
+
+
+def all_reduce_host_(group: Group, t: torch.Tensor, op: str = "sum", what: str = "") -> torch.Tensor:
+    """all_reduce_ of a tensor wherever it lives (a host flag vector, a norm, a loss), in place."""
+    if not group.distributed:
+        return t
+    return _staged(group, t, lambda d: all_reduce_(group, d, op, what))
+
+
+def broadcast_host_(group: Group, t: torch.Tensor, src: int = 0, what: str = "") -> torch.Tensor:
+    """broadcast_ of a tensor wherever it lives, in place."""
+    if not group.distributed:
+        return t
+    return _staged(group, t, lambda d: broadcast_(group, d, src, what))
+
+
+def all_gather_host(group: Group, shard: torch.Tensor, what: str = "") -> torch.Tensor:
+    """Every rank's `shard` concatenated, on the host (the state dict's fp32 units: one unit on the device
+    at a time)."""
+    if not group.distributed:
+        return shard.to("cpu", copy=True)
+    send = shard.to(group.device)
+    out = torch.empty(send.numel() * group.world_size, dtype=send.dtype, device=group.device)
+    all_gather_into(group, out, send, what).wait()
+    return out.to("cpu")  # blocking: the caller reads it next

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..device import Streams
 from ..telemetry import Lane, Meter, Queue
 from . import comm
 from .lanes import WorkLane
@@ -40,10 +41,10 @@ class Lanes:
     optimizer: WorkLane
 
     @classmethod
-    def create(cls, meter: Meter, threaded: bool) -> "Lanes":
-        return cls(WorkLane(Lane.GATHER, Queue.GATHER, meter, threaded),
-                   WorkLane(Lane.REDUCE, Queue.REDUCE, meter, threaded),
-                   WorkLane(Lane.OPTIMIZER, Queue.OPTIMIZER, meter, threaded, pause_each=False))
+    def create(cls, meter: Meter, threaded: bool, streams: Streams) -> "Lanes":
+        return cls(WorkLane(Lane.GATHER, Queue.GATHER, meter, threaded, streams=streams),
+                   WorkLane(Lane.REDUCE, Queue.REDUCE, meter, threaded, streams=streams),
+                   WorkLane(Lane.OPTIMIZER, Queue.OPTIMIZER, meter, threaded, pause_each=False, streams=streams))
 
     def all(self) -> list[WorkLane]:
         return [self.gather, self.reduce, self.optimizer]
@@ -61,6 +62,8 @@ class UnitContext:
     meter: Meter
     counters: Counters
     schedule: object  # zero.schedule.Schedule: prefetched leases, and the uses it traces
+    streams: Streams  # each lane's stream on a GPU (device.py)
+    reduce_dtype: torch.dtype = torch.float32  # Config.reduce_dtype: what ranks sum gradients in
     sync_grads: bool = True  # False inside rt.no_sync(): backward accumulates locally
     max_reduces_in_flight: int = 2  # full gradients queued on the reduce lane at once (bounded memory)
     reduce_window: collections.deque = field(default_factory=collections.deque)  # their futures, oldest first

@@ -6,7 +6,9 @@
     optimizer  the optimizer pipeline (read ahead, fused AdamW, write-behind), unit after unit
 
 One thread per lane keeps each lane's work in program order: collectives on a lane are issued in the same
-order on every rank (each lane has its own process group, so lanes never interleave one group's calls).
+order on every rank (each lane has its own process group, so lanes never interleave one group's calls;
+comm.ProgramOrder raises if they would). On a GPU each lane's work runs on the lane's own stream (device.py),
+and its thread binds the compute device before its first work.
 With Config.pipeline=False a lane runs each piece of work in the caller, at once: the synchronous
 reference that the pipelined runtime must match bit for bit.
 """
@@ -16,17 +18,23 @@ import concurrent.futures as cf
 import threading
 from typing import Callable
 
+import torch
+
 from .. import inject
+from ..device import Streams, thread_initializer
 from ..telemetry import Lane, Meter, Queue
 
 
 class WorkLane:
-    def __init__(self, lane: Lane, queue: Queue, meter: Meter, threaded: bool, pause_each: bool = True):
+    def __init__(self, lane: Lane, queue: Queue, meter: Meter, threaded: bool, pause_each: bool = True,
+                 streams: Streams | None = None):
         self.lane = lane
+        self.streams = streams or Streams(torch.device("cpu"))
         self.queue = queue  # what the training thread waits on when it waits for this lane's work
         self.meter = meter
         self.pause_each = pause_each  # injected delay (tests) per piece of work; False: the work pauses itself
-        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"offload-{lane.value}") if threaded else None
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"offload-{lane.value}",
+                                           initializer=thread_initializer(self.streams.device)) if threaded else None
         self._last: cf.Future | None = None
         self._failure: BaseException | None = None  # the first work that raised (reported by drain)
         self._lock = threading.Lock()
@@ -41,7 +49,7 @@ class WorkLane:
             if self.pause_each:
                 inject.pause(self.queue)  # a slow lane (tests): the work starts late
             try:
-                with self.meter.working(self.lane, name):
+                with self.meter.working(self.lane, name), self.streams.use(self.lane):
                     return fn(*args)
             except BaseException as e:
                 with self._lock:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import Config, parse_duration, parse_size
+from ..device import Streams, bind_thread, compute_device
 from ..store import Tier
 from ..telemetry import Meter, Queue
 from . import comm, placement
@@ -119,12 +120,9 @@ class Runtime:
         if self.closed or self.is_open:
             raise RuntimeError("offload.init: a Runtime can be entered once")
         cfg = self.config
+        self.device = compute_device()
+        bind_thread(self.device)  # before the process group: NCCL binds its communicator to the current device
         self.group = self._setup_group()
-        if torch.cuda.is_available():
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
         tune_malloc(self.device)  # first: a bad OFFLOAD_MALLOC_TUNE raises before anything is built
         self.budgets = {"device": self._budget("device_budget"), "cpu": self._budget("cpu_budget"), "nvme": None}
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.group.world_size)))
@@ -141,9 +139,11 @@ class Runtime:
         timeout = parse_duration(cfg.collective_timeout, "collective_timeout")
         gather_group = comm.sub_group(self.group, "gather", timeout)
         reduce_group = comm.sub_group(self.group, "reduce", timeout)
-        lanes = Lanes.create(self.meter, threaded=cfg.pipeline)
+        streams = Streams(self.device)
+        lanes = Lanes.create(self.meter, threaded=cfg.pipeline, streams=streams)
         self.ctx = UnitContext(self.device, self.compute_dtype, self.group, gather_group, reduce_group, self.states,
-                               lanes, self.meter, Counters(), schedule=None)
+                               lanes, self.meter, Counters(), schedule=None, streams=streams,
+                               reduce_dtype=cfg.torch_reduce_dtype)
         self.pipeline = OptimizerPipeline(self.ctx, read_ahead=placement.PIPELINE_CHUNKS - 1 if cfg.pipeline else 0)
         self.schedule = Schedule(self.ctx, {}, self._reserve_bytes, prefetch=cfg.pipeline, gather_ahead=False,
                                  on_new_backward=self._on_new_backward, pipeline=self.pipeline,
@@ -197,14 +197,26 @@ class Runtime:
         timeout = parse_duration(self.config.collective_timeout, "collective_timeout")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if not (dist.is_available() and dist.is_initialized()) and world > 1:  # launched by torchrun: join
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                    timeout=datetime.timedelta(seconds=timeout))
+            # NCCL on a GPU, bound to this process's device up front (no guess from the rank, no lazy init);
+            # every collective tensor lives on that device (comm.py), so no gloo side-backend is needed
+            gpu = self.device.type == "cuda"
+            dist.init_process_group("nccl" if gpu else "gloo", timeout=datetime.timedelta(seconds=timeout),
+                                    **({"device_id": self.device} if gpu else {}))
             self._owns_pg = True
         if not (dist.is_available() and dist.is_initialized()):
-            return comm.Group(0, 1)
+            return comm.Group(0, 1, device=self.device)
+        backend = str(dist.get_backend()).lower()
+        if self.device.type == "cuda" and "nccl" not in backend:
+            raise RuntimeError(f"offload: the default process group uses {backend!r}, but this run computes on "
+                               f"{self.device}: collectives of device tensors need NCCL. Initialize it with "
+                               "torch.distributed.init_process_group('nccl', device_id=...) or let offload.init "
+                               "start it (under torchrun)")
+        if self.device.type == "cpu" and "gloo" not in backend:
+            raise RuntimeError(f"offload: the default process group uses {backend!r}, but this run computes on "
+                               "the CPU: initialize it with torch.distributed.init_process_group('gloo')")
         # a group the user created keeps its own timeout; the lanes' groups take collective_timeout
         self.watchdog = Watchdog(dist.get_rank(), dist.get_world_size(), timeout)
-        return comm.Group(dist.get_rank(), dist.get_world_size(), watchdog=self.watchdog)
+        return comm.Group(dist.get_rank(), dist.get_world_size(), watchdog=self.watchdog, device=self.device)
 
     def _budget(self, field: str) -> int | None:
         """A set budget in bytes; None for "auto" (the store resolves it), except that ranks sharing a host
@@ -338,16 +350,18 @@ class Runtime:
         from .grad_norm import local_norms
 
         self.flush_grads()
-        norms = local_norms(self.units, self.rank, norm_type)
+        # norms taken on the host (read-back) and on the device (device-tier gradients) meet on the host; each
+        # is final (the reduce lane's future covers its bytes), so the copies wait for nothing queued
+        norms = [n.to("cpu") for n in local_norms(self.units, self.rank, norm_type)]
         local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
         with self.meter.waiting(Queue.COLLECTIVE):
             if not self.group.distributed:
                 total = local
             elif math.isinf(norm_type):
-                total = comm.all_reduce_(self.group, local.clone(), "max", what="clip_grad_norm_")
+                total = comm.all_reduce_host_(self.group, local.clone(), "max", what="clip_grad_norm_")
             else:
-                total = comm.all_reduce_(self.group, local ** norm_type, "sum",
-                                         what="clip_grad_norm_") ** (1.0 / norm_type)
+                total = comm.all_reduce_host_(self.group, local ** norm_type, "sum",
+                                              what="clip_grad_norm_") ** (1.0 / norm_type)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # fp32, exactly as torch computes it
         self.grad_scale = float(coef)
         self.backward_updates.on_clip(self.grad_scale)
@@ -378,7 +392,7 @@ class Runtime:
             return
         flags = torch.cat([u.used.to(torch.int32) for u in self.units])
         with self.meter.waiting(Queue.COLLECTIVE):
-            comm.all_reduce_(self.group, flags, "max", what="which parameters got gradients (opt.step)")
+            comm.all_reduce_host_(self.group, flags, "max", what="which parameters got gradients (opt.step)")
         offset = 0
         for u in self.units:
             n = u.used.numel()

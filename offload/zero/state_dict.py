@@ -48,9 +48,7 @@ def _unit_of(t: torch.Tensor):
 def gather_full(rt, unit) -> torch.Tensor:
     """The unit's full padded flat value in fp32 on the host (collective; the runtime is quiet)."""
     shard = unit.read_shard(unit.shards.master_kind())
-    full = torch.empty(unit.layout.padded_numel, dtype=torch.float32)
-    comm.all_gather_into(rt.group, full, shard, what=f"state dict of {unit.label}")
-    return full
+    return comm.all_gather_host(rt.group, shard, what=f"state dict of {unit.label}")
 
 
 def write_full(rt, unit, full: torch.Tensor) -> None:

@@ -21,11 +21,13 @@ import enum
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
 
 from ..config import format_size
+from ..device import record, retire, sync
 from ..store import LeaseMode, StoreConfig, Tier, TieredStore
 from ..store.lease import Lease
 from .shards import ShardKey, ShardSpec
@@ -45,13 +47,17 @@ def _done(value=None) -> cf.Future:
 
 
 class ResidentLease:
-    """A lease on a shard held resident: the bytes are already in the cpu tier; nothing moves. Writes
-    by UPDATE / OVERWRITE holders land in the resident copy (written home when it stops being resident)."""
+    """A lease on a shard held resident: the bytes are already in the cpu tier (pinned); nothing moves. Writes
+    by UPDATE / OVERWRITE holders land in the resident copy (written home when it stops being resident).
+    A GPU consumer gets a device copy made when waited, on its current stream (an async DMA from the pinned
+    copy); the event after that copy joins the shard's `readers`, which a host writer waits for first."""
 
-    def __init__(self, key: ShardKey, tensor: torch.Tensor, mode: LeaseMode, to_device: torch.device | None):
+    def __init__(self, key: ShardKey, tensor: torch.Tensor, mode: LeaseMode, to_device: torch.device | None,
+                 readers: "_Readers"):
         self.key, self.mode = key, mode
         self._tensor = tensor
         self._device = to_device  # a GPU consumer: copied when waited (on the lane that waits)
+        self._readers = readers
         self._copy: torch.Tensor | None = None
         self._released: cf.Future | None = None
 
@@ -62,23 +68,47 @@ class ResidentLease:
         if self._released is not None:
             raise RuntimeError(f"lease of {self.key} used after release")
         if self._device is None:
+            if self.mode is not LeaseMode.READ:
+                self._readers.drain(self.key)  # a device copy may still be reading these host bytes
             return self._tensor
         if self._copy is None:
-            self._copy = self._tensor.to(self._device, non_blocking=False)  # lane thread: the gather needs it
+            self._copy = self._tensor.to(self._device, non_blocking=True)  # pinned -> device on this stream
+            self._readers.add(self.key, record(self._device))
         return self._copy
 
     def release(self) -> cf.Future:
         if self._released is None:
             if self._copy is not None and self.mode is not LeaseMode.READ:
-                self._tensor.copy_(self._copy)
+                self._tensor.copy_(self._copy)  # blocking: the host copy is the truth once released
+            retire(self._copy)  # read on the holder's stream
             self._copy = None
             self._released = _done()
         return self._released
 
 
+class _Readers:
+    """Per resident shard, the events after device copies still reading its host bytes (GPU only)."""
+
+    def __init__(self):
+        self._events: dict[ShardKey, list] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: ShardKey, event) -> None:
+        if event is not None:
+            with self._lock:
+                self._events.setdefault(key, []).append(event)
+
+    def drain(self, key: ShardKey) -> None:
+        with self._lock:
+            events = self._events.pop(key, [])
+        for ev in events:
+            sync(ev)  # a host writer: the DMA reading the old bytes must be over before they change
+
+
 class HostCopyLease:
     """A device-homed shard (GPU) lent to the CPU: a host copy made when waited, copied back on release
-    when written. The CPU optimizer over optimizer='device' states takes this path."""
+    when written. The CPU optimizer over optimizer='device' states takes this path: blocking pageable copies,
+    correct but not overlapped (docs/zero-runtime.md; a device-side update is the update-path issue's)."""
 
     def __init__(self, inner: Lease):
         self.key, self.mode = inner.key, inner.mode
@@ -97,7 +127,12 @@ class HostCopyLease:
 
     def release(self) -> cf.Future:
         if self._host is not None and self.mode is not LeaseMode.READ:
-            self._inner.wait().copy_(self._host)
+            dev = self._inner.wait()
+            # a gather's collective may still read the old bytes on the compute stream's side: this (the
+            # optimizer lane's) stream waits for what the training thread has queued so far, then the blocking
+            # copy from pageable memory returns once the new bytes are there
+            torch.cuda.current_stream(dev.device).wait_stream(torch.cuda.default_stream(dev.device))
+            dev.copy_(self._host)
         self._host = None
         return self._inner.release()
 
@@ -130,6 +165,7 @@ class UnitStateStore:
             raise
         self._registered: set[ShardKey] = set()
         self._resident: dict[ShardKey, Lease] = {}
+        self._readers = _Readers()
 
     # ---- budgets ----------------------------------------------------------------------------
     def capacity(self, tier: str) -> int:
@@ -181,7 +217,7 @@ class UnitStateStore:
         held = self._resident.get(spec.key)
         if held is not None:
             gpu = use is Use.COMPUTE and self.device.type != "cpu"
-            return ResidentLease(spec.key, held.wait(), mode, self.device if gpu else None)
+            return ResidentLease(spec.key, held.wait(), mode, self.device if gpu else None, self._readers)
         tier = self.tier_for(spec, use)
         if use is Use.HOST and tier is Tier.DEVICE and self.device.type != "cpu":
             inner = self.store.lease(spec.key, Tier.DEVICE, mode, block)
@@ -205,6 +241,8 @@ class UnitStateStore:
 
     def evict(self, keys) -> list[cf.Future]:
         """Stop holding these shards: each is written home (write-behind) and its buffer freed."""
+        for k in keys:
+            self._readers.drain(k)  # the write home (and the buffer's reuse) must not race a device copy of it
         return [self._resident.pop(k).release() for k in list(keys) if k in self._resident]
 
     def flush(self) -> None:

@@ -22,8 +22,10 @@ import torch
 import torch.nn as nn
 
 from ..config import format_size
+from ..device import record, retire, sync
+from ..device import wait as stream_wait
 from ..store import LeaseMode, Tier
-from ..telemetry import Queue
+from ..telemetry import Lane, Queue
 from . import comm
 from .context import UnitContext
 from .grad_norm import PieceNorms
@@ -40,6 +42,28 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     not bump the version of the views autograd saved in forward (they see the new bytes, not a 'modified
     in place' error), the same trick as resizing storage under saved tensors."""
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, (t.numel(),), (1,))
+
+
+class IssuedGather:
+    """A gather the lane has issued (FSDP2's all-gather result): `pending` is the collective, `copied` the event
+    after the lane's own copies into the flat buffer (one rank, GPU), `held` what the collective reads (leases,
+    the send buffer) and must outlive it. The training thread's wait() orders its stream after both, then
+    lets the held buffers go (retired on that stream, which is now after every reader of them)."""
+
+    def __init__(self, pending: comm.Pending, copied, held: list, device: torch.device):
+        self.pending, self.copied, self.held, self.device = pending, copied, held, device
+
+    def wait(self) -> None:
+        try:
+            self.pending.wait()
+            stream_wait(self.copied, self.device)
+        finally:
+            held, self.held = self.held, []
+            for h in held:
+                if isinstance(h, torch.Tensor):
+                    retire(h)
+                else:
+                    h.release()
 
 
 def _result(fut: cf.Future | None) -> None:
@@ -146,12 +170,13 @@ class ShardedUnit:
         self.check_requires_grad()
         if not self.fresh:
             if self.state is UnitState.SHARDED:
-                self.flat.untyped_storage().resize_(self.nbytes_full)
+                with self.ctx.streams.use(Lane.GATHER):  # allocated on the stream that writes it (device.py)
+                    self.flat.untyped_storage().resize_(self.nbytes_full)
                 advise_huge_pages(self.flat)  # fresh pages, written next: 512x fewer faults
                 self.ctx.counters.gathered(self.nbytes_full)
             prefetched = self.ctx.schedule.take_prefetched(self)
             self._gather = self.ctx.lanes.gather.submit(f"gather:{self.uid or '<root>'}", self._gather_now,
-                                                        prefetched, self.update)
+                                                        prefetched, self.update, self.ctx.gather_group.ticket())
             self._transition(UnitState.GATHERING)
         if not async_op:
             self.wait_for_unshard()
@@ -161,7 +186,9 @@ class ShardedUnit:
             return
         fut, self._gather = self._gather, None
         try:
-            wait(fut, self.ctx.meter, Queue.GATHER)  # the unit computes next: its bytes must be there
+            issued = wait(fut, self.ctx.meter, Queue.GATHER)  # the lane has read the shard and issued the gather
+            with self.ctx.meter.waiting(Queue.GATHER):
+                issued.wait()  # the unit computes next: GPU: the compute stream waits for the gather; gloo: the host
         except BaseException:
             self._drop_flat()
             raise
@@ -170,11 +197,12 @@ class ShardedUnit:
         self._install(self.views)
         self._transition(UnitState.UNSHARDED)
 
-    def _gather_now(self, prefetched: dict, after_update: cf.Future | None) -> None:
-        """On the gather lane: this rank's param chunks -> every rank's, into the flat buffer."""
+    def _gather_now(self, prefetched: dict, after_update: cf.Future | None, ticket: int | None) -> "IssuedGather":
+        """On the gather lane (its stream on a GPU): this rank's param chunks -> every rank's, into the flat
+        buffer. Returns at once after issuing; the training thread waits on what it returns."""
         _result(after_update)  # the shard must hold the last update before it is read
         ctx = self.ctx
-        leases = []
+        leases, held = [], []
         try:
             for c in self.shards.chunks:
                 lease = prefetched.get(c.index)
@@ -184,21 +212,28 @@ class ShardedUnit:
             out = _alias(self.flat)
             if ctx.world_size == 1:
                 for c, lease in zip(self.shards.chunks, leases):
-                    out[c.lo:c.hi].copy_(lease.wait())
+                    out[c.lo:c.hi].copy_(lease.wait(), non_blocking=True)  # GPU: on the gather stream
+                issued = IssuedGather(comm.Pending(), record(ctx.device), [], ctx.device)
             else:
                 if len(leases) == 1:
                     send = leases[0].wait()
+                    held = leases  # the collective reads the lease's bytes until it is waited for
                 else:  # the collective takes one contiguous shard
                     send = torch.empty(self.shards.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
                     for c, lease in zip(self.shards.chunks, leases):
-                        send[c.lo:c.hi].copy_(lease.wait())
-                comm.all_gather_into(ctx.gather_group, out, send, what=f"gather of {self.label}")
+                        send[c.lo:c.hi].copy_(lease.wait(), non_blocking=True)  # GPU: on the gather stream
+                pending = comm.all_gather_into(ctx.gather_group, out, send, what=f"gather of {self.label}",
+                                               ticket=ticket)
+                issued = IssuedGather(pending, None, held or [send], ctx.device)
             ctx.counters.add("allgather_bytes", self.nbytes_full)
+            return issued
         finally:
             for lease in leases:
-                lease.release()
+                if lease not in held:
+                    lease.release()  # read on this lane's stream, queued: retired there (device.retire)
             for lease in prefetched.values():
-                lease.release()  # idempotent for the ones used above
+                if lease not in held:
+                    lease.release()  # idempotent for the ones used above
 
     def reshard(self) -> None:
         """Free the full flat parameter (the shard in its home tier is the truth); modules see placeholders."""
@@ -207,17 +242,23 @@ class ShardedUnit:
         if self.state is not UnitState.UNSHARDED or self.persistent:
             return
         self._install(self.placeholders)
-        self.flat.untyped_storage().resize_(0)
+        self._free_flat()
         self.ctx.counters.gathered(-self.nbytes_full)
         self._transition(UnitState.SHARDED)
 
     def _drop_flat(self) -> None:
         """A gather failed: give its buffer back and stay SHARDED."""
         self._install(self.placeholders)
-        self.flat.untyped_storage().resize_(0)
+        self._free_flat()
         self.ctx.counters.gathered(-self.nbytes_full)
         self.stale = False
         self._transition(UnitState.SHARDED)
+
+    def _free_flat(self) -> None:
+        """Give the flat buffer's bytes back; on a GPU only once the compute queued on the current stream so
+        far (the unit's forward or backward, which read them) has passed."""
+        retire(self.flat)
+        self.flat.untyped_storage().resize_(0)
 
     def free(self) -> None:
         """Leave the runtime: drop the flat buffer and accumulators; placeholders stay (meta, no bytes)."""
@@ -230,7 +271,7 @@ class ShardedUnit:
                 pass
         if self.state is UnitState.UNSHARDED:
             self._install(self.placeholders)
-            self.flat.untyped_storage().resize_(0)
+            self._free_flat()
             self.ctx.counters.gathered(-self.nbytes_full)
         self.local_grad = None
         self._transition(UnitState.FREED)
@@ -269,48 +310,64 @@ class ShardedUnit:
         self.reduce(full)
 
     def reduce(self, full_grad: torch.Tensor) -> None:
-        """Queue: mean over ranks of the full gradient (fp32; compute dtype on one rank, where nothing is
-        summed), this rank's shard added into the stored fp32 gradient (or written over it, the first time
-        since zero_grad). `full_grad` travels with the work."""
+        """Queue: mean over ranks of the full gradient (fp32, or Config.reduce_dtype; compute dtype on one rank,
+        where nothing is summed), this rank's shard added into the stored fp32 gradient (or written over it,
+        the first time since zero_grad). `full_grad` travels with the work, and so does the event after the
+        compute that wrote it (the reduce stream waits for that, not for the whole device)."""
         overwrite, self.has_grad = not self.has_grad, True
         window = self.ctx.reduce_window  # every unit's reduces in flight, oldest first
         while window and window[0].done():
             window.popleft()
         while len(window) >= self.ctx.max_reduces_in_flight:  # bound the full gradients held by the lane
             wait(window.popleft(), self.ctx.meter, Queue.REDUCE)
+        written = record(self.ctx.device)
         self.grads = self.ctx.lanes.reduce.submit(f"reduce:{self.uid or '<root>'}", self._reduce_now, full_grad,
-                                                  overwrite, self.update)
+                                                  written, overwrite, self.update, self.ctx.reduce_group.ticket())
         window.append(self.grads)
         if self.ctx.on_reduce is not None:
             self.ctx.on_reduce(self)
 
-    def _reduce_now(self, full_grad: torch.Tensor, overwrite: bool, after_update: cf.Future | None) -> None:
+    def _reduce_now(self, full_grad: torch.Tensor, written, overwrite: bool, after_update: cf.Future | None,
+                    ticket: int | None) -> None:
+        """On the reduce lane (its stream on a GPU)."""
         _result(after_update)  # the last update reads the gradient chunks: it must be over before they change
         ctx = self.ctx
-        shard = comm.reduce_scatter_mean(ctx.reduce_group, full_grad, what=f"gradient of {self.label}")
-        ctx.counters.add("reduce_scatter_bytes", full_grad.numel() * 4)
-        where = self._grads_where()
-        if where is Use.HOST and shard.device.type != "cpu":
-            shard = shard.to("cpu")  # lane thread: the accumulation below reads it
+        stream_wait(written, ctx.device)  # this stream reads what autograd wrote on the compute stream
+        send = full_grad
+        if ctx.world_size > 1 and ctx.reduce_dtype != full_grad.dtype:
+            send = full_grad.to(ctx.reduce_dtype)  # Config.reduce_dtype: the ranks sum in it
+        shard, pending = comm.reduce_scatter_mean(ctx.reduce_group, send, what=f"gradient of {self.label}",
+                                                  ticket=ticket)
+        ctx.counters.add("reduce_scatter_bytes", send.numel() * send.element_size())
+        pending.wait()  # this stream (gloo: this thread) goes on once the sum is here
+        retire(full_grad)  # allocated by autograd on the compute stream, read on this one
         self.register_grads()
         mode = LeaseMode.OVERWRITE if overwrite else LeaseMode.UPDATE
+        where = self._grads_where(accumulate=not overwrite)
         pieces = [p for p in self.layout.pieces(ctx.rank) if self.layout.slots[p.slot].requires_grad]
         norms = PieceNorms(pieces) if overwrite else None  # of the fp32 values stored, while they are here
         for c in self.shards.chunks:
             lease = ctx.states.lease(self.shards.spec(StateKind.GRAD, c), where, mode)
             acc = lease.wait()
             if overwrite:
-                acc.copy_(shard[c.lo:c.hi])
+                acc.copy_(shard[c.lo:c.hi], non_blocking=True)  # GPU to a pinned host chunk: on this stream
+                if acc.device != shard.device:
+                    sync(record(ctx.device))  # the norm below and the write-behind read these host bytes next
                 norms.feed(c, acc)
             else:
-                acc.add_(shard[c.lo:c.hi])
+                acc.add_(shard[c.lo:c.hi])  # on one device (_grads_where)
             lease.release()
+        retire(shard)
         self.grad_norms = norms.done if overwrite else None
+        sync(record(ctx.device))  # readers of the gradient (optimizer, clip norm) wait on this lane's future only
 
-    def _grads_where(self) -> Use:
+    def _grads_where(self, accumulate: bool = False) -> Use:
         """Where the reduce and zero_grad touch the gradient chunks: in the device tier when they live there
-        (on a GPU no host round trip), else host memory."""
-        return Use.COMPUTE if self.shards.tiers.grads is Tier.DEVICE else Use.HOST
+        (on a GPU no host round trip); on a GPU, an accumulation on the device (the chunk is brought up and
+        written back by the store, so nothing adds device bytes to host ones); else host memory."""
+        if self.shards.tiers.grads is Tier.DEVICE or (accumulate and self.ctx.device.type == "cuda"):
+            return Use.COMPUTE
+        return Use.HOST
 
     def register_grads(self) -> None:
         if not self.shards.grads_registered:

@@ -43,12 +43,13 @@ class Watchdog:
             self._thread = threading.Thread(target=self._beat, name="offload-watchdog", daemon=True)
             self._thread.start()
 
-    def run(self, group: str, collective: str, what: str, fn):
+    def run(self, group: str, collective: str, what: str, fn, counted: bool = True):
+        """fn() (a collective's issue, or with counted=False the wait of one already counted), watched."""
         if self.broken is not None:
             raise CollectiveError(self.broken)
         tid = threading.get_ident()
         with self._lock:
-            count = self.entered.get(group, 0) + 1
+            count = self.entered.get(group, 0) + counted
             self.entered[group] = count
             self.waiting[tid] = (group, collective, what, count, time.time())
             self.last = self.waiting[tid]

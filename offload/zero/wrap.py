@@ -62,7 +62,7 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
             full = layout.flatten(values, torch.float32)
             del values
             if not meta and weights is None:  # every rank must start from the same values
-                comm.broadcast_(rt.group, full, 0, what=f"initial values of unit {spec.name or '<root>'}")
+                comm.broadcast_host_(rt.group, full, 0, what=f"initial values of unit {spec.name or '<root>'}")
             lo, hi = layout.shard_bounds(rt.rank)
             shard = full[lo:hi].clone()
             del full
