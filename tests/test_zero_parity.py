@@ -45,6 +45,9 @@ def grid(world):
         Case(world=world, dtype="bf16", accum=4, params="nvme", optimizer="nvme", grads="nvme", clip=clip),
         Case(world=world, params="cpu", optimizer="cpu", grads="device"),
         Case(world=world, dtype="bf16", accum=4, no_sync=False, params="device", optimizer="cpu", clip=clip),
+        # Config.reduce_dtype="bf16": the reference rounds each rank's gradient to bf16 and sums in bf16 too
+        Case(world=world, dtype="bf16", reduce_dtype="bf16", clip=clip),
+        Case(world=world, dtype="bf16", reduce_dtype="bf16", accum=4, params="nvme", optimizer="nvme", clip=clip),
     ]
     if transformers_available():
         cases += [

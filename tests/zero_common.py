@@ -147,6 +147,7 @@ class Case:
     #   "eval"   a forward under no_grad (its loss compared too) before every step after the first
     flow: str = ""
     update_in_backward: bool = False  # Config.update_in_backward (offload_run only)
+    reduce_dtype: str = "fp32"  # Config.reduce_dtype: "bf16" sums each rank's gradient rounded to bf16
 
     @property
     def name(self) -> str:
@@ -157,6 +158,7 @@ class Case:
                 f"{'-cpu' + self.cpu_budget if self.cpu_budget != '256MiB' else ''}"
                 f"{'-flow_' + self.flow if self.flow else ''}"
                 f"{'-update_in_backward' if self.update_in_backward else ''}"
+                f"{'-reduce_' + self.reduce_dtype if self.reduce_dtype != 'fp32' else ''}"
                 f"{'-slow_' + self.delay.replace('=', '') if self.delay else ''}")
 
 
@@ -258,11 +260,12 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor):
                     if local[r][n] is not None:
                         per_rank[r][n] = local[r][n].add_(g)
                         local[r][n] = None
-            for n in per_rank[0]:
-                red = per_rank[0][n].clone()
+            low = torch.bfloat16 if case.reduce_dtype == "bf16" and W > 1 else torch.float32
+            for n in per_rank[0]:  # the runtime's reduce: each rank's gradient in reduce_dtype, summed, / W
+                red = per_rank[0][n].to(low, copy=True)
                 for r in range(1, W):
-                    red += per_rank[r][n]
-                red /= W
+                    red += per_rank[r][n].to(low)
+                red = (red / W).float()
                 acc[n] = red if acc[n] is None else acc[n].add_(red)
         for n in trainable:
             master[n].grad = acc[n]
@@ -286,7 +289,7 @@ def offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str,
     cfg = offload.Config(params=case.params, optimizer=case.optimizer, grads=case.grads, compute_dtype=case.dtype,
                          nvme_path=nvme_dir if "nvme" in (case.params, case.optimizer, case.grads) else None,
                          device_budget="256MiB", cpu_budget=case.cpu_budget, pipeline=pipeline,
-                         update_in_backward=case.update_in_backward)
+                         update_in_backward=case.update_in_backward, reduce_dtype=case.reduce_dtype)
     losses, snaps, norms = [], {}, []
     mine = slice(rank * MICRO, (rank + 1) * MICRO)
     with offload.init(cfg) as rt:
