@@ -70,8 +70,9 @@ class FlatLayout:
         return any(s.requires_grad for s in self.slots)
 
     def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """The full padded flat buffer (host) from one tensor per slot."""
-        flat = torch.zeros(self.padded_numel, dtype=dtype)
+        """The full padded flat buffer from one tensor per slot, on their device (the host when there are none)."""
+        device = tensors[0].device if tensors else torch.device("cpu")
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
         for s, t in zip(self.slots, tensors):
             flat[s.offset:s.offset + s.numel].copy_(t.detach().reshape(-1))
         return flat

@@ -17,8 +17,11 @@ units are materialized one at a time: real tensors for the unit's parameters, in
 each module after the modules inside it (post-order, as eager __init__ and HF's `model.apply(_init_weights)`
 finish a parent after its children: nn.MultiheadAttention zeroes its out_proj's bias after out_proj's own
 init),
-under `torch.manual_seed(config.seed + unit index)` in a forked RNG: every rank computes the same values
-(so each can keep its own shard) and the user's RNG stream is untouched. A parameter shared by several
+seeded with `config.seed + unit index` in a forked RNG: every rank computes the same values (so each can
+keep its own shard) and the user's RNG streams, the CPU's and the compute GPU's, are untouched. On a GPU a
+unit is initialized there when the device has room for it (4x its fp32 bytes free), by the GPU's generator:
+a model built inside the block then gets other values (from the same distributions) than on a CPU; models
+passed to rt.wrap and loaded weights keep theirs. A parameter shared by several
 modules is initialized by the first module that holds it, as in eager construction where the last
 assignment (the tie) keeps the first module's tensor. The values therefore differ from an eager build
 with the same global seed; `rt.wrap(model)` keeps an existing model's values exactly.
@@ -146,7 +149,18 @@ def is_meta_model(module: nn.Module) -> bool:
     return any(p.device.type == "meta" and not hasattr(p, "_offload_unit") for p in module.parameters())
 
 
-def materialize_unit(root: nn.Module, params: list, seed: int) -> list[torch.Tensor]:
+def init_device(compute: torch.device, params: list) -> torch.device:
+    """Where a unit's initial values are computed: the GPU when it has room (4x the unit's fp32 bytes free:
+    the values, the flat copy, the shard, headroom), else the host."""
+    if compute.type != "cuda":
+        return torch.device("cpu")
+    need = 4 * sum(p.numel() for p, _, _ in params) * 4
+    free, _ = torch.cuda.mem_get_info(compute)
+    return compute if free > need else torch.device("cpu")
+
+
+def materialize_unit(root: nn.Module, params: list, seed: int,
+                     device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
     """Real, initialized values (host, fp32 or the parameter's dtype) for a unit's parameters.
 
     params: [(meta parameter, [(module, attr)], fqn)]. The modules temporarily hold real parameters while
@@ -156,7 +170,7 @@ def materialize_unit(root: nn.Module, params: list, seed: int) -> list[torch.Ten
     owners: dict[int, nn.Module] = {}  # first module holding each parameter initializes it
     modules: list[nn.Module] = []
     for p, refs, _ in params:
-        t = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+        t = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
         real[id(p)] = t
         for module, attr in refs:
             if module not in modules:
@@ -171,8 +185,11 @@ def materialize_unit(root: nn.Module, params: list, seed: int) -> list[torch.Ten
             module._parameters[attr] = real[id(p)]
     hf_init = getattr(root, "_init_weights", None)
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        gpu = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=gpu):  # restores the generators it seeds: the user's streams go on
+            torch.random.default_generator.manual_seed(seed)  # not torch.manual_seed: it seeds every GPU
+            if gpu:
+                torch.cuda.manual_seed(seed)  # the compute device's generator only (forked above)
             with torch.no_grad():
                 for module in modules:
                     mine = {id(v) for v in module._parameters.values() if v is not None}

@@ -12,7 +12,7 @@ import torch.nn as nn
 from ..config import parse_size
 from . import comm, hooks, placement
 from .layout import FlatLayout
-from .materialize import is_meta_model, materialize_unit
+from .materialize import init_device, is_meta_model, materialize_unit
 from .shards import StateKind, UnitShards
 from .torch_patches import patch_model
 from .unit import ShardedUnit
@@ -56,7 +56,7 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
             if weights is not None:
                 values = [weights(fqn, p) for p, _, fqn in spec.params]
             elif meta:
-                values = materialize_unit(model, spec.params, cfg.seed + index)
+                values = materialize_unit(model, spec.params, cfg.seed + index, init_device(rt.device, spec.params))
             else:
                 values = [p.detach() for p, _, _ in spec.params]
             full = layout.flatten(values, torch.float32)
