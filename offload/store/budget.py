@@ -25,14 +25,15 @@ __all__ = ["AUTO_FRACTION", "resolve_budget", "DeviceTier"]
 AUTO_FRACTION = {"device_cuda": 0.90, "device_host": 0.25, "cpu": 0.50, "nvme": 0.90}
 
 
-def resolve_budget(value: int | str, tier: str, *, nvme_path: str | None = None) -> int:
+def resolve_budget(value: int | str, tier: str, *, nvme_path: str | None = None,
+                   device: torch.device | None = None) -> int:
     """Bytes of a tier budget; `value` is a size or "auto" (see the module docstring)."""
     what = f"{tier}_budget"
     if value != "auto":
         return parse_size(value, what)
     if tier == "device":
         if torch.cuda.is_available():
-            free, _ = torch.cuda.mem_get_info()
+            free, _ = torch.cuda.mem_get_info(device)  # the store's GPU (None: the current one)
             return int(free * AUTO_FRACTION["device_cuda"])
         import psutil
 

@@ -177,7 +177,8 @@ class TieredStore:
         try:
             page = SLOT_ALIGN
             cpu_cap = resolve_budget(cfg.cpu_budget, "cpu") // page * page
-            dev_cap = resolve_budget(cfg.device_budget, "device") // page * page
+            dev_cap = resolve_budget(cfg.device_budget, "device",
+                                     device=self.device if self.device.type == "cuda" else None) // page * page
             self.nvme_capacity = resolve_budget(cfg.nvme_budget, "nvme", nvme_path=cfg.nvme_path)
             self._nvme_used = 0
             if cfg.nvme_path is not None:

@@ -80,9 +80,9 @@ def _rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
     json_part = {"python": [version, list(state), gauss],
                  "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
     tensors = {"rng/torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"rng/cuda{i}"] = s
+    if torch.cuda.is_available():  # this rank's GPU only (the current device: bound at offload.init): the
+        # others are other ranks' (touching them would put a context on each)
+        tensors["rng/cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return json_part, tensors
 
 
@@ -94,9 +94,12 @@ def _set_rng_state(json_part: dict, tensors: dict[str, torch.Tensor]) -> None:
     kind, keys, pos, has_gauss, cached = json_part["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(tensors["rng/torch"])
-    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("rng/cuda")), key=lambda k: int(k[8:]))]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
+    if not torch.cuda.is_available():
+        return
+    device = torch.cuda.current_device()
+    state = tensors.get("rng/cuda", tensors.get(f"rng/cuda{device}"))  # (rng/cudaN: every GPU's, older checkpoints)
+    if state is not None:
+        torch.cuda.set_rng_state(state, device)
 
 
 # ---- save ---------------------------------------------------------------------------------------

@@ -422,6 +422,7 @@ class ShardedUnit:
                                               LeaseMode.UPDATE)
                 lease.wait()[a:b].zero_()
                 lease.release()
+        sync(record(self.ctx.device))  # device-tier gradients: readers wait on this lane's future only
 
     # ---- reading and writing ranges of the shard (training thread: state dicts, clip) ----------
     def read_shard(self, kind: StateKind) -> torch.Tensor:
