@@ -1,0 +1,20 @@
+"""Ranks whose lanes run at different speeds (tests/skew_worker.py): 20 steps on 2 gloo ranks, params and
+optimizer states on nvme, accumulation that reduces every micro-batch, rank 0's gathers and copies slowed and
+rank 1's reduces and disk reads: no hang (the launch has a deadline) and bit for bit the synchronous run."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_skewed_lanes_on_two_ranks_finish_bitwise(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).with_name("skew_worker.py")), str(out), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)  # a hang fails here
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for r in range(2):
+        result = json.loads(Path(f"{out}.{r}").read_text())
+        assert result["steps"] == 20 and result["mismatches"] == 0, result
