@@ -51,6 +51,7 @@ Without a GPU, the device tier is a budgeted region of host memory and its tenso
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -186,7 +187,9 @@ class TieredStore:
                 from .aio import AioEngine
 
                 self._engine = AioEngine(cfg.aio_block_size, cfg.aio_queue_depth, cfg.aio_workers, cfg.aio_backend)
-            self._arena = PinnedArena(cpu_cap, lock=cfg.lock_memory, name="cpu tier (pinned arena)")
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                # registered from this GPU's context (not the calling thread's current device's)
+                self._arena = PinnedArena(cpu_cap, lock=cfg.lock_memory, name="cpu tier (pinned arena)")
             # device blocks are allocated on the host->device stream that fills them (device.py)
             self._dev = DeviceTier(dev_cap, self.device, alloc_stream=self._streams.get(Link.CPU_TO_DEVICE))
             self._pool = cf.ThreadPoolExecutor(max(1, cfg.io_workers), thread_name_prefix="offload-store",

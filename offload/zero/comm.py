@@ -170,7 +170,7 @@ def all_reduce_(group: Group, t: torch.Tensor, op: str = "sum", what: str = "") 
     """In place, waited (the training thread needs the value now). `t` on group.device."""
     if group.distributed:
         _check(group, what, t)
-        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         _issue(group, None, "all_reduce", what,
                lambda: dist.all_reduce(t, op=reduce_op, group=group.pg, async_op=True)).wait()
     return t

@@ -149,14 +149,19 @@ def is_meta_model(module: nn.Module) -> bool:
     return any(p.device.type == "meta" and not hasattr(p, "_offload_unit") for p in module.parameters())
 
 
-def init_device(compute: torch.device, params: list) -> torch.device:
-    """Where a unit's initial values are computed: the GPU when it has room (4x the unit's fp32 bytes free:
-    the values, the flat copy, the shard, headroom), else the host."""
+def init_device(compute: torch.device, largest_unit_numel: int, group) -> torch.device:
+    """Where units' initial values are computed: the GPU when every rank's has room for the largest one (4x its
+    fp32 bytes free: the values, the flat copy, the shard, headroom), else the host. Agreed over ranks (a
+    collective): each rank keeps a shard of values every rank computed alike, so all must compute them on the
+    same kind of device."""
     if compute.type != "cuda":
         return torch.device("cpu")
-    need = 4 * sum(p.numel() for p, _, _ in params) * 4
+    from . import comm
+
     free, _ = torch.cuda.mem_get_info(compute)
-    return compute if free > need else torch.device("cpu")
+    least = comm.all_reduce_host_(group, torch.tensor([float(free)], dtype=torch.float64), "min",
+                                  what="free memory for initialization")
+    return compute if least.item() > 4 * 4 * largest_unit_numel else torch.device("cpu")
 
 
 def materialize_unit(root: nn.Module, params: list, seed: int,

@@ -184,7 +184,14 @@ class Runtime:
         if self.watchdog is not None:
             self.watchdog.close()
         if self._owns_pg and dist.is_initialized():
-            dist.destroy_process_group()
+            dist.destroy_process_group()  # the lanes' groups go with it
+        elif self.ctx is not None and dist.is_initialized():
+            for g in (self.ctx.gather_group, self.ctx.reduce_group):  # the user's group stays; ours go (NCCL:
+                if g.pg is not None:                                 # two communicators per runtime otherwise)
+                    try:
+                        dist.destroy_process_group(g.pg)
+                    except Exception as e:  # noqa: BLE001 - closing anyway; reported after everything is freed
+                        error = error or e
         self.closed = True
         self.is_open = False
         if self in _ACTIVE:

@@ -127,12 +127,10 @@ class HostCopyLease:
 
     def release(self) -> cf.Future:
         if self._host is not None and self.mode is not LeaseMode.READ:
-            dev = self._inner.wait()
-            # a gather's collective may still read the old bytes on the compute stream's side: this (the
-            # optimizer lane's) stream waits for what the training thread has queued so far, then the blocking
-            # copy from pageable memory returns once the new bytes are there
-            torch.cuda.current_stream(dev.device).wait_stream(torch.cuda.default_stream(dev.device))
-            dev.copy_(self._host)
+            # no reader of the old bytes is left: a gather's lane syncs its copies of them before its future
+            # resolves, and an update waits for the unit's gathers (unit.py); the copy from pageable memory is
+            # over when it returns
+            self._inner.wait().copy_(self._host)
         self._host = None
         return self._inner.release()
 

@@ -210,21 +210,27 @@ class ShardedUnit:
                     lease = ctx.states.lease(self.shards.spec(StateKind.PARAM, c), Use.COMPUTE, LeaseMode.READ)
                 leases.append(lease)
             out = _alias(self.flat)
+            gpu = ctx.device.type == "cuda"
             if ctx.world_size == 1:
                 for c, lease in zip(self.shards.chunks, leases):
                     out[c.lo:c.hi].copy_(lease.wait(), non_blocking=True)  # GPU: on the gather stream
-                issued = IssuedGather(comm.Pending(), record(ctx.device), [], ctx.device)
+                copied = record(ctx.device)
+                issued = IssuedGather(comm.Pending(), copied, [], ctx.device)
             else:
-                if len(leases) == 1:
+                if len(leases) == 1 and not gpu:
                     send = leases[0].wait()
-                    held = leases  # the collective reads the lease's bytes until it is waited for
-                else:  # the collective takes one contiguous shard
+                    held = leases  # gloo reads the lease's bytes until the consumer's wait (the host blocks there)
+                else:  # the collective takes one contiguous shard (on a GPU always a copy: see below)
                     send = torch.empty(self.shards.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
                     for c, lease in zip(self.shards.chunks, leases):
                         send[c.lo:c.hi].copy_(lease.wait(), non_blocking=True)  # GPU: on the gather stream
+                copied = record(ctx.device)
                 pending = comm.all_gather_into(ctx.gather_group, out, send, what=f"gather of {self.label}",
                                                ticket=ticket)
                 issued = IssuedGather(pending, None, held or [send], ctx.device)
+            # GPU: the shard's bytes are read once this future resolves (the copies only, not the collective):
+            # the unit's next update, which waits for it, may overwrite them (device homes, resident chunks)
+            sync(copied)
             ctx.counters.add("allgather_bytes", self.nbytes_full)
             return issued
         finally:

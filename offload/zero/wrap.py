@@ -46,6 +46,9 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
     rt.grads_tier = place.tiers.grads.value
     rt.schedule.gather_ahead = place.gather_ahead
     meta = is_meta_model(model)
+    where = torch.device("cpu")
+    if meta and weights is None:  # one decision for all units, the same on every rank (collective)
+        where = init_device(rt.device, max((s.layout.numel for s in new), default=0), rt.group)
     model_tag = f"model{len(rt.models)}:" if rt.models else ""  # unit ids stay unique across models
     base = len(rt.units)
     ordinal = {id(p): i + rt._ordinal_base for i, p in enumerate(model.parameters())}
@@ -56,7 +59,7 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
             if weights is not None:
                 values = [weights(fqn, p) for p, _, fqn in spec.params]
             elif meta:
-                values = materialize_unit(model, spec.params, cfg.seed + index, init_device(rt.device, spec.params))
+                values = materialize_unit(model, spec.params, cfg.seed + index, where)
             else:
                 values = [p.detach() for p, _, _ in spec.params]
             full = layout.flatten(values, torch.float32)
