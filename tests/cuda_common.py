@@ -29,12 +29,11 @@ from pathlib import Path
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import (MICRO, Case, _bitwise_mismatches, _clip, _data, _injected, _rank_world, _rel,  # noqa: E402
-                         _step_flow, compute_loss, make_model, param_groups, reference_run)
+from zero_common import (Case, _bitwise_mismatches, _data, _injected, _rel, make_model,  # noqa: E402
+                         offload_run, reference_run, worst_param_error)
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -194,114 +193,6 @@ def deterministic():
 
 
 # ---- the parity harness on the compute device -----------------------------------------------------------------
-def device_reference_run(case: Case, model: nn.Module, data: torch.Tensor, device: torch.device):
-    """Plain PyTorch on `device` (zero_common.reference_run's loop and casts). fp32: zero_common's own loop with
-    the model and data on the device (torch.optim.AdamW there). bf16: the fp32 master on the host stepped by plain
-    offload.AdamW (a CPU optimizer, the kernel the runtime steps with), the bf16 model on the device. Snapshots
-    come back to the host."""
-    if case.dtype == "fp32":
-        losses, snaps, norms = reference_run(case, model.to(device), data.to(device))
-        return losses, {s: {n: v.cpu() for n, v in snap.items()} for s, snap in snaps.items()}, norms
-    import offload
-
-    W, A = case.world, case.accum
-    master = {n: nn.Parameter(p.detach().float().cpu().clone()) for n, p in model.named_parameters()}
-    model = model.to(device, torch.bfloat16)
-    data = data.to(device)
-    named = list(model.named_parameters())
-    opt = offload.AdamW(param_groups(list(master.items())), lr=case.lr)
-    trainable = [n for n, p in named if p.requires_grad]
-    losses, snaps, norms = [], {}, []
-    for s in range(case.steps):
-        total = 0.0
-        acc = {n: None for n in trainable}
-        local = [{n: None for n in trainable} for _ in range(W)]
-        for k in range(A):
-            per_rank = []
-            for r in range(W):
-                loss = compute_loss(model, data[s, k, r * MICRO:(r + 1) * MICRO], case.model) / A
-                loss.backward()
-                total += loss.item() / W
-                per_rank.append({n: p.grad.float() for n, p in named if p.grad is not None})
-                model.zero_grad(set_to_none=True)
-            if case.no_sync and k < A - 1:
-                for r in range(W):
-                    for n, g in per_rank[r].items():
-                        local[r][n] = g.clone() if local[r][n] is None else local[r][n].add_(g)
-                continue
-            for r in range(W):
-                for n, g in per_rank[r].items():
-                    if local[r][n] is not None:
-                        per_rank[r][n] = local[r][n].add_(g)
-                        local[r][n] = None
-            low = torch.bfloat16 if case.reduce_dtype == "bf16" and W > 1 else torch.float32
-            for n in per_rank[0]:
-                red = per_rank[0][n].to(low, copy=True)
-                for r in range(1, W):
-                    red += per_rank[r][n].to(low)
-                red = (red / W).float().cpu()
-                acc[n] = red if acc[n] is None else acc[n].add_(red)
-        for n in trainable:
-            master[n].grad = acc[n]
-        if case.clip is not None:
-            norms.append(_clip([master[n] for n in trainable], case, norms))
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for n, p in named:
-                p.copy_(master[n])
-        losses.append(total)
-        snaps[s] = {n: master[n].detach().clone() for n in master}
-    return losses, snaps, norms
-
-
-def device_offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str, pipeline: bool = True):
-    """zero_common.offload_run with every input and the loss accumulator on rt.device."""
-    import offload
-
-    rank, world = _rank_world()
-    assert world == case.world, (world, case.world)
-    cfg = offload.Config(params=case.params, optimizer=case.optimizer, grads=case.grads, compute_dtype=case.dtype,
-                         nvme_path=nvme_dir if "nvme" in (case.params, case.optimizer, case.grads) else None,
-                         device_budget="256MiB", cpu_budget=case.cpu_budget, pipeline=pipeline,
-                         update_in_backward=case.update_in_backward, reduce_dtype=case.reduce_dtype)
-    losses, snaps, norms = [], {}, []
-    mine = slice(rank * MICRO, (rank + 1) * MICRO)
-    with offload.init(cfg) as rt:
-        assert rt.device.type == "cuda", rt.device
-        data = data.to(rt.device)
-        rt.wrap(model)
-        opt = offload.AdamW(param_groups(model.named_parameters()), lr=case.lr)
-        for s in range(case.steps):
-            A, skip, evaluate = _step_flow(case, s)
-            if evaluate:
-                with torch.no_grad():
-                    seen = compute_loss(model, data[s, 0, mine], case.model).detach()
-                if world > 1:
-                    dist.all_reduce(seen)
-                losses.append(seen.item() / world)
-            total = torch.zeros((), device=rt.device)
-            for k in range(A):
-                ctx = contextlib.nullcontext()
-                if k < A - 1:
-                    ctx = rt.no_sync() if case.no_sync else rt.accumulating()
-                with ctx:
-                    loss = compute_loss(model, data[s, k, mine], case.model, skip) / A
-                    loss.backward()
-                total += loss.detach()
-            if case.clip is not None:
-                norms.append(float(rt.clip_grad_norm_(case.clip)))
-            opt.step()
-            opt.zero_grad()
-            if world > 1:
-                dist.all_reduce(total)
-            losses.append(total.item() / world)
-            if (s + 1) % case.snapshot_every == 0 or s == case.steps - 1:
-                snaps[s] = rt.full_state_dict(model)
-        stats = rt.stats()
-    return losses, snaps, norms, stats
-
-
 def device_run_case(case: Case, nvme_dir: str, against_torch: bool = True) -> dict:
     """zero_common.run_case on the GPU: the synchronous runtime, the pipelined one (with case.delay injected) and,
     when `against_torch`, plain PyTorch on the same device, all from the same init and data."""
@@ -313,11 +204,11 @@ def device_run_case(case: Case, nvme_dir: str, against_torch: bool = True) -> di
         model = copy.deepcopy(ref)
         sync_model = copy.deepcopy(ref)
         data = _data(case)
-        s_losses, s_snaps, s_norms, _ = device_offload_run(case, sync_model, data, nvme_dir, pipeline=False)
+        s_losses, s_snaps, s_norms, _ = offload_run(case, sync_model, data, nvme_dir, pipeline=False)
         with _injected(case.delay):
-            o_losses, o_snaps, o_norms, stats = device_offload_run(case, model, data, nvme_dir, pipeline=True)
+            o_losses, o_snaps, o_norms, stats = offload_run(case, model, data, nvme_dir, pipeline=True)
         if against_torch:
-            r_losses, r_snaps, r_norms = device_reference_run(case, ref, data, device)
+            r_losses, r_snaps, r_norms = reference_run(case, ref, data, device)
     out = {"case": case.name, "steps": stats["steps"],
            "pipeline_mismatches": _bitwise_mismatches((o_losses, o_snaps, o_norms), (s_losses, s_snaps, s_norms)),
            "plans_made": stats["plans_made"], "nvme_read": stats["nvme_read_bytes"],
@@ -329,12 +220,7 @@ def device_run_case(case: Case, nvme_dir: str, against_torch: bool = True) -> di
     if against_torch:
         out["loss_err"] = max(abs(a - b) / abs(b) for a, b in zip(o_losses, r_losses))
         out["norm_err"] = max((abs(a - b) / abs(b) for a, b in zip(o_norms, r_norms)), default=0.0)
-        param_err, worst = 0.0, ""
-        for step, o in o_snaps.items():
-            for name, value in r_snaps[step].items():
-                e = _rel(o[name], value)
-                if e > param_err or math.isnan(e):
-                    param_err, worst = e, name
+        param_err, worst = worst_param_error(o_snaps, r_snaps)
         out.update(param_err=param_err, worst_param=worst,
                    moved=max(_rel(r_snaps[case.steps - 1][n], r_snaps[0][n]) for n in r_snaps[0]))
     out["seconds"] = time.perf_counter() - t0
@@ -367,25 +253,12 @@ def check_case(r: dict, case: Case) -> None:
         assert r["h2d_bytes"] > 0, r  # params came up to the GPU through the store
 
 
-# ---- checkpoints (tests/test_checkpoint._flats, for the resharding checks) ----------------------------------
+# ---- checkpoints ---------------------------------------------------------------------------------------------
 def checkpoint_flats(ckpt: Path) -> dict:
-    """Every (unit, state) of a checkpoint as one unpadded fp32 vector, whatever its world size (zeros where a
-    rank saved no moments)."""
-    from safetensors import safe_open
+    """Every (unit, state) of a checkpoint as one unpadded fp32 vector, whatever its world size."""
+    from test_checkpoint import _flats_present
 
-    from offload.checkpoint.manifest import rank_file
-
-    path = ckpt / (ckpt / "latest").read_text().strip() if (ckpt / "latest").exists() else ckpt
-    m = json.loads((path / "manifest.json").read_text())
-    world, out = m["world_size"], {}
-    files = [safe_open(str(path / rank_file(r, world)), framework="pt") for r in range(world)]
-    for u in m["units"]:
-        shard = u["padded_numel"] // world
-        for label in ["master"] + (["exp_avg", "exp_avg_sq"] if u["moments"] else []):
-            key = f"{u['uid']}/{label}"
-            parts = [f.get_tensor(key) if key in f.keys() else torch.zeros(shard) for f in files]
-            out[(u["uid"], label)] = torch.cat(parts)[:u["numel"]]
-    return out
+    return _flats_present(ckpt)
 
 
 # ---- ranks: one process each, its own environment ------------------------------------------------------------

@@ -191,10 +191,10 @@ def test_a_rank_without_moments_for_a_unit_resumes_and_reshards(tmp_path):
 
 
 def _flats_present(ckpt: Path) -> dict:
-    """Like _flats, with zeros where a rank saved no moments."""
+    """Like _flats, with zeros where a rank saved no moments (`ckpt`: a root with `latest`, or one checkpoint)."""
     from safetensors import safe_open
 
-    path = ckpt / (ckpt / "latest").read_text().strip()
+    path = ckpt / (ckpt / "latest").read_text().strip() if (ckpt / "latest").exists() else ckpt
     m = json.loads((path / "manifest.json").read_text())
     world, out = m["world_size"], {}
     files = [safe_open(str(path / rank_file(r, world)), framework="pt") for r in range(world)]

@@ -200,15 +200,17 @@ def _clip(params, case: Case, norms: list) -> float:
     return norm
 
 
-def reference_run(case: Case, model: nn.Module, data: torch.Tensor):
-    """Plain PyTorch. fp32: full-batch micro-batches, torch.optim.AdamW. bf16: a bf16 model whose grads go to
-    fp32 master params (stepped by plain offload.AdamW, see below), with the same per-rank split and the
-    same fp32 reduction order as the runtime, i.e. the same casts."""
+def reference_run(case: Case, model: nn.Module, data: torch.Tensor, device: torch.device = torch.device("cpu")):
+    """Plain PyTorch on `device`. fp32: full-batch micro-batches, torch.optim.AdamW. bf16: a bf16 model whose grads
+    go to fp32 master params on the host (stepped by plain offload.AdamW, see below), with the same per-rank split
+    and the same fp32 reduction order as the runtime, i.e. the same casts. Snapshots on the host."""
     losses, snaps, norms = [], {}, []
+    data = data.to(device)
     W = case.world
     if case.flow and (case.dtype != "fp32" or case.model != "tiny"):
         raise ValueError("control-flow cases run the fp32 tiny model")
     if case.dtype == "fp32":
+        model = model.to(device)
         opt = torch.optim.AdamW(param_groups(model.named_parameters()), lr=case.lr)
         for s in range(case.steps):
             A, skip, evaluate = _step_flow(case, s)
@@ -225,10 +227,10 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor):
             opt.step()
             opt.zero_grad()
             losses.append(total)
-            snaps[s] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            snaps[s] = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
         return losses, snaps, norms
-    master = {n: nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()}  # fp32 init values
-    model = model.to(torch.bfloat16)
+    master = {n: nn.Parameter(p.detach().to("cpu", copy=True)) for n, p in model.named_parameters()}  # fp32 init
+    model = model.to(device, torch.bfloat16)
     named = [(n, p) for n, p in model.named_parameters()]
     # The fp32 master steps with offload.AdamW (plain, unsharded: the fused kernel, itself tested against
     # torch.optim.AdamW in test_adam*): a 1-ulp difference in a master value can flip its bf16 copy, and
@@ -265,7 +267,7 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor):
                 red = per_rank[0][n].to(low, copy=True)
                 for r in range(1, W):
                     red += per_rank[r][n].to(low)
-                red = (red / W).float()
+                red = (red / W).float().cpu()
                 acc[n] = red if acc[n] is None else acc[n].add_(red)
         for n in trainable:
             master[n].grad = acc[n]
@@ -293,6 +295,7 @@ def offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str,
     losses, snaps, norms = [], {}, []
     mine = slice(rank * MICRO, (rank + 1) * MICRO)
     with offload.init(cfg) as rt:
+        data = data.to(rt.device)
         rt.wrap(model)
         opt = offload.AdamW(param_groups(model.named_parameters()), lr=case.lr)
         for s in range(case.steps):
@@ -303,7 +306,7 @@ def offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str,
                 if world > 1:
                     dist.all_reduce(seen)
                 losses.append(seen.item() / world)
-            total = torch.zeros(())
+            total = torch.zeros((), device=rt.device)
             for k in range(A):
                 ctx = contextlib.nullcontext()
                 if k < A - 1:  # a micro-batch before the step's last
@@ -372,12 +375,7 @@ def _run_case(case: Case, nvme_dir: str) -> dict:
     mismatches = _bitwise_mismatches((o_losses, o_snaps, o_norms), (s_losses, s_snaps, s_norms))
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(o_losses, r_losses))
     norm_err = max((abs(a - b) / abs(b) for a, b in zip(o_norms, r_norms)), default=0.0)
-    param_err, worst = 0.0, ""
-    for step, o in o_snaps.items():
-        for name, value in r_snaps[step].items():
-            e = _rel(o[name], value)
-            if e > param_err or math.isnan(e):
-                param_err, worst = e, name
+    param_err, worst = worst_param_error(o_snaps, r_snaps)
     first, last = r_snaps[0], r_snaps[case.steps - 1]
     init_change = max(_rel(last[n], first[n]) for n in last)  # training really moved the params
     return {"case": case.name, "steps": stats["steps"], "loss_err": loss_err, "param_err": param_err,
@@ -389,6 +387,17 @@ def _run_case(case: Case, nvme_dir: str) -> dict:
             "peak_device": stats["peak_resident_bytes"]["device"], "device_budget": stats["budgets"]["device"],
             "grads_tier": stats["grads_tier"],
             "updated_in_backward": (stats["last_step"].get("clip") or {}).get("in_backward", 0)}
+
+
+def worst_param_error(ours: dict, reference: dict) -> tuple[float, str]:
+    """The largest relative error of any parameter at any snapshotted step (NaN counts as worst), and its name."""
+    err, worst = 0.0, ""
+    for step, snap in ours.items():
+        for name, value in reference[step].items():
+            e = _rel(snap[name], value)
+            if e > err or math.isnan(e):
+                err, worst = e, name
+    return err, worst
 
 
 def transformers_available() -> bool:
