@@ -206,9 +206,9 @@ class Config:
         """A Config from a DeepSpeed config (a dict, or a path to JSON) or its `zero_optimization` section.
 
         Mapped: stage (must be 3), offload_param.{device,nvme_path}, offload_optimizer.{device,nvme_path},
-        stage3_param_persistence_threshold, top-level bf16.enabled. Known DeepSpeed keys with no meaning here
-        are listed in `cfg.deepspeed_ignored` and in one warning; unknown keys and contradictions raise
-        ValueError naming the key. `overrides` are Config fields applied last (e.g. cpu_budget).
+        stage3_param_persistence_threshold, top-level bf16.enabled and communication_data_type (reduce_dtype).
+        Known DeepSpeed keys with no meaning here are listed in `cfg.deepspeed_ignored` and in one warning;
+        unknown keys and contradictions raise ValueError naming the key. `overrides` are Config fields applied last (e.g. cpu_budget).
         """
         if not isinstance(config, Mapping):
             path = Path(config)
@@ -238,7 +238,7 @@ _DS_TOP_IGNORED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
     "scheduler", "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "aio", "zero_allow_untested_optimizer",
     "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "comms_logger", "prescale_gradients",
-    "gradient_predivide_factor", "communication_data_type", "dump_state", "amp", "data_types",
+    "gradient_predivide_factor", "dump_state", "amp", "data_types",
     "checkpoint", "memory_breakdown", "zero_force_ds_cpu_optimizer",
 }
 
@@ -274,6 +274,13 @@ def deepspeed_fields(ds: dict) -> tuple[dict[str, Any], list[str]]:
         elif key == "fp16":
             if (value or {}).get("enabled", False):
                 raise ValueError("from_deepspeed: fp16.enabled=true is not supported; use bf16 or fp32")
+        elif key == "communication_data_type":  # the dtype gradients are summed over ranks in
+            dtype = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32", None: None}.get(value, "?")
+            if dtype == "?":
+                raise ValueError(f"from_deepspeed: communication_data_type={value!r}; offload reduces in 'bf16' or "
+                                 "'fp32' (Config.reduce_dtype)")
+            if dtype is not None:
+                fields["reduce_dtype"] = dtype
         elif key in _DS_TOP_IGNORED:
             ignored.append(key)
         else:

@@ -3,6 +3,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 from offload.config import Config, format_size, parse_size
 
@@ -92,6 +93,7 @@ def test_from_deepspeed_maps_and_reports_ignored(tmp_path):
                             "offload_optimizer": {"device": "nvme", "nvme_path": "/b"}}}, "nvme_path"),
     ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "nvme_path"),
     ({"fp16": {"enabled": True}}, "fp16"),
+    ({"communication_data_type": "fp16"}, "communication_data_type"),
     ({"not_a_deepspeed_key": 1}, "not_a_deepspeed_key"),
 ])
 def test_from_deepspeed_errors_name_the_key(ds, key):
@@ -102,3 +104,12 @@ def test_from_deepspeed_errors_name_the_key(ds, key):
 def test_from_deepspeed_unreadable_path(tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
         Config.from_deepspeed(tmp_path / "missing.json")
+
+
+def test_reduce_dtype_is_checked_and_imported_from_deepspeed():
+    assert Config().reduce_dtype == "fp32"
+    assert Config(reduce_dtype="bf16").torch_reduce_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"offload\.Config\.reduce_dtype: 'fp16' is not supported"):
+        Config(reduce_dtype="fp16")
+    cfg = Config.from_deepspeed({"communication_data_type": "bf16", "zero_optimization": {"stage": 3}})
+    assert cfg.reduce_dtype == "bf16" and cfg.deepspeed_ignored == ()

@@ -233,6 +233,9 @@ class ShardedUnit:
             sync(copied)
             ctx.counters.add("allgather_bytes", self.nbytes_full)
             return issued
+        except BaseException:
+            held = []  # nothing was issued that reads them: every lease goes back below
+            raise
         finally:
             for lease in leases:
                 if lease not in held:
