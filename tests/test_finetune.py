@@ -252,6 +252,41 @@ def _fails(capsys, args, *needles):
     return err
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--seq-len", "0"], "--seq-len must be at least 1 (got 0)"),
+    (["--lr", "-1"], "--lr must be positive (got -1.0)"),
+    (["--weight-decay", "-3"], "--weight-decay must be 0 or more (got -3.0)"),
+])
+def test_out_of_range_settings_are_one_line_not_a_traceback(capsys, args, says):
+    """Raised by FinetuneConfig's own checks, which ran outside the CLI's error handling (a traceback, rc 1)."""
+    err = _fails(capsys, args, says)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only mount (a tmpfs mounted ro; skipped where mounting is not allowed)."""
+    import subprocess
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("mounting a read-only tmpfs is not allowed here")
+    yield ro
+    subprocess.run(["umount", str(ro)], capture_output=True)
+
+
+def test_an_unwritable_output_is_found_before_training(tmp_path, capsys, read_only_dir):
+    """Found after every step had run (OSError: read-only file system; the trained weights lost)."""
+    _fails(capsys, ["--output", str(read_only_dir / "out"), "--steps", "1"], "--output", "cannot write in",
+           "Read-only file system")
+    taken = tmp_path / "a-file"
+    taken.write_text("not a directory")
+    _fails(capsys, ["--output", str(taken), "--steps", "1"], "--output", "is a file, not a directory")
+    _fails(capsys, ["--output", str(taken / "out"), "--steps", "1"], "is a file, so the directory cannot be created")
+    _fails(capsys, ["--checkpoint-dir", str(read_only_dir), "--steps", "1"], "--checkpoint-dir", "cannot write in")
+
+
 def test_model_directory_errors(tmp_path, capsys, tiny_model, text_file):
     empty = tmp_path / "empty"
     empty.mkdir()

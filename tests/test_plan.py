@@ -149,3 +149,19 @@ def test_model_from_a_config_file(tmp_path):
     with pytest.raises(ValueError, match="neither a preset"):
         model_from(str(tmp_path / "missing.json"))
 
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--gpus", "0", "below 1"), ("--gpus", "-2", "below 1"), ("--nodes", "0", "below 1"),
+    ("--micro-batch", "0", "below 1"), ("--seq-len", "0", "below 1"), ("--grad-accum", "0", "below 1"),
+    ("--mfu", "2", "at most 1"), ("--mfu", "0", "above 0"), ("--tflops", "-5", "above 0"),
+    ("--gpu-mem", "80", "has no unit; give e.g. 80GiB"), ("--cpu-mem", "1024", "no unit"),
+    ("--nvme-size", "lots", "nvme-size"),
+])
+def test_plan_refuses_nonsense_numbers_naming_the_flag(flag, value, says, capsys):
+    """Each was accepted (or a ZeroDivisionError): "-2 ranks", "-16880 tokens/s", 80 bytes of GPU memory."""
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", "--model", "llama-7b", flag, value])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err
+    assert f"argument {flag}" in err and says in err, err

@@ -52,7 +52,11 @@ def run_finetune(args: argparse.Namespace) -> int:
     from .job import finetune
 
     fields = {f.name for f in dataclasses.fields(FinetuneConfig)}
-    cfg = FinetuneConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    try:
+        cfg = FinetuneConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    except ValueError as exc:  # a setting out of range: one line naming it (FinetuneConfig's checks), no traceback
+        print(f"offload finetune: error: {exc}", file=sys.stderr)
+        return 2
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if rank0:
         print(f"offload finetune: model {cfg.model or 'built-in Llama (random init)'}, data "

@@ -88,6 +88,8 @@ class FinetuneConfig:
             raise InputError("give --steps or --epochs, not both")
         if not self.lr > 0:
             raise InputError(f"--lr must be positive (got {self.lr})")
+        if not self.weight_decay >= 0:
+            raise InputError(f"--weight-decay must be 0 or more (got {self.weight_decay})")
         if self.eval_blocks < 1:
             raise InputError(f"--eval-blocks must be at least 1 (got {self.eval_blocks})")
         try:
@@ -251,10 +253,34 @@ class _Inputs:
     ignored: list[str]
 
 
+def _check_writable_dir(path: str | os.PathLike, flag: str) -> None:
+    """`path` is a directory this process can create files in, or can be made one (its nearest existing
+    ancestor is): a probe file is written and removed there, so a read-only mount or a file in the way is
+    found before training (permission bits alone say nothing for root)."""
+    p = Path(path).expanduser().absolute()
+    if p.exists() and not p.is_dir():
+        raise InputError(f"{flag} {path}: is a file, not a directory; give a directory (it is created if missing)")
+    probe_dir = p
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    if not probe_dir.is_dir():
+        raise InputError(f"{flag} {path}: {probe_dir} is a file, so the directory cannot be created there")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".offload-probe-", dir=probe_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise InputError(f"{flag} {path}: cannot write in {probe_dir} ({exc.strerror}); give a writable "
+                         "directory") from None
+
+
 def _inputs(cfg: FinetuneConfig) -> _Inputs:
     """The model directory, tokenizer, config and token blocks, each checked (InputError otherwise)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    _check_writable_dir(cfg.output, "--output")  # found now, not after training (the trained weights lost)
+    if cfg.checkpoint_dir is not None:
+        _check_writable_dir(cfg.checkpoint_dir, "--checkpoint-dir")
     model_dir = HFModelDir(cfg.model) if cfg.model is not None else None
     examples = _load_examples(cfg)
     if cfg.tokenizer is not None:

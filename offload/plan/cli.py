@@ -31,6 +31,51 @@ def parse_rate(text: str, flag: str) -> float:
         raise ValueError(f"{flag} {text!r}: give a rate such as 25GB/s or 3.5GiB/s") from None
 
 
+def _count(flag: str, least: int = 1):
+    """argparse type: an integer of at least `least` (one line naming the flag otherwise, no traceback)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is below {least}; {flag} counts {_WHAT[flag]}")
+        return value
+    return parse
+
+
+_WHAT = {"--gpus": "GPUs per node", "--nodes": "nodes", "--micro-batch": "sequences per GPU per micro-batch",
+         "--seq-len": "tokens per sequence", "--grad-accum": "micro-batches per optimizer step"}
+
+
+def _positive(flag: str, most: float | None = None):
+    """argparse type: a number > 0 (and <= `most`)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0 or (most is not None and value > most):
+            bound = f" and at most {most:g}" if most is not None else ""
+            raise argparse.ArgumentTypeError(f"{value:g} must be above 0{bound}")
+        return value
+    return parse
+
+
+def _size(flag: str):
+    """argparse type: a size with its unit ("80GiB"): a bare number would be bytes, never what was meant."""
+    def parse(text: str) -> str:
+        if text.strip().replace(".", "", 1).isdigit():
+            raise argparse.ArgumentTypeError(f"{text!r} has no unit; give e.g. {text.strip()}GiB")
+        try:
+            if parse_size(text, flag) <= 0:
+                raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+    return parse
+
+
 def plan_from_args(args: argparse.Namespace) -> dict:
     m = model_from(args.model)
     dev = DEVICES[args.gpu]
@@ -44,7 +89,7 @@ def plan_from_args(args: argparse.Namespace) -> dict:
     if args.adam_params_per_s:
         figures["adam_params_per_s"] = args.adam_params_per_s
     mc = Machine(gpus_per_node=args.gpus, nodes=args.nodes, mfu=args.mfu, **figures)
-    w = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len or min(m.max_seq, 4096),
+    w = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len if args.seq_len is not None else min(m.max_seq, 4096),
                  grad_accum=args.grad_accum, checkpointing=not args.no_checkpointing,
                  update_in_backward=args.update_in_backward)
     cap = capacity(parse_size(args.gpu_mem or dev["memory"], "--gpu-mem"), parse_size(args.cpu_mem, "--cpu-mem"),
@@ -111,22 +156,24 @@ def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="size a run before launching it: fit, placement, step time",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help=f"a config.json (or its directory) or one of {', '.join(PRESETS)}")
-    p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus", type=_count("--gpus"), default=8, help="GPUs per node")
+    p.add_argument("--nodes", type=_count("--nodes"), default=1)
     p.add_argument("--gpu", choices=sorted(DEVICES), default="h100")
-    p.add_argument("--gpu-mem", help="memory per GPU (default: the GPU's)")
-    p.add_argument("--cpu-mem", default="1TiB", help="host RAM per node")
-    p.add_argument("--nvme-size", help="free NVMe space per node (default: unbounded)")
+    p.add_argument("--gpu-mem", type=_size("--gpu-mem"), help="memory per GPU, e.g. 80GiB (default: the GPU's)")
+    p.add_argument("--cpu-mem", type=_size("--cpu-mem"), default="1TiB", help="host RAM per node")
+    p.add_argument("--nvme-size", type=_size("--nvme-size"), help="free NVMe space per node (default: unbounded)")
     p.add_argument("--nvme-read", help="NVMe read per node, e.g. 25GB/s")
     p.add_argument("--nvme-write", help="NVMe write per node, e.g. 12GB/s")
     p.add_argument("--pcie", help="host<->device per GPU and direction, e.g. 50GB/s")
     p.add_argument("--bench-json", help="figures measured by offload bench --json")
-    p.add_argument("--adam-params-per-s", type=float, help="CPU AdamW throughput per node")
-    p.add_argument("--tflops", type=float, help="peak dense bf16 TFLOP/s per GPU (default: the GPU's)")
-    p.add_argument("--mfu", type=float, default=0.4, help="fraction of the peak a step achieves")
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--seq-len", type=int, help="default: the model's maximum, at most 4096")
-    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--adam-params-per-s", type=_positive("--adam-params-per-s"),
+                   help="CPU AdamW throughput per node")
+    p.add_argument("--tflops", type=_positive("--tflops"), help="peak dense bf16 TFLOP/s per GPU (default: the GPU's)")
+    p.add_argument("--mfu", type=_positive("--mfu", most=1.0), default=0.4,
+                   help="fraction of the peak a step achieves (0 < mfu <= 1)")
+    p.add_argument("--micro-batch", type=_count("--micro-batch"), default=1)
+    p.add_argument("--seq-len", type=_count("--seq-len"), help="default: the model's maximum, at most 4096")
+    p.add_argument("--grad-accum", type=_count("--grad-accum"), default=1)
     p.add_argument("--no-checkpointing", action="store_true", help="activation checkpointing off")
     p.add_argument("--update-in-backward", action="store_true",
                    help="model Config.update_in_backward (opt-in: each update under the backward, clipped by the "
