@@ -7,9 +7,12 @@ bf16: 2e-2 relative, the bf16 rounding of weights and activations), streaming lo
 """
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -285,6 +288,35 @@ def test_an_unwritable_output_is_found_before_training(tmp_path, capsys, read_on
     _fails(capsys, ["--output", str(taken), "--steps", "1"], "--output", "is a file, not a directory")
     _fails(capsys, ["--output", str(taken / "out"), "--steps", "1"], "is a file, so the directory cannot be created")
     _fails(capsys, ["--checkpoint-dir", str(read_only_dir), "--steps", "1"], "--checkpoint-dir", "cannot write in")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_mid_run_removes_the_swap_and_says_how_to_resume(tmp_path, tiny_model, text_file, sig):
+    """SIGTERM (timeout, Slurm preemption, docker stop) left the swap files behind; SIGINT printed a traceback."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    data = tmp_path / "small.txt"
+    data.write_text(text_file.read_text()[:40_000])  # a quick start: the run is stopped after its first step
+    cmd = [sys.executable, "-m", "offload.cli", "finetune", "--model", str(tiny_model), "--data", str(data),
+           "--steps", "400", "--seq-len", "64", "--eval-blocks", "2", "--nvme-path", str(swap),
+           "--cpu-budget", "8MiB", "--checkpoint-every", "1", "--keep-checkpoints", "1",
+           "--output", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "out" / "checkpoints" / "latest").exists():  # a step done and checkpointed
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        assert any(swap.glob("offload-*/*.swap"))  # the run is paging through its swap files now
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert list(swap.iterdir()) == [], list(swap.iterdir())  # the run's directory and swap files are gone
+    assert "Traceback" not in err, err[-3000:]
+    assert re.search(rf"interrupted \({sig.name}\) after step \d+; resume with --resume .*checkpoints", err), err
 
 
 def test_model_directory_errors(tmp_path, capsys, tiny_model, text_file):

@@ -8,8 +8,10 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import sys
+from pathlib import Path
 
 from ..config import format_size
 from .errors import InputError
@@ -48,6 +50,27 @@ def _progress_bar(enabled: bool, tokens_per_step: int):
     return update
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread where SIGINT raises KeyboardInterrupt: the same unwinding (the
+    runtime's block closes, swap files and the run's temporary directory are removed)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_on_sigterm():
+    """Turn SIGTERM into Terminated for this run (the default action kills at once, leaving the swap behind).
+    The previous handler, or None off the main thread (where Python cannot install one)."""
+    def raise_terminated(signum, frame):
+        raise Terminated(signum)
+
+    try:
+        return signal.signal(signal.SIGTERM, raise_terminated)
+    except ValueError:  # not the main thread
+        return None
+
+
 def run_finetune(args: argparse.Namespace) -> int:
     from .job import finetune
 
@@ -62,11 +85,32 @@ def run_finetune(args: argparse.Namespace) -> int:
         print(f"offload finetune: model {cfg.model or 'built-in Llama (random init)'}, data "
               f"{cfg.data or 'the Python standard library sources'}, output {cfg.output}", flush=True)
     tokens = cfg.micro_batch * cfg.grad_accum * int(os.environ.get("WORLD_SIZE", "1")) * cfg.seq_len
+    bar = _progress_bar(rank0, tokens)
+    done = [0]  # optimizer steps finished (for the interruption's line)
+
+    def progress(step, total, loss, last):
+        done[0] = step
+        bar(step, total, loss, last)
+
+    previous = _stop_on_sigterm()
     try:
-        r = finetune(cfg, progress=_progress_bar(rank0, tokens))
+        r = finetune(cfg, progress=progress)
     except InputError as exc:
         print(f"offload finetune: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as stop:  # SIGINT, or SIGTERM (timeout, Slurm preemption, docker stop, kill)
+        # the runtime's block and the run's temporary directory were left by the exception: swap files are gone
+        signum = getattr(stop, "signum", signal.SIGINT)
+        ckpts = Path(cfg.checkpoint_dir or Path(cfg.output) / "checkpoints")
+        how = (f"resume with --resume {ckpts}" if (ckpts / "latest").exists() else
+               "no checkpoint was saved (--checkpoint-every N keeps resumable ones)")
+        if rank0:
+            print(f"\noffload finetune: interrupted ({signal.Signals(signum).name}) after step {done[0]}; {how}",
+                  file=sys.stderr)
+        return 128 + signum
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if not rank0:
         return 0
     if args.json:
