@@ -59,8 +59,9 @@ def thread_initializer(device: torch.device):
 class Streams:
     """One side stream per lane on a GPU, created once; None on the CPU (use() is then a no-op)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, high_priority=()):
         self.device = device
+        self.high_priority = frozenset(high_priority)  # lanes whose kernels go first (the collectives', as FSDP2)
         self._streams: dict = {}
         self._lock = threading.Lock()
 
@@ -70,7 +71,8 @@ class Streams:
         with self._lock:
             s = self._streams.get(lane)
             if s is None:
-                s = self._streams[lane] = torch.cuda.Stream(self.device)
+                s = self._streams[lane] = torch.cuda.Stream(self.device, priority=-1 if lane in self.high_priority
+                                                            else 0)
             return s
 
     @contextlib.contextmanager
@@ -88,7 +90,7 @@ def record(device: torch.device):
     """An event on `device`'s current stream now (None on the CPU, where work is done when queued)."""
     if device.type != "cuda":
         return None
-    ev = torch.cuda.Event()
+    ev = torch.cuda.Event(blocking=True)  # a host waiting on it sleeps instead of spinning a core the CPU Adam needs
     ev.record(torch.cuda.current_stream(device))
     return ev
 

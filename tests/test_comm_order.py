@@ -1,5 +1,6 @@
-"""The collectives' rules (offload/zero/comm.py): each lane's group issues in program order from one thread,
-and every collective tensor lives on the compute device. On NCCL a breach hangs two ranks for ever; here it
+"""The collectives' rules (offload/zero/comm.py): the lanes' collectives are issued in one program order (each
+lane's own, and across the two lanes), only from a lane's work, and every collective tensor lives on the
+compute device. On NCCL a breach hangs two ranks for ever; here it
 raises, so the CPU suite catches a lane that would hang a GPU run."""
 import json
 import os
@@ -14,39 +15,63 @@ import torch
 from offload.zero import comm
 
 
-def test_tickets_must_be_issued_in_order():
-    order = comm.ProgramOrder("gather")
-    first, second = order.ticket(), order.ticket()
-    order.issue(first, "gather of unit 0")
-    order.issue(second, "gather of unit 1")
-    late = order.ticket()
-    order.issue(order.ticket(), "gather of unit 3")
-    with pytest.raises(comm.OrderError, match="out of program order"):
-        order.issue(late, "gather of unit 2")
+def _issue(order, ticket, lane, what="a collective"):
+    with comm.lane_work(lane):
+        order.issue(ticket, lane, what)
+
+
+def test_a_lane_issues_its_own_tickets_in_order():
+    order = comm.ProgramOrder()
+    first, second = order.ticket("gather"), order.ticket("gather")
+    _issue(order, first, "gather")
+    late, later = order.ticket("gather"), order.ticket("gather")
+    with pytest.raises(comm.OrderError, match="#3 was issued before its #1, out of program order"):
+        _issue(order, later, "gather", "gather of unit 3")
+    _issue(order, second, "gather")
 
 
 def test_a_skipped_ticket_is_fine():
-    """A piece of work that failed before its collective leaves a gap, not an error."""
-    order = comm.ProgramOrder("reduce")
-    order.ticket()
-    order.issue(order.ticket(), "gradient of unit 1")
+    """A piece of work that failed before its collective gives its ticket back: nothing waits for it."""
+    order = comm.ProgramOrder(wait_s=5)
+    failed = order.ticket("reduce")
+    mine = order.ticket("gather")
+    order.skip(failed)
+    _issue(order, mine, "gather")
 
 
-def test_only_the_owning_thread_issues():
-    order = comm.ProgramOrder("reduce")
-    order.issue(order.ticket(), "gradient of unit 0")
-    errors = []
+def test_a_lane_waits_for_the_other_lanes_earlier_collective():
+    """NCCL needs one order across the two lanes' communicators: reduce #1 is issued only after gather #0."""
+    order = comm.ProgramOrder(wait_s=60)
+    gather, reduce = order.ticket("gather"), order.ticket("reduce")
+    issued = []
 
-    def other():
-        try:
-            order.issue(order.ticket(), "gradient of unit 1")
-        except comm.OrderError as e:
-            errors.append(str(e))
+    def reduce_lane():
+        _issue(order, reduce, "reduce")
+        issued.append("reduce")
 
-    t = threading.Thread(target=other, name="not-the-lane")
+    t = threading.Thread(target=reduce_lane)
     t.start()
-    t.join()
-    assert errors and "not-the-lane" in errors[0] and "lane's one thread" in errors[0]
+    t.join(0.2)
+    assert t.is_alive() and issued == []  # held back however fast this machine is: gather #0 is not issued yet
+    _issue(order, gather, "gather")
+    issued.append("gather")
+    t.join(30)
+    assert not t.is_alive() and issued == ["gather", "reduce"]
+
+
+def test_a_wait_that_never_ends_raises_naming_the_lane():
+    order = comm.ProgramOrder(wait_s=0.2)
+    order.ticket("gather")  # asked for, never issued nor skipped
+    with pytest.raises(comm.OrderError, match="for the gather lane's collective #0"):
+        _issue(order, order.ticket("reduce"), "reduce")
+
+
+def test_only_the_lanes_work_issues():
+    order = comm.ProgramOrder()
+    with pytest.raises(comm.OrderError, match="outside the reduce lane's work"):
+        order.issue(order.ticket("reduce"), "reduce", "gradient of unit 1")
+    with pytest.raises(comm.OrderError, match="has no ticket of its own"):
+        _issue(order, None, "reduce")
 
 
 def test_collective_tensors_must_be_on_the_groups_device():
@@ -84,8 +109,7 @@ def test_two_ranks_gather_in_program_order_with_a_late_lane(tmp_path):
 
 
 def test_a_lane_issuing_out_of_order_is_refused_on_every_rank(tmp_path):
-    """Unit 1's gather issued before unit 0's by a second lane thread raises instead of hanging: the second
-    thread is refused (the ticket order behind it is tested above, without threads)."""
+    """Unit 1's gather issued before unit 0's by a second lane thread raises instead of hanging."""
     for r in _run(tmp_path, broken=True):
-        assert r["error"] is not None and "gather group" in r["error"], r
-        assert "lane's one thread" in r["error"] or "out of program order" in r["error"], r
+        assert r["error"] is not None and "gather group's collective" in r["error"], r
+        assert "out of program order" in r["error"], r

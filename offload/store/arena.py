@@ -66,11 +66,10 @@ def _clear_cuda_last_error() -> int | None:
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "libcudart" in line}
-        for path in sorted(paths):
-            return int(ctypes.CDLL(path).cudaGetLastError())
+        codes = [int(ctypes.CDLL(path).cudaGetLastError()) for path in sorted(paths)]  # each loaded copy's
+        return next((c for c in codes if c), 0) if codes else None
     except OSError:
-        pass
-    return None
+        return None
 
 
 def _round_up(n: int, a: int = ALIGN) -> int:

@@ -68,7 +68,9 @@ def _all_gather(rt, obj) -> list:
 
 def _barrier(rt) -> None:
     if rt.group.distributed:
-        _watched(rt, "barrier", dist.barrier)
+        # NCCL: the barrier's tensor on this rank's GPU (without device_ids it guesses one from the rank)
+        ids = {"device_ids": [rt.device.index]} if rt.device.type == "cuda" else {}
+        _watched(rt, "barrier", lambda: dist.barrier(**ids))
 
 
 def _rng_state() -> tuple[dict, dict[str, torch.Tensor]]:

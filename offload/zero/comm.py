@@ -5,11 +5,12 @@ as FSDP2 issues them.
   where it needs the result. On NCCL that makes the caller's current stream wait for the collective's
   stream (the host goes on); on gloo the host blocks until it is over. The same calls on both, so the CPU
   tests run the ordering logic of a GPU run.
-- Program order: the gather and reduce lanes each own a group (`ProgramOrder`): every collective on it is
-  announced by the training thread when it asks for the work (`ticket()`, in program order, the same on
-  every rank) and issued from the lane's one thread in ticket order. Another thread, or a later ticket
-  issued before an earlier one, raises at once: on NCCL either could enqueue [reduce k, gather j] on one rank
-  and [gather j, reduce k] on another and hang both for ever.
+- Program order: the gather and reduce lanes each own a group, and both groups share one `ProgramOrder`:
+  every collective is given a ticket by the training thread when it asks for the work (in program order,
+  the same on every rank) and issued from its lane's work in ticket order across both lanes. A collective
+  outside its lane's work, or a lane issuing a later ticket before an earlier one of its own, raises at once:
+  on NCCL either could enqueue [reduce k, gather j] on one rank and [gather j, reduce k] on another and hang
+  both for ever.
 - One device rule: every tensor of a collective lives on the group's compute device (NCCL's only device on
   GPU; the CPU on gloo). The hot-path collectives (all_gather_into, reduce_scatter_mean) assert it; the
   training thread's small host values (flags, norms, losses) and the state dict's host shards go through the
@@ -19,8 +20,10 @@ World size 1 needs no process group: every function degrades to a local copy and
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -33,40 +36,78 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 class OrderError(RuntimeError):
-    """A lane issued a collective outside its program order (or from a thread that does not own the group)."""
+    """A lane issued a collective outside its program order (or outside a lane's work)."""
+
+
+_lane = threading.local()  # the lane whose work this thread is running (lanes.py sets it around each piece)
+
+
+@contextlib.contextmanager
+def lane_work(name: str):
+    """Collectives issued inside are the lane `name`'s (its thread, or the caller where lanes run inline)."""
+    previous, _lane.name = getattr(_lane, "name", None), name
+    try:
+        yield
+    finally:
+        _lane.name = previous
 
 
 class ProgramOrder:
-    """The order one group's collectives must be issued in: tickets handed out in program order by the
-    training thread, issued in increasing order from one thread (the first that issues owns the group)."""
+    """One issue order for the collectives of the gather and reduce lanes (their groups share it): a ticket per
+    collective, handed out in program order by the training thread when it asks for the work (the same on
+    every rank). A lane issues its ticket only after every earlier ticket of the other lane was issued (NCCL
+    needs one order across communicators: two ranks enqueueing [reduce k, gather j] and [gather j, reduce k]
+    can hang where their kernels cannot run side by side), and never before an earlier ticket of its own
+    (that is a lane out of its own order: OrderError). A ticket whose work ends without a collective is
+    skipped, so nothing waits for it."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, wait_s: float = 600.0):
+        self._cond = threading.Condition()
         self._next = 0
-        self._last_issued = -1
-        self._owner: int | None = None
-        self._lock = threading.Lock()
+        self._pending: dict[int, str] = {}  # ticket -> lane, taken and not yet issued or skipped
+        self.wait_s = wait_s  # a wait this long for another lane is a bug: raise, never hang silently
 
-    def ticket(self) -> int:
-        with self._lock:
-            self._next += 1
-            return self._next - 1
+    def ticket(self, lane: str) -> int:
+        with self._cond:
+            t, self._next = self._next, self._next + 1
+            self._pending[t] = lane
+            return t
 
-    def issue(self, ticket: int, what: str) -> None:
-        """Called right before the collective is issued; raises OrderError out of order."""
-        me = threading.get_ident()
-        with self._lock:
-            if self._owner is None:
-                self._owner = me
-            if me != self._owner:
-                raise OrderError(f"offload: {what}: a collective of the {self.name} group was issued from thread "
-                                 f"{threading.current_thread().name}, but that group's collectives are issued by its "
-                                 "lane's one thread only (in program order on every rank; else NCCL can hang)")
-            if ticket <= self._last_issued:
-                raise OrderError(f"offload: {what}: the {self.name} group's collective #{ticket} was issued after "
-                                 f"#{self._last_issued}, out of program order (every rank must issue them in the "
-                                 "order the training thread asked for them; else NCCL can hang)")
-            self._last_issued = ticket
+    def issue(self, ticket: int | None, lane: str, what: str) -> None:
+        """Called right before the collective is issued: waits for the other lane's earlier tickets; raises
+        OrderError outside the lane's work or out of the lane's own order."""
+        if getattr(_lane, "name", None) != lane:
+            raise OrderError(f"offload: {what}: a collective of the {lane} group was issued from "
+                             f"{threading.current_thread().name} outside the {lane} lane's work; that group's "
+                             "collectives are issued by its lane only (in program order on every rank; else NCCL "
+                             "can hang)")
+        deadline = time.monotonic() + self.wait_s
+        with self._cond:
+            if ticket is None or self._pending.get(ticket) != lane:
+                raise OrderError(f"offload: {what}: the {lane} group's collective has no ticket of its own "
+                                 f"({ticket}); take one with Group.ticket() when the work is asked for")
+            mine = [t for t in self._pending if t < ticket and self._pending[t] == lane]
+            if mine:
+                raise OrderError(f"offload: {what}: the {lane} group's collective #{ticket} was issued before its "
+                                 f"#{min(mine)}, out of program order (every rank must issue them in the order the "
+                                 "training thread asked for them; else NCCL can hang)")
+            while any(t < ticket for t in self._pending):  # another lane's earlier collective goes first
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    first = min(self._pending)
+                    raise OrderError(f"offload: {what}: waited {self.wait_s:g} s for the {self._pending[first]} "
+                                     f"lane's collective #{first}, asked for earlier, to be issued")
+                self._cond.wait(left)
+            del self._pending[ticket]
+            self._cond.notify_all()
+
+    def skip(self, ticket: int | None) -> None:
+        """The work holding `ticket` ended without issuing its collective (it failed first)."""
+        if ticket is None:
+            return
+        with self._cond:
+            if self._pending.pop(ticket, None) is not None:
+                self._cond.notify_all()
 
 
 @dataclass
@@ -84,18 +125,23 @@ class Group:
         return self.world_size > 1
 
     def ticket(self) -> int | None:
-        """The next collective's place in this group's program order (training thread, when it asks)."""
-        return self.order.ticket() if self.order is not None and self.distributed else None
+        """The next collective's place in the lanes' program order (training thread, when it asks)."""
+        return self.order.ticket(self.name) if self.order is not None and self.distributed else None
+
+    def skip(self, ticket: int | None) -> None:
+        """The work given `ticket` ended without its collective (see ProgramOrder.skip)."""
+        if self.order is not None:
+            self.order.skip(ticket)
 
 
-def sub_group(group: Group, name: str, timeout_s: float | None = None) -> Group:
+def sub_group(group: Group, name: str, order: ProgramOrder, timeout_s: float | None = None) -> Group:
     """A new process group over the same ranks, for one lane's collectives (every rank calls this in the
-    same order). Each lane issuing on its own group keeps each group's calls in one thread's order."""
+    same order), issued in `order` (shared by the lanes' groups)."""
     if not group.distributed:
-        return Group(group.rank, group.world_size, name=name, device=group.device, order=ProgramOrder(name))
+        return Group(group.rank, group.world_size, name=name, device=group.device, order=order)
     kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     return Group(group.rank, group.world_size, dist.new_group(backend=dist.get_backend(), **kwargs), name,
-                 group.watchdog, group.device, ProgramOrder(name))
+                 group.watchdog, group.device, order)
 
 
 class Pending:
@@ -134,7 +180,7 @@ def _check(group: Group, what: str, *tensors: torch.Tensor) -> None:
 
 def _issue(group: Group, ticket: int | None, collective: str, what: str, fn) -> Pending:
     if group.order is not None:
-        group.order.issue(-1 if ticket is None else ticket, what)
+        group.order.issue(ticket, group.name, what)
     work = _guarded(group, collective, what, fn)
     return Pending(group, work, collective, what)
 

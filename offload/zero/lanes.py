@@ -22,6 +22,7 @@ import torch
 
 from .. import inject
 from ..device import Streams, thread_initializer
+from . import comm
 from ..telemetry import Lane, Meter, Queue
 
 
@@ -49,7 +50,7 @@ class WorkLane:
             if self.pause_each:
                 inject.pause(self.queue)  # a slow lane (tests): the work starts late
             try:
-                with self.meter.working(self.lane, name), self.streams.use(self.lane):
+                with self.meter.working(self.lane, name), self.streams.use(self.lane), comm.lane_work(self.lane.value):
                     return fn(*args)
             except BaseException as e:
                 with self._lock:

@@ -39,7 +39,7 @@ import torch.nn as nn
 from ..config import Config, parse_duration, parse_size
 from ..device import Streams, bind_thread, compute_device
 from ..store import Tier
-from ..telemetry import Meter, Queue
+from ..telemetry import Lane, Meter, Queue
 from . import comm, placement
 from .backward_updates import BackwardUpdates
 from .context import Counters, Lanes, UnitContext
@@ -135,11 +135,18 @@ class Runtime:
         self.states = UnitStateStore(self.device, self.budgets, cfg.nvme_path, self.group.rank, cfg.swap_checksums)
         # the store resolved "auto" budgets (and rounded to pages): plan against what it enforces
         self.budgets = {t: self.states.capacity(t) for t in ("device", "cpu")} | {"nvme": self.budgets["nvme"]}
+        if self.group.distributed:  # every rank plans with the same numbers: placement decides how many gathers a
+            # step issues (gather ahead, what stays gathered), and ranks that decide apart would hang
+            agreed = comm.all_reduce_host_(self.group, torch.tensor([float(self.budgets["device"]),
+                                                                     float(self.budgets["cpu"])], dtype=torch.float64),
+                                           "min", what="the budgets every rank plans with")
+            self.budgets.update(device=int(agreed[0]), cpu=int(agreed[1]))
         # each lane issues its collectives on a group of its own (created in the same order on every rank)
         timeout = parse_duration(cfg.collective_timeout, "collective_timeout")
-        gather_group = comm.sub_group(self.group, "gather", timeout)
-        reduce_group = comm.sub_group(self.group, "reduce", timeout)
-        streams = Streams(self.device)
+        order = comm.ProgramOrder()  # one issue order for both lanes' collectives (comm.py)
+        gather_group = comm.sub_group(self.group, "gather", order, timeout)
+        reduce_group = comm.sub_group(self.group, "reduce", order, timeout)
+        streams = Streams(self.device, high_priority=(Lane.GATHER, Lane.REDUCE))
         lanes = Lanes.create(self.meter, threaded=cfg.pipeline, streams=streams)
         self.ctx = UnitContext(self.device, self.compute_dtype, self.group, gather_group, reduce_group, self.states,
                                lanes, self.meter, Counters(), schedule=None, streams=streams,
@@ -425,6 +432,8 @@ class Runtime:
 
     def _before_update(self, unit: ShardedUnit) -> None:
         self.schedule.drop_prefetched(unit)  # nothing read ahead of a shard about to be written
+        if unit.state is UnitState.GATHERING:
+            unit.wait_for_unshard()  # a gather ahead that the step did not use: it read the shard, let it land first
         if unit.state is UnitState.UNSHARDED:
             unit.stale = True  # persistent units re-gather before their next use
 

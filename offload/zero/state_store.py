@@ -95,8 +95,8 @@ class _Readers:
 
     def add(self, key: ShardKey, event) -> None:
         if event is not None:
-            with self._lock:
-                self._events.setdefault(key, []).append(event)
+            with self._lock:  # (those already over are dropped: a frozen shard is read every step, never written)
+                self._events[key] = [e for e in self._events.get(key, []) if not e.query()] + [event]
 
     def drain(self, key: ShardKey) -> None:
         with self._lock:

@@ -200,10 +200,10 @@ class ShardedUnit:
     def _gather_now(self, prefetched: dict, after_update: cf.Future | None, ticket: int | None) -> "IssuedGather":
         """On the gather lane (its stream on a GPU): this rank's param chunks -> every rank's, into the flat
         buffer. Returns at once after issuing; the training thread waits on what it returns."""
-        _result(after_update)  # the shard must hold the last update before it is read
         ctx = self.ctx
         leases, held = [], []
         try:
+            _result(after_update)  # the shard must hold the last update before it is read
             for c in self.shards.chunks:
                 lease = prefetched.get(c.index)
                 if lease is None:
@@ -235,6 +235,7 @@ class ShardedUnit:
             return issued
         except BaseException:
             held = []  # nothing was issued that reads them: every lease goes back below
+            ctx.gather_group.skip(ticket)  # (if it was not issued) the other lane need not wait for it
             raise
         finally:
             for lease in leases:
@@ -314,6 +315,8 @@ class ShardedUnit:
             full, self.local_grad = self.local_grad.add_(grad), None
         elif self.ctx.world_size == 1:
             full = grad  # nothing to reduce: cast into the fp32 shard as it is stored (exact, one pass fewer)
+        elif grad.dtype == self.ctx.reduce_dtype:
+            full = grad  # ranks sum in this dtype already (Config.reduce_dtype="bf16" with bf16 compute)
         else:
             full = grad.float()  # ranks sum in fp32
         self.reduce(full)
@@ -339,14 +342,18 @@ class ShardedUnit:
     def _reduce_now(self, full_grad: torch.Tensor, written, overwrite: bool, after_update: cf.Future | None,
                     ticket: int | None) -> None:
         """On the reduce lane (its stream on a GPU)."""
-        _result(after_update)  # the last update reads the gradient chunks: it must be over before they change
         ctx = self.ctx
-        stream_wait(written, ctx.device)  # this stream reads what autograd wrote on the compute stream
-        send = full_grad
-        if ctx.world_size > 1 and ctx.reduce_dtype != full_grad.dtype:
-            send = full_grad.to(ctx.reduce_dtype)  # Config.reduce_dtype: the ranks sum in it
-        shard, pending = comm.reduce_scatter_mean(ctx.reduce_group, send, what=f"gradient of {self.label}",
-                                                  ticket=ticket)
+        try:
+            _result(after_update)  # the last update reads the gradient chunks: it must be over before they change
+            stream_wait(written, ctx.device)  # this stream reads what autograd wrote on the compute stream
+            send = full_grad
+            if ctx.world_size > 1 and ctx.reduce_dtype != full_grad.dtype:
+                send = full_grad.to(ctx.reduce_dtype)  # Config.reduce_dtype: the ranks sum in it
+            shard, pending = comm.reduce_scatter_mean(ctx.reduce_group, send, what=f"gradient of {self.label}",
+                                                      ticket=ticket)
+        except BaseException:
+            ctx.reduce_group.skip(ticket)  # (if it was not issued) the other lane need not wait for it
+            raise
         ctx.counters.add("reduce_scatter_bytes", send.numel() * send.element_size())
         pending.wait()  # this stream (gloo: this thread) goes on once the sum is here
         retire(full_grad)  # allocated by autograd on the compute stream, read on this one
