@@ -290,7 +290,7 @@ def test_an_unwritable_output_is_found_before_training(tmp_path, capsys, read_on
     _fails(capsys, ["--checkpoint-dir", str(read_only_dir), "--steps", "1"], "--checkpoint-dir", "cannot write in")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_mid_run_removes_the_swap_and_says_how_to_resume(tmp_path, tiny_model, text_file, sig):
     """SIGTERM (timeout, Slurm preemption, docker stop) left the swap files behind; SIGINT printed a traceback."""
     swap = tmp_path / "swap"
@@ -298,7 +298,7 @@ def test_a_signal_mid_run_removes_the_swap_and_says_how_to_resume(tmp_path, tiny
     data = tmp_path / "small.txt"
     data.write_text(text_file.read_text()[:40_000])  # a quick start: the run is stopped after its first step
     cmd = [sys.executable, "-m", "offload.cli", "finetune", "--model", str(tiny_model), "--data", str(data),
-           "--steps", "400", "--seq-len", "64", "--eval-blocks", "2", "--nvme-path", str(swap),
+           "--steps", "400", "--seq-len", "64", "--eval-blocks", "2", "--nvme-path", str(swap), "--compute-dtype", "fp32",
            "--cpu-budget", "8MiB", "--checkpoint-every", "1", "--keep-checkpoints", "1",
            "--output", str(tmp_path / "out")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
