@@ -165,3 +165,12 @@ def test_plan_refuses_nonsense_numbers_naming_the_flag(flag, value, says, capsys
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "Traceback" not in err
     assert f"argument {flag}" in err and says in err, err
+
+
+def test_plan_counts_and_advice_read_right(capsys):
+    """"1 ranks"; and with NVMe unbounded, "a larger NVMe drive" was advised where only host RAM was short."""
+    assert main(["plan", "--model", "llama-7b", "--gpus", "1", "--gpu-mem", "24GiB", "--cpu-mem", "16GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "; 1 rank (1 node x 1)" in out, out
+    assert "does NOT fit" in out and "short on cpu" in out, out  # 16 GiB of host RAM for a 7B model's staging
+    assert "larger NVMe drive" not in out and "more host RAM (--cpu-mem)" in out, out

@@ -101,6 +101,10 @@ def plan_from_args(args: argparse.Namespace) -> dict:
             "chosen": chosen, "advice": advice(m, w, mc, cap, chosen)}
 
 
+def _count_of(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _gib(x: float) -> str:
     return format_size(int(x))
 
@@ -108,7 +112,8 @@ def _gib(x: float) -> str:
 def _print(plan: dict) -> None:
     m, w, mc = plan["model"], plan["workload"], plan["machine"]
     ranks = mc["gpus_per_node"] * mc["nodes"]
-    print(f"{m['name']}: {m['params'] / 1e9:.2f}B parameters; {ranks} ranks ({mc['nodes']} node(s) x "
+    print(f"{m['name']}: {m['params'] / 1e9:.2f}B parameters; {_count_of(ranks, 'rank')} "
+          f"({_count_of(mc['nodes'], 'node')} x "
           f"{mc['gpus_per_node']}); micro-batch {w['micro_batch']} x seq {w['seq_len']}, accumulation "
           f"{w['grad_accum']}, activation checkpointing {'on' if w['checkpointing'] else 'off'}")
     states = m["params"] * 18

@@ -73,8 +73,10 @@ def advice(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity, chosen: dict |
                 tips.append("turn on activation checkpointing (--grad-checkpointing)")
             if w.micro_batch > 1:
                 tips.append(f"a smaller micro-batch (--micro-batch {w.micro_batch // 2}) with more accumulation")
-        if "cpu" in best["short"] or "nvme" in best["short"]:
-            tips.append("more nodes (ZeRO-3 divides every state by the ranks), or a larger NVMe drive")
+        if "nvme" in best["short"]:
+            tips.append("more nodes (ZeRO-3 divides every state by the ranks), or a larger NVMe drive (--nvme-size)")
+        elif "cpu" in best["short"]:  # (with NVMe unbounded a larger drive changes nothing)
+            tips.append("more nodes (ZeRO-3 divides every state by the ranks), or more host RAM (--cpu-mem)")
         return tips
     base = chosen["prediction"]
     bottleneck = base["bottleneck"]
