@@ -118,7 +118,7 @@ class Group:
     name: str = "main"  # which of the runtime's groups (the watchdog counts collectives per group)
     watchdog: object | None = None  # watchdog.Watchdog: every collective runs through it
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # every collective tensor's device
-    order: ProgramOrder | None = None  # a lane's group: issued in ticket order from one thread
+    order: ProgramOrder | None = None  # a lane's group: issued from its lane's work, in the lanes' ticket order
 
     @property
     def distributed(self) -> bool:
@@ -159,9 +159,6 @@ class Pending:
         if then is not None:
             then()
 
-    @property
-    def waited(self) -> bool:
-        return self._work is None and self._then is None
 
 
 def _guarded(group: Group, collective: str, what: str, fn, counted: bool = True):
@@ -178,11 +175,11 @@ def _check(group: Group, what: str, *tensors: torch.Tensor) -> None:
                              "values go through the *_host helpers)")
 
 
-def _issue(group: Group, ticket: int | None, collective: str, what: str, fn) -> Pending:
+def _issue(group: Group, ticket: int | None, collective: str, what: str, fn, then=None) -> Pending:
     if group.order is not None:
         group.order.issue(ticket, group.name, what)
     work = _guarded(group, collective, what, fn)
-    return Pending(group, work, collective, what)
+    return Pending(group, work, collective, what, then)
 
 
 def all_gather_into(group: Group, out: torch.Tensor, shard: torch.Tensor, what: str = "",
@@ -207,8 +204,8 @@ def reduce_scatter_mean(group: Group, full: torch.Tensor, what: str = "", ticket
     full = full.contiguous()
     out = torch.empty(full.numel() // group.world_size, dtype=full.dtype, device=full.device)
     pending = _issue(group, ticket, "reduce_scatter", what,
-                     lambda: _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group.pg, async_op=True))
-    pending._then = lambda: out.div_(group.world_size)
+                     lambda: _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group.pg, async_op=True),
+                     then=lambda: out.div_(group.world_size))
     return out, pending
 
 

@@ -71,4 +71,17 @@ def local_norms(units, rank: int, norm_type: float) -> list[torch.Tensor]:
         for held in leases.values():
             held.release()
         found += [(unit.layout.slots[slot].ordinal, n) for slot, n in norms.done.items()]
-    return [n for _, n in sorted(found, key=lambda x: x[0])]  # model.parameters() order, as torch
+    return _on_host([n for _, n in sorted(found, key=lambda x: x[0])])  # model.parameters() order, as torch
+
+
+def _on_host(norms: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The norms as host tensors. Those the reduce took on the device (device-tier gradients) come down in one
+    copy, not one per parameter (each a sync of the training thread on a GPU); their values are unchanged."""
+    on_device = [i for i, n in enumerate(norms) if n.device.type != "cpu"]
+    if not on_device:
+        return norms
+    host = torch.stack([norms[i] for i in on_device]).cpu()  # final already: the reduce lane synced them
+    out = list(norms)
+    for k, i in enumerate(on_device):
+        out[i] = host[k]
+    return out

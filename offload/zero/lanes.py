@@ -6,8 +6,8 @@
     optimizer  the optimizer pipeline (read ahead, fused AdamW, write-behind), unit after unit
 
 One thread per lane keeps each lane's work in program order: collectives on a lane are issued in the same
-order on every rank (each lane has its own process group, so lanes never interleave one group's calls;
-comm.ProgramOrder raises if they would). On a GPU each lane's work runs on the lane's own stream (device.py),
+order on every rank (each lane has its own process group, and comm.ProgramOrder keeps the two lanes'
+collectives in one order across both). On a GPU each lane's work runs on the lane's own stream (device.py),
 and its thread binds the compute device before its first work.
 With Config.pipeline=False a lane runs each piece of work in the caller, at once: the synchronous
 reference that the pipelined runtime must match bit for bit.

@@ -364,9 +364,7 @@ class Runtime:
         from .grad_norm import local_norms
 
         self.flush_grads()
-        # norms taken on the host (read-back) and on the device (device-tier gradients) meet on the host; each
-        # is final (the reduce lane's future covers its bytes), so the copies wait for nothing queued
-        norms = [n.to("cpu") for n in local_norms(self.units, self.rank, norm_type)]
+        norms = local_norms(self.units, self.rank, norm_type)  # on the host (grad_norm._on_host)
         local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
         with self.meter.waiting(Queue.COLLECTIVE):
             if not self.group.distributed:

@@ -21,13 +21,12 @@ import enum
 import os
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
 from ..config import format_size
-from ..device import record, retire, sync
+from ..device import retire
 from ..store import LeaseMode, StoreConfig, Tier, TieredStore
 from ..store.lease import Lease
 from .shards import ShardKey, ShardSpec
@@ -50,14 +49,13 @@ class ResidentLease:
     """A lease on a shard held resident: the bytes are already in the cpu tier (pinned); nothing moves. Writes
     by UPDATE / OVERWRITE holders land in the resident copy (written home when it stops being resident).
     A GPU consumer gets a device copy made when waited, on its current stream (an async DMA from the pinned
-    copy); the event after that copy joins the shard's `readers`, which a host writer waits for first."""
+    copy). The lanes that take such leases (gather, reduce) sync their copies before their futures resolve,
+    and a host writer of the shard (the optimizer) waits for those futures: no DMA reads bytes being written."""
 
-    def __init__(self, key: ShardKey, tensor: torch.Tensor, mode: LeaseMode, to_device: torch.device | None,
-                 readers: "_Readers"):
+    def __init__(self, key: ShardKey, tensor: torch.Tensor, mode: LeaseMode, to_device: torch.device | None):
         self.key, self.mode = key, mode
         self._tensor = tensor
         self._device = to_device  # a GPU consumer: copied when waited (on the lane that waits)
-        self._readers = readers
         self._copy: torch.Tensor | None = None
         self._released: cf.Future | None = None
 
@@ -68,12 +66,9 @@ class ResidentLease:
         if self._released is not None:
             raise RuntimeError(f"lease of {self.key} used after release")
         if self._device is None:
-            if self.mode is not LeaseMode.READ:
-                self._readers.drain(self.key)  # a device copy may still be reading these host bytes
             return self._tensor
         if self._copy is None:
             self._copy = self._tensor.to(self._device, non_blocking=True)  # pinned -> device on this stream
-            self._readers.add(self.key, record(self._device))
         return self._copy
 
     def release(self) -> cf.Future:
@@ -84,25 +79,6 @@ class ResidentLease:
             self._copy = None
             self._released = _done()
         return self._released
-
-
-class _Readers:
-    """Per resident shard, the events after device copies still reading its host bytes (GPU only)."""
-
-    def __init__(self):
-        self._events: dict[ShardKey, list] = {}
-        self._lock = threading.Lock()
-
-    def add(self, key: ShardKey, event) -> None:
-        if event is not None:
-            with self._lock:  # (those already over are dropped: a frozen shard is read every step, never written)
-                self._events[key] = [e for e in self._events.get(key, []) if not e.query()] + [event]
-
-    def drain(self, key: ShardKey) -> None:
-        with self._lock:
-            events = self._events.pop(key, [])
-        for ev in events:
-            sync(ev)  # a host writer: the DMA reading the old bytes must be over before they change
 
 
 class HostCopyLease:
@@ -163,7 +139,6 @@ class UnitStateStore:
             raise
         self._registered: set[ShardKey] = set()
         self._resident: dict[ShardKey, Lease] = {}
-        self._readers = _Readers()
 
     # ---- budgets ----------------------------------------------------------------------------
     def capacity(self, tier: str) -> int:
@@ -215,7 +190,7 @@ class UnitStateStore:
         held = self._resident.get(spec.key)
         if held is not None:
             gpu = use is Use.COMPUTE and self.device.type != "cpu"
-            return ResidentLease(spec.key, held.wait(), mode, self.device if gpu else None, self._readers)
+            return ResidentLease(spec.key, held.wait(), mode, self.device if gpu else None)
         tier = self.tier_for(spec, use)
         if use is Use.HOST and tier is Tier.DEVICE and self.device.type != "cpu":
             inner = self.store.lease(spec.key, Tier.DEVICE, mode, block)
@@ -239,8 +214,6 @@ class UnitStateStore:
 
     def evict(self, keys) -> list[cf.Future]:
         """Stop holding these shards: each is written home (write-behind) and its buffer freed."""
-        for k in keys:
-            self._readers.drain(k)  # the write home (and the buffer's reuse) must not race a device copy of it
         return [self._resident.pop(k).release() for k in list(keys) if k in self._resident]
 
     def flush(self) -> None:
