@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -41,9 +43,6 @@ def build_dir() -> Path:
 def _wait_for_other_build(path: Path) -> None:
     """torch's build lock (`path/lock`) is waited on forever, and a build killed mid-way leaves it behind:
     wait while another build may really be running (saying so), remove it once it is too old to be one."""
-    import sys
-    import time
-
     lock = path / "lock"
     stale_s = float(os.environ.get("OFFLOAD_BUILD_LOCK_STALE_S", "900"))  # a build takes about a minute
     said = False
@@ -80,15 +79,65 @@ def _load():
     path.mkdir(parents=True, exist_ok=True)
     _wait_for_other_build(path)
     verbose = os.environ.get("OFFLOAD_BUILD_VERBOSE") == "1"
-    return cpp_extension.load(
-        name="offload_C",
-        sources=spec.sources,
-        extra_include_paths=spec.include_dirs,
-        extra_cflags=spec.cflags,
-        extra_ldflags=spec.ldflags,
-        build_directory=str(path),
-        verbose=verbose,
-    )
+    key = _build_key(spec)
+    # A first build takes about a minute with nothing on screen: say so, or a new user sees a hang.
+    building = _needs_build(spec, path, key)
+    if building:
+        print(f"offload: building the C++ extension (first use only, about a minute); cached in {path}",
+              file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    try:
+        mod = cpp_extension.load(
+            name="offload_C",
+            sources=spec.sources,
+            extra_include_paths=spec.include_dirs,
+            extra_cflags=spec.cflags,
+            extra_ldflags=spec.ldflags,
+            build_directory=str(path),
+            verbose=verbose,
+        )
+    except BaseException:
+        if building:
+            print(f"offload: building the C++ extension failed after {time.monotonic() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
+        raise
+    if building:
+        print(f"offload: built the C++ extension in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    try:
+        (path / _KEY_FILE).write_text(key)
+    except OSError:  # a read-only shared cache still loads; only the next prediction is poorer
+        pass
+    return mod
+
+
+_KEY_FILE = "offload_build.key"
+
+
+def _build_key(spec) -> str:
+    import torch
+
+    return repr((torch.__version__, spec.sources, spec.include_dirs, spec.cflags, spec.ldflags))
+
+
+def _needs_build(spec, path: Path, key: str) -> bool:
+    """Whether ninja will compile: torch runs it on every load, a no-op when the cache is current. Predicts
+    ninja's own tests (an output missing, an input newer than it) plus a changed flag set or torch version,
+    recorded in _KEY_FILE by the last load (a cache that has no such file is judged by the first two only)."""
+    lib = path / "offload_C.so"
+    try:
+        built = lib.stat().st_mtime
+    except FileNotFoundError:
+        return True
+    if any(not (path / (Path(s).stem + ".o")).exists() for s in spec.sources):
+        return True
+    try:
+        if (path / _KEY_FILE).read_text() != key:
+            return True
+    except FileNotFoundError:
+        pass
+    # sources and the headers next to them (ninja tracks the headers through its depfiles)
+    inputs = [*spec.sources, *(f for d in spec.include_dirs for f in Path(d).rglob("*") if f.is_file())]
+    return any(Path(f).stat().st_mtime > built for f in inputs)
 
 
 def _apply_env_settings(mod):
@@ -117,8 +166,6 @@ ISA_CHOICE = {"reason": "OFFLOAD_ISA or the widest path"}  # why the load-time p
 
 def _pick_faster_isa(mod) -> None:
     """AVX-512 or AVX2, whichever runs the AdamW kernel (the hottest host loop) faster on this CPU."""
-    import time
-
     import torch
 
     n = 1 << 20

@@ -63,6 +63,56 @@ def test_missing_compiler_falls_back_instead_of_crashing(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[0] == "True", out.stdout
     assert lines[1] and lines[1] != "None"
+    # the build was attempted, so the user was told, and told it ended
+    assert f"offload: building the C++ extension (first use only, about a minute); cached in {tmp_path / 'build'}" \
+        in out.stderr
+    assert "offload: building the C++ extension failed after" in out.stderr
+
+
+_TINY_MODULE = """#include <Python.h>
+static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "offload_C", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit_offload_C(void) { return PyModule_Create(&def); }
+"""
+
+
+def test_a_build_is_announced_a_cached_load_is_not(tmp_path):
+    """A compile prints one line before and one after; loading the cached build prints nothing. A one-file
+    module (OFFLOAD_CSRC) keeps the real ninja build to a second or two."""
+    csrc, build = tmp_path / "csrc", tmp_path / "build"
+    csrc.mkdir()
+    (csrc / "module.cpp").write_text(_TINY_MODULE)
+    code = "from offload import _ext\nprint(_ext._load().__name__)\n"
+    env = {"OFFLOAD_CSRC": str(csrc), "OFFLOAD_BUILD_DIR": str(build)}
+    first = _in_child(code, **env)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == "offload_C"
+    said = first.stderr.splitlines()
+    start = said.index(f"offload: building the C++ extension (first use only, about a minute); cached in {build}")
+    assert re.fullmatch(r"offload: built the C\+\+ extension in \d+ s", said[start + 1]), first.stderr
+    again = _in_child(code, **env)
+    assert again.returncode == 0 and again.stdout.strip() == "offload_C", again.stderr
+    assert "offload: build" not in again.stderr
+    # a source newer than the build is compiled again by ninja, and announced again
+    import time as _time
+
+    hour_ago = _time.time() - 3600
+    for f in build.iterdir():
+        os.utime(f, (hour_ago, hour_ago))
+    edited = _in_child(code, **env)
+    assert edited.returncode == 0, edited.stderr
+    assert "offload: building the C++ extension" in edited.stderr and "offload: built" in edited.stderr
+    assert (build / "offload_C.so").stat().st_mtime > hour_ago + 60  # it really was rebuilt
+
+
+def test_the_cached_real_extension_loads_without_a_build_line():
+    import importlib.util
+
+    if importlib.util.find_spec("offload._C") is not None:
+        pytest.skip("the extension was built ahead of time (no JIT build)")
+    _ext.require()  # builds here if the cache is stale, so the child only loads
+    out = _in_child("import offload.ops as o; print(o.active_isa())")
+    assert out.returncode == 0, out.stderr
+    assert "offload: build" not in out.stderr
 
 
 def test_kernel_threads_and_isa_controls():
