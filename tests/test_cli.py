@@ -203,6 +203,38 @@ def test_bench_memcpy_adam_pcie_all_write_json_and_plot(tmp_path, capsys):
     assert "nvme: skipped" in text
 
 
+def test_bench_plot_that_cannot_be_written_stops_before_measuring(tmp_path, capsys):
+    """A --plot (or --json) that would fail after minutes of measurement is refused first, in one line."""
+    from offload.cli import main as cli_main
+
+    (tmp_path / "afile").write_text("")
+    cases = [
+        (["--plot", str(tmp_path / "afile" / "x.png")], "--plot", "cannot be written (Not a directory)"),
+        (["--plot", str(tmp_path)], "--plot", "is a directory; give a file name"),
+        (["--plot", str(tmp_path / "x.docx")], "--plot", "cannot write .docx images; end the name in .png"),
+        (["--json", str(tmp_path / "no" / "r.json")], "--json", "cannot be written (No such file or directory)"),
+    ]
+    for extra, flag, why in cases:
+        rc = cli_main(["bench", "all", "--sizes", "4MiB", "--rounds", "1", "--numel", "1e5", *extra])
+        out, err = capsys.readouterr()
+        assert rc == 2
+        assert err.startswith(f"offload bench: error: {flag} {extra[1]}: ") and why in err, err
+        assert len(err.splitlines()) == 1 and "; " in err
+        assert out == ""  # no bench ran: each prints its figures
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing left behind by the check
+
+
+def test_bench_plot_without_matplotlib_says_so_before_measuring(tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None\n"  # as if it were not installed
+            "from offload.cli import main\n"
+            f"sys.exit(main(['bench', 'memcpy', '--plot', {str(tmp_path / 'm.png')!r}]))\n")
+    out = _in_child(code)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"offload bench: error: --plot {tmp_path / 'm.png'}: matplotlib cannot be imported")
+    assert out.stderr.rstrip().endswith("pip install matplotlib, or drop --plot")
+    assert out.stdout == ""
+
+
 def test_unset_isa_takes_the_faster_path_for_adamw():
     """Without OFFLOAD_ISA an AVX-512 CPU times AdamW on AVX-512 and AVX2 at load and keeps the faster (a CPU
     that double-pumps 512-bit vectors runs AVX2 faster); every path gives the same bits."""

@@ -61,6 +61,58 @@ def _write(result: dict, args: argparse.Namespace) -> None:
         print(f"wrote {args.plot}")
 
 
+def _output_problem(path: str) -> str | None:
+    """Why `path` cannot be written (the file is opened for append, so nothing is truncated; a file made
+    here is removed again), or None."""
+    import os
+
+    if os.path.isdir(path):
+        return "is a directory; give a file name"
+    existed = os.path.exists(path)
+    try:
+        open(path, "ab").close()
+    except OSError as exc:
+        return f"cannot be written ({exc.strerror}); give a path in an existing, writable directory"
+    if not existed:
+        os.unlink(path)
+    return None
+
+
+def _check_outputs(args: argparse.Namespace) -> str | None:
+    """The --json / --plot outputs are written after the measurements, which take minutes: a path or a
+    plotting library that would fail then is reported now instead. One line, or None."""
+    import os
+
+    if getattr(args, "json", None):
+        why = _output_problem(args.json)
+        if why:
+            return f"--json {args.json}: {why}"
+    plot = getattr(args, "plot", None)
+    if not plot:
+        return None
+    try:
+        import matplotlib
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError as exc:
+        return f"--plot {plot}: matplotlib cannot be imported ({exc}); pip install matplotlib, or drop --plot"
+    ext = os.path.splitext(plot)[1].lstrip(".").lower()
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if ext and ext not in kinds:
+        return f"--plot {plot}: matplotlib {matplotlib.__version__} cannot write .{ext} images; end the name in .png"
+    why = _output_problem(plot)
+    return f"--plot {plot}: {why}" if why else None
+
+
+def _checked(cmd):
+    def run(args: argparse.Namespace) -> int:
+        problem = _check_outputs(args)
+        if problem:
+            print(f"offload bench: error: {problem}", file=sys.stderr)
+            return 2
+        return cmd(args)
+    return run
+
+
 def _emit(key: str, r: dict, args: argparse.Namespace, result: dict | None) -> int:
     """Add one bench's result under `key`: into `result` when `offload bench all` collects them, else written
     out on its own (JSON, plot)."""
@@ -208,7 +260,7 @@ def add_bench_parser(subparsers) -> None:
     nvme.add_argument("--deepspeed", action="store_true",
                       help="also time DeepSpeed's AsyncIOBuilder handle (pip install deepspeed; needs libaio-dev)")
     nvme.add_argument("--fio-ioengine", default="io_uring", choices=["io_uring", "libaio", "psync"])
-    nvme.set_defaults(func=_cmd_nvme)
+    nvme.set_defaults(func=_checked(_cmd_nvme))
 
     def common(p, sizes_help=None):
         p.add_argument("--json", help="write the results (and the machine's description) here")
@@ -219,17 +271,17 @@ def add_bench_parser(subparsers) -> None:
 
     memcpy = sub.add_parser("memcpy", help="host copy GB/s over kernel threads, pageable and pinned")
     common(memcpy, "comma list of buffer sizes, default 64MiB,256MiB")
-    memcpy.set_defaults(func=_cmd_memcpy)
+    memcpy.set_defaults(func=_checked(_cmd_memcpy))
     adam = sub.add_parser("adam", help="fused CPU AdamW params/s and GB/s vs torch's fused AdamW")
     common(adam)
     adam.add_argument("--numel", type=float, default=2 ** 24, help="parameters per step (default 16.8M)")
-    adam.set_defaults(func=_cmd_adam)
+    adam.set_defaults(func=_checked(_cmd_adam))
     pcie = sub.add_parser("pcie", help="host<->device GB/s, pinned vs pageable, per GPU and all at once")
     common(pcie, "comma list of sizes, default 4KiB..1GiB")
-    pcie.set_defaults(func=_cmd_pcie)
+    pcie.set_defaults(func=_checked(_cmd_pcie))
     every = sub.add_parser("all", help="pcie, memcpy, adam, and nvme when --path is given")
     common(every, "memcpy/pcie sizes")
     every.add_argument("--numel", type=float, default=2 ** 24)
     every.add_argument("--path", action="append",
                        help="directory on an NVMe drive for the nvme sweep (repeat for several drives)")
-    every.set_defaults(func=_cmd_all)
+    every.set_defaults(func=_checked(_cmd_all))
