@@ -124,6 +124,27 @@ def test_output_gives_the_runtimes_logits(tmp_path, tiny_model, text_file):
     assert r.losses[-1] < r.losses[0]
 
 
+@pytest.mark.parametrize("shard", [2 << 30, 100 << 10], ids=["one-file", "sharded"])
+def test_saved_weights_get_the_mode_of_the_other_files(tmp_path, tiny_model, shard):
+    """safetensors creates its files 0600: the weights would be private while config.json and the tokenizer
+    are readable by all (0666 less the umask), so another user could read the config but not the model."""
+    import offload
+    from offload.finetune.hf_model_dir import save_pretrained
+
+    umask = os.umask(0)
+    os.umask(umask)
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_model)
+    with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="64MiB")) as rt:
+        model = rt.wrap(loaded)
+        out = save_pretrained(rt, model, tmp_path / "out", AutoTokenizer.from_pretrained(tiny_model),
+                              max_shard_bytes=shard)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    weights = [n for n in modes if n.endswith(".safetensors")]
+    assert len(weights) == (1 if shard > 1 << 20 else 5) and "tokenizer.json" in modes, modes
+    assert modes["config.json"] == 0o666 & ~umask
+    assert all(modes[n] == modes["config.json"] for n in weights), modes
+
+
 @pytest.mark.parametrize("dtype,rtol", [("fp32", 1e-5), ("bf16", 2e-2)])
 def test_first_step_loss_matches_transformers(tmp_path, tiny_model, text_file, dtype, rtol):
     cfg = FinetuneConfig(model=str(tiny_model), data=str(text_file), steps=1, seq_len=64, compute_dtype=dtype,

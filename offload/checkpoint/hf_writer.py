@@ -17,6 +17,18 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
+def _plain_file_mode(folder: Path) -> int:
+    """The mode open(path, "w") gives a new file in `folder` (0666 less the umask, or what a default ACL
+    says), read from a probe file: reading the umask means setting it, which races other threads."""
+    probe = folder / ".mode-probe"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        return os.fstat(fd).st_mode & 0o7777
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
 def write_hf_weights(out_dir: str | os.PathLike, tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int,
                      add_files: Callable[[Path], None] | None = None) -> Path:
     """Write `tensors` (name, host tensor) into `out_dir`; `add_files(tmp_dir)` writes config.json, tokenizer
@@ -28,6 +40,7 @@ def write_hf_weights(out_dir: str | os.PathLike, tensors: Iterable[tuple[str, to
     tmp = out / f".partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    mode = _plain_file_mode(tmp)
     parts: list[list[str]] = []
     pending: dict[str, torch.Tensor] = {}
     pending_bytes = total = 0
@@ -35,7 +48,9 @@ def write_hf_weights(out_dir: str | os.PathLike, tensors: Iterable[tuple[str, to
     def flush():
         nonlocal pending, pending_bytes
         if pending:
-            save_file(pending, str(tmp / f"part-{len(parts)}.safetensors"), metadata={"format": "pt"})
+            part = tmp / f"part-{len(parts)}.safetensors"
+            save_file(pending, str(part), metadata={"format": "pt"})
+            os.chmod(part, mode)  # safetensors creates its file 0600; the weights are as shareable as config.json
             parts.append(list(pending))
         pending, pending_bytes = {}, 0
 
