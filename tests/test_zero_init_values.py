@@ -56,3 +56,15 @@ def test_built_inside_depends_on_config_seed_not_torch_seed():
     eager = _eager(3)
     assert not torch.equal(first["layers.1.mlp.0.weight"], eager["layers.1.mlp.0.weight"])
     assert not _same(first, eager)
+
+
+def test_a_model_not_used_yet_reads_back_whole():
+    """rt.full_state_dict of a model built in the block and not used yet returned its buffers alone (every
+    parameter was still a meta placeholder): a silent, incomplete state dict."""
+    with offload.init(small_config(seed=3)) as rt:
+        model = TinyTransformer()
+        sd = rt.full_state_dict(model)
+        names = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_buffers()}
+        assert sd.keys() == names
+        assert all(t.device.type == "cpu" for t in sd.values())
+    assert _same(sd, _built_inside(seed=3))

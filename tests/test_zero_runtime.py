@@ -419,6 +419,77 @@ def test_nvme_path_too_small_fails_with_numbers(tmp_path):
             rt.wrap(model)
 
 
+def test_the_auto_nvme_budget_is_the_one_rule_and_placement_keeps_to_it(tmp_path, monkeypatch):
+    """The store's "auto" nvme budget (90% of the free space, split among this node's ranks) is what
+    placement checks the model against: a drive with room for the states but not within 90% of its free
+    space is refused at wrap, naming the rule, not at the first opt.step() with a SwapSpaceError."""
+    import shutil
+
+    model = TinyTransformer()
+    with offload.init(_cfg(params="nvme", optimizer="nvme", nvme_path=str(tmp_path))) as rt:
+        rt.wrap(model)
+        used = rt.states.stats()["nvme"]["bytes_in_use"]
+        free_before = shutil.disk_usage(tmp_path).free + used  # as it was before this run's swap files
+        assert rt.stats()["budgets"]["nvme"] == rt.budgets["nvme"]
+        assert abs(rt.budgets["nvme"] - 0.9 * free_before) < 0.01 * free_before
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=int(used / 0.95)))  # >= used, 90% < used
+    with offload.init(_cfg(params="nvme", optimizer="nvme", nvme_path=str(tmp_path))) as rt:
+        with pytest.raises(OSError, match=r"nvme_budget is .*90% of nvme_path's free space"):
+            rt.wrap(TinyTransformer())
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four ranks on this node share the drive: each a quarter
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=8 << 30))
+    with offload.init(_cfg(params="nvme", nvme_path=str(tmp_path))) as rt:
+        assert rt.budgets["nvme"] == int((8 << 30) * 0.9 / 4)
+
+
+def test_budgets_larger_than_the_machine_are_refused_at_init():
+    """The README's example budgets on a smaller machine died inside torch's allocator."""
+    from offload.store import host_memory
+
+    total, _ = host_memory()
+    with pytest.raises(ValueError, match=r"offload.Config.cpu_budget: .* more host memory than this machine has"):
+        offload.init(_cfg(cpu_budget=total + (1 << 30))).__enter__()
+    with pytest.raises(ValueError, match=r"device_budget \+ .*cpu_budget: .*without a GPU the device tier is a region "
+                                         r"of host memory"):
+        offload.init(_cfg(device_budget=total // 2 + (1 << 30), cpu_budget=total // 2)).__enter__()
+
+
+def test_a_killed_runs_swap_is_removed_at_the_next_init(tmp_path, caplog):
+    """kill -9 cannot clean up after itself: its run directory (swap files) stays until the next run on that
+    nvme_path finds it unlocked and removes it, saying so; a live run's directory is left alone."""
+    import logging
+    import signal
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        import offload
+        from zero_common import TinyTransformer, small_config
+        rt = offload.init(small_config(params="nvme", optimizer="nvme", nvme_path={str(tmp_path)!r})).__enter__()
+        rt.wrap(TinyTransformer())
+        print(rt.states.run_dir, flush=True)
+        time.sleep(600)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    dirs = [p.stdout.readline().strip() for p in procs]
+    try:
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(timeout=60)
+        dead, live = (tmp_path / os.path.basename(d) for d in dirs)
+        assert any(dead.glob("*.swap"))
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            with offload.init(_cfg(params="nvme", nvme_path=str(tmp_path))) as rt:
+                assert not dead.exists() and live.is_dir() and rt.states.run_dir.is_dir()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert f"removed {dead}" in caplog.text and f"pid {procs[0].pid}" in caplog.text
+
+
 def test_auto_tiers_follow_budgets(tmp_path):
     with offload.init(_cfg(params="auto", optimizer="auto")) as rt:
         rt.wrap(TinyTransformer())

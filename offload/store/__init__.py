@@ -12,7 +12,7 @@ Knows nothing about modules or optimizers.
     AioEngine                  aio.py           (async O_DIRECT engine)
 """
 from .arena import ArenaBlock, ArenaBusyError, ArenaFullError, PinnedArena
-from .budget import AUTO_FRACTION, resolve_budget
+from .budget import AUTO_FRACTION, check_fits_machine, host_memory, nvme_budget_bytes, resolve_budget
 from .lease import Lease, LeaseMode
 from .links import Link
 from .residency import Residency, Tier
@@ -23,5 +23,6 @@ from .tiered_store import ShardInfo, StoreConfig, StoreError, SwapCorruptError, 
 __all__ = [
     "TieredStore", "StoreConfig", "StoreError", "SwapCorruptError", "ShardInfo", "Residency", "Tier",
     "PinnedArena", "ArenaBlock", "ArenaFullError", "ArenaBusyError", "SwapSpaceError", "Lease", "LeaseMode", "Link",
-    "parse_size", "format_bytes", "resolve_budget", "AUTO_FRACTION",
+    "parse_size", "format_bytes", "resolve_budget", "AUTO_FRACTION", "nvme_budget_bytes", "host_memory",
+    "check_fits_machine",
 ]

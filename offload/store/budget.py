@@ -1,10 +1,15 @@
 """Tier budgets: "60GiB"-style sizes or "auto", and the device tier's allocator.
 
-"auto" resolves to a stated fraction of what is free now:
-    device: 90% of torch.cuda.mem_get_info() free bytes; on a machine without CUDA 25% of
-            psutil.virtual_memory().available (the device tier is then a region of host memory)
-    cpu:    50% of psutil.virtual_memory().available
+"auto" resolves to a stated fraction of what is free now, split evenly among the ranks of this node that
+share the resource (`ranks_sharing`: LOCAL_WORLD_SIZE for host memory and the swap drive; a GPU is its rank's own):
+    device: 90% of torch.cuda.mem_get_info() free bytes; on a machine without CUDA 25% of the available
+            host memory (the device tier is then a region of host memory)
+    cpu:    50% of the available host memory
     nvme:   90% of the free bytes of the swap directory's filesystem (shutil.disk_usage)
+"Available host memory" is psutil's, capped by the cgroup's memory.max less its use (a container's limit).
+This is the one rule: the runtime's store, its placement, and `offload finetune`'s check before loading a
+model all take their nvme room from nvme_budget_bytes(). A size larger than the machine has is refused
+(check_fits_machine): it could never be honoured, and would fail later inside an allocator.
 """
 from __future__ import annotations
 
@@ -14,42 +19,104 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .arena import ArenaBusyError, ArenaFullError, PinnedArena
 from .sizes import format_bytes, parse_size
 
-__all__ = ["AUTO_FRACTION", "resolve_budget", "DeviceTier"]
+__all__ = ["AUTO_FRACTION", "resolve_budget", "nvme_budget_bytes", "host_memory", "check_fits_machine",
+           "DeviceTier"]
 
 AUTO_FRACTION = {"device_cuda": 0.90, "device_host": 0.25, "cpu": 0.50, "nvme": 0.90}
 
 
+def _cgroup_limit() -> tuple[int, int] | None:
+    """(memory.max, memory.current) of this process's cgroup (v2, else v1), None when unlimited/unknown."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:  # v1 says "no limit" with a huge number
+            return None
+        return int(limit), usage
+    return None
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of host memory this process may use: the machine's, capped by its cgroup's."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    total, available = vm.total, vm.available
+    cg = _cgroup_limit()
+    if cg is not None:
+        total, available = min(total, cg[0]), min(available, max(0, cg[0] - cg[1]))
+    return total, available
+
+
+def _existing(path: str) -> str:
+    probe = path
+    while probe and not os.path.exists(probe):  # the directory may not exist yet
+        probe = os.path.dirname(probe)
+    return probe or "."
+
+
+def nvme_budget_bytes(value: int | str | None, nvme_path: str | None, ranks_sharing: int = 1) -> int:
+    """This rank's nvme budget: `value` if given, else the "auto" rule (module docstring)."""
+    if value is not None and value != "auto":
+        return parse_size(value, "nvme_budget")
+    if not nvme_path:
+        return 0
+    free = shutil.disk_usage(_existing(nvme_path)).free
+    return int(free * AUTO_FRACTION["nvme"] / max(1, ranks_sharing))
+
+
 def resolve_budget(value: int | str, tier: str, *, nvme_path: str | None = None,
-                   device: torch.device | None = None) -> int:
+                   device: torch.device | None = None, ranks_sharing: int = 1) -> int:
     """Bytes of a tier budget; `value` is a size or "auto" (see the module docstring)."""
     what = f"{tier}_budget"
+    if tier == "nvme":
+        return nvme_budget_bytes(value, nvme_path, ranks_sharing)
     if value != "auto":
         return parse_size(value, what)
-    if tier == "device":
-        if torch.cuda.is_available():
-            free, _ = torch.cuda.mem_get_info(device)  # the store's GPU (None: the current one)
-            return int(free * AUTO_FRACTION["device_cuda"])
-        import psutil
-
-        return int(psutil.virtual_memory().available * AUTO_FRACTION["device_host"])
-    if tier == "cpu":
-        import psutil
-
-        return int(psutil.virtual_memory().available * AUTO_FRACTION["cpu"])
-    if tier == "nvme":
-        if not nvme_path:
-            return 0
-        probe = nvme_path
-        while probe and not os.path.exists(probe):  # the directory may not exist yet
-            probe = os.path.dirname(probe)
-        return int(shutil.disk_usage(probe or ".").free * AUTO_FRACTION["nvme"])
+    if tier == "device" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(device)  # the store's GPU (None: the current one); not shared
+        return int(free * AUTO_FRACTION["device_cuda"])
+    if tier in ("device", "cpu"):
+        share = AUTO_FRACTION["cpu" if tier == "cpu" else "device_host"]
+        return int(host_memory()[1] * share / max(1, ranks_sharing))
     raise ValueError(f"unknown tier {tier!r}")
+
+
+def check_fits_machine(device_budget: int, cpu_budget: int, device: torch.device, ranks_sharing: int = 1,
+                       names: tuple[str, str] = ("offload.Config.device_budget", "offload.Config.cpu_budget")) -> None:
+    """Refuse budgets this machine cannot hold (ValueError naming the setting): a cpu budget above the host
+    memory this process may use (its cgroup's limit included), shared with the other ranks of the node; a
+    device budget above the GPU's memory; on a machine without a GPU, where the device tier is host memory
+    too, the two together above it. `names`: the settings as the caller's user knows them (flags)."""
+    dev_name, cpu_name = names
+    total, _ = host_memory()
+    per_rank = total // max(1, ranks_sharing)
+    ranks = f" ({ranks_sharing} ranks on this node share it)" if ranks_sharing > 1 else ""
+    if cpu_budget > per_rank:
+        raise ValueError(f"{cpu_name}: {format_bytes(cpu_budget)} is more host memory than this machine has for "
+                         f"a rank: {format_bytes(per_rank)}{ranks}; give at most that (or 'auto')")
+    if device.type == "cuda":
+        _, gpu_total = torch.cuda.mem_get_info(device)
+        if device_budget > gpu_total:
+            raise ValueError(f"{dev_name}: {format_bytes(device_budget)} is more than {device}'s "
+                             f"{format_bytes(gpu_total)} of memory; give at most that (or 'auto')")
+    elif device_budget + cpu_budget > per_rank:
+        raise ValueError(f"{dev_name} + {cpu_name}: {format_bytes(device_budget)} + {format_bytes(cpu_budget)} is "
+                         f"more than this machine's {format_bytes(per_rank)} of host memory for a rank{ranks}; "
+                         "without a GPU the device tier is a region of host memory too, so the two share it: "
+                         "lower them (or give 'auto')")
 
 
 @dataclass(eq=False)

@@ -224,8 +224,10 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
             f"{format_size(cpu_need)} of cpu-homed states and {format_size(working)} that the background work "
             "holds at once for nvme-homed ones (the largest unit's param chunks being gathered, one chunk of every "
             f"state being stepped, one gradient chunk being reduced), but only {format_size(cpu_free)} "
-            f"({cpu_free} bytes) of cpu_budget is free; raise cpu_budget, set params=/optimizer= to 'nvme', or "
-            "lower Config.chunk_size"
+            f"({cpu_free} bytes) of cpu_budget is free; raise cpu_budget"
+            + "".join(f", set {name}='nvme'" for name, tier in (("params", params), ("optimizer", optimizer))
+                      if tier != "nvme")
+            + ", or lower offload.Config.chunk_size"
         )
     nvme_need = (param_bytes if params == "nvme" else 0) + (opt_bytes if optimizer == "nvme" else 0)
     if nvme_need:
@@ -233,7 +235,9 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
             raise OSError(
                 f"offload.Config.nvme_budget: the model's nvme-homed states need {format_size(nvme_need)} "
                 f"({nvme_need} bytes) on this rank but nvme_budget is {format_size(budgets['nvme'])} "
-                f"({budgets['nvme']} bytes)"
+                f"({budgets['nvme']} bytes) (when 'auto': 90% of nvme_path's free space, split among this node's "
+                "ranks); free space on the drive, point nvme_path at a larger one, or give nvme_budget (up to the "
+                "free space)"
             )
         check_nvme_path(nvme_path, nvme_need, "the model's nvme-homed states")
     if params == "device" and param_bytes + gathered > device_free:

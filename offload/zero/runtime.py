@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..config import Config, parse_duration, parse_size
+from ..config import Config, parse_duration
 from ..device import Streams, bind_thread, compute_device
-from ..store import Tier
+from ..store import Tier, check_fits_machine, resolve_budget
 from ..telemetry import Lane, Meter, Queue
 from . import comm, placement
 from .backward_updates import BackwardUpdates
@@ -49,7 +49,7 @@ from .optimizer_pipeline import OptimizerPipeline, UnitUpdate
 from .schedule import Schedule
 from .shards import StateKind
 from .state import UnitState
-from .state_store import UnitStateStore, check_nvme_path
+from .state_store import UnitStateStore, prepare_swap_dir
 from .step_stats import StepStats
 from .unit import ShardedUnit
 from .watchdog import Watchdog
@@ -124,23 +124,23 @@ class Runtime:
         bind_thread(self.device)  # before the process group: NCCL binds its communicator to the current device
         self.group = self._setup_group()
         tune_malloc(self.device)  # first: a bad OFFLOAD_MALLOC_TUNE raises before anything is built
-        self.budgets = {"device": self._budget("device_budget"), "cpu": self._budget("cpu_budget"), "nvme": None}
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.group.world_size)))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.group.world_size)))  # ranks sharing this host
+        self.budgets = {"device": self._budget("device_budget", local), "cpu": self._budget("cpu_budget", local),
+                        "nvme": None}
+        check_fits_machine(self.budgets["device"], self.budgets["cpu"], self.device, local)
         self.machine = placement.machine_for(self.device, local, cfg.machine)  # what "auto" tiers compare
-        if cfg.nvme_path:
-            need = parse_size(cfg.nvme_budget, "nvme_budget") if cfg.nvme_budget is not None else None
-            check_nvme_path(cfg.nvme_path, need, "nvme_budget")
-            if need is not None:
-                self.budgets["nvme"] = need
+        if cfg.nvme_path:  # dead runs' swap removed first: the auto budget counts the space they held
+            self.budgets["nvme"] = prepare_swap_dir(cfg.nvme_path, cfg.nvme_budget, local)
         self.states = UnitStateStore(self.device, self.budgets, cfg.nvme_path, self.group.rank, cfg.swap_checksums)
-        # the store resolved "auto" budgets (and rounded to pages): plan against what it enforces
+        # the store rounded the budgets to pages: plan against what it enforces
         self.budgets = {t: self.states.capacity(t) for t in ("device", "cpu")} | {"nvme": self.budgets["nvme"]}
         if self.group.distributed:  # every rank plans with the same numbers: placement decides how many gathers a
-            # step issues (gather ahead, what stays gathered), and ranks that decide apart would hang
-            agreed = comm.all_reduce_host_(self.group, torch.tensor([float(self.budgets["device"]),
-                                                                     float(self.budgets["cpu"])], dtype=torch.float64),
-                                           "min", what="the budgets every rank plans with")
-            self.budgets.update(device=int(agreed[0]), cpu=int(agreed[1]))
+            # step issues (gather ahead, what stays gathered, the "auto" tiers), and ranks that decide apart hang
+            agreed = comm.all_reduce_host_(self.group, torch.tensor(
+                [float(self.budgets[t] if self.budgets[t] is not None else -1) for t in ("device", "cpu", "nvme")],
+                dtype=torch.float64), "min", what="the budgets every rank plans with")
+            self.budgets.update(device=int(agreed[0]), cpu=int(agreed[1]),
+                                nvme=int(agreed[2]) if agreed[2] >= 0 else None)
         # each lane issues its collectives on a group of its own (created in the same order on every rank)
         timeout = parse_duration(cfg.collective_timeout, "collective_timeout")
         order = comm.ProgramOrder()  # one issue order for both lanes' collectives (comm.py)
@@ -232,21 +232,13 @@ class Runtime:
         self.watchdog = Watchdog(dist.get_rank(), dist.get_world_size(), timeout)
         return comm.Group(dist.get_rank(), dist.get_world_size(), watchdog=self.watchdog, device=self.device)
 
-    def _budget(self, field: str) -> int | None:
-        """A set budget in bytes; None for "auto" (the store resolves it), except that ranks sharing a host
-        split the host's share between them."""
+    def _budget(self, field: str, ranks_sharing: int) -> int:
+        """A budget in bytes: the setting, else the store's "auto" rule for this rank (store/budget.py: the ranks
+        of a host split its memory; each GPU is its rank's own)."""
+        tier = field.removesuffix("_budget")
         value = self.config.bytes_of(field)
-        if value is not None:
-            return value
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.group.world_size)))
-        if local <= 1 or (field == "device_budget" and self.device.type == "cuda"):
-            return None
-        from ..store import AUTO_FRACTION
-
-        import psutil
-
-        share = AUTO_FRACTION["cpu" if field == "cpu_budget" else "device_host"]
-        return int(psutil.virtual_memory().available * share / local)
+        return resolve_budget("auto" if value is None else value, tier, ranks_sharing=ranks_sharing,
+                              device=self.device if self.device.type == "cuda" else None)
 
     @property
     def rank(self) -> int:
@@ -496,6 +488,7 @@ class Runtime:
         """(qualified name, fp32 host tensor) for every parameter of `model` (default: every wrapped model),
         unit by unit: saving a large model holds one unit at a time. Collective: call on every rank."""
         self._check_open("rt.iter_full_params")
+        self.materialize_pending()  # a model built in the block and not used yet: its parameters are meta so far
         self.quiesce()  # every queued update is in the values read below
         from .state_dict import gather_full
 

@@ -11,8 +11,10 @@ Where a consumer wants a shard:
   Use.HOST     the CPU optimizer and the gradient accumulation: host memory (a cpu working copy for nvme
                homes; the home copy for cpu homes; for device homes on a GPU, a host copy made when waited)
 
-This class also owns the swap directory: it creates the run directory (mkdtemp, 0700) under nvme_path and
-removes it when closed (the only place that does either).
+This class also owns the swap directory: it creates the run directory (mkdtemp, 0700) under nvme_path,
+holds its lock for the run's life (offload/dir_lock.py) and removes it when closed (the only place that does
+any of these). prepare_swap_dir() is what every run does first with nvme_path: check it, remove what dead runs
+left there (a kill -9 cannot clean up after itself), and take this rank's nvme budget by the store's one rule.
 """
 from __future__ import annotations
 
@@ -27,11 +29,14 @@ import torch
 
 from ..config import format_size
 from ..device import retire
-from ..store import LeaseMode, StoreConfig, Tier, TieredStore
+from ..dir_lock import DirLock, remove_stale
+from ..store import LeaseMode, StoreConfig, Tier, TieredStore, nvme_budget_bytes
 from ..store.lease import Lease
 from .shards import ShardKey, ShardSpec
 
 ALLOC_TIMEOUT_S = 120.0  # a buffer that cannot be had in this long is a planning error: raise, never hang
+RUN_DIR_PREFIX = "offload-"  # a run directory is nvme_path/offload-<pid>-rank<r>-<random>
+SWAP_LOCK = "offload swap"  # what a run directory's lock says it is for (only such directories are ever removed)
 
 
 class Use(enum.Enum):
@@ -116,10 +121,16 @@ class UnitStateStore:
                  checksums: bool = True):
         self.device = torch.device(device)
         self.run_dir: Path | None = None
+        self._run_lock: DirLock | None = None
         if nvme_path:
             # A fresh directory of our own: unpredictable name, created atomically with mode 0700 (never a
-            # planted directory or symlink); removed by close().
-            self.run_dir = Path(tempfile.mkdtemp(prefix=f"offload-{os.getpid()}-rank{rank}-", dir=nvme_path))
+            # planted directory or symlink); locked while this process lives, removed by close().
+            self.run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-rank{rank}-", dir=nvme_path))
+            try:
+                self._run_lock = DirLock.acquire(self.run_dir, SWAP_LOCK)
+            except BaseException:
+                self._remove_run_dir()
+                raise
         cfg = StoreConfig(
             device_budget=budgets["device"] if budgets["device"] is not None else "auto",
             cpu_budget=budgets["cpu"] if budgets["cpu"] is not None else "auto",
@@ -243,10 +254,26 @@ class UnitStateStore:
     def _remove_run_dir(self) -> None:
         if self.run_dir is not None and self.run_dir.exists():
             shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self._run_lock is not None:
+            self._run_lock.release()  # after the files: a cleaner never sees an unlocked half-removed directory
 
     @property
     def closed(self) -> bool:
         return self.store.closed
+
+
+def prepare_swap_dir(path: str | os.PathLike, budget: str | int | None, ranks_sharing: int) -> int:
+    """What a run does first with its nvme_path: check it (check_nvme_path), remove the swap directories that
+    dead runs left under it, then this rank's nvme budget by the store's rule (store.nvme_budget_bytes: the
+    setting, else 90% of the free space split among the `ranks_sharing` ranks of this node). An explicit
+    budget larger than the free space is refused."""
+    check_nvme_path(path, None, "")
+    remove_stale(path, RUN_DIR_PREFIX, SWAP_LOCK)
+    if budget is not None and budget != "auto":
+        need = nvme_budget_bytes(budget, str(path))
+        check_nvme_path(path, need, "nvme_budget")
+        return need
+    return nvme_budget_bytes("auto", str(path), ranks_sharing)
 
 
 def check_nvme_path(path: str | os.PathLike, need_bytes: int | None, what: str) -> None:
