@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import __version__
@@ -68,13 +69,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def debugging() -> bool:
+    """OFFLOAD_DEBUG=1: errors raise with their traceback instead of printing one line."""
+    return os.environ.get("OFFLOAD_DEBUG", "") not in ("", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as exc:  # noqa: BLE001 - a user sees one line; OFFLOAD_DEBUG=1 shows the traceback
+        if debugging():
+            raise
+        text = " ".join(str(exc).split()) or "(no message)"
+        print(f"offload {args.command}: error: {type(exc).__name__}: {text} (OFFLOAD_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

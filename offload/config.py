@@ -61,9 +61,12 @@ class Config:
       beside the gathered units: then the device tier (no nvme write in backward, no read in the step). With
       device_budget "auto" the runtime cannot know what the activations will need, so it does not take it.
     nvme_path: directory for swap files (required when a tier is "nvme"); must exist and be writable.
-    device_budget / cpu_budget: byte budgets ("auto": 90% of GPU memory, or of available host RAM on a CPU
-      machine where the device tier is a region of host memory). nvme_budget: optional space to reserve;
-      `init` fails at once when the filesystem has less free.
+    device_budget / cpu_budget / nvme_budget: byte budgets per rank. "auto" (nvme_budget None is the same):
+      90% of the GPU's free memory (without a GPU, a quarter of the available host memory: the device tier is
+      then a region of host memory), half the available host memory (capped by the cgroup's limit), 90% of
+      nvme_path's free space; host memory and the drive split among the node's ranks (LOCAL_WORLD_SIZE).
+      store/budget.py has the rule. `init` refuses budgets the machine cannot hold, and an nvme_budget larger
+      than the free space.
     compute_dtype: "fp32" (like plain PyTorch) or "bf16" (params gathered and computed in bf16; the master
       copy stays fp32).
     reduce_dtype: the dtype gradients are summed over ranks in: "fp32" (default, exact as plain PyTorch's DDP

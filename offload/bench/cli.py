@@ -251,7 +251,8 @@ def add_bench_parser(subparsers) -> None:
                       help="comma list, default 128KiB,512KiB,1MiB,4MiB,8MiB")
     nvme.add_argument("--queue-depths", type=_csv(int), default=None, help="comma list, default 1,4,16,64")
     nvme.add_argument("--workers", type=int, default=1, help="engine submitting threads (default 1, as one fio job)")
-    nvme.add_argument("--backend", default="auto", choices=["auto", "io_uring", "threads", "python"])
+    nvme.add_argument("--backend", default="auto", choices=["auto", "io_uring", "threads", "python"],
+                      help="the engine's I/O path (default auto: io_uring where the kernel allows it)")
     nvme.add_argument("--rounds", type=int, default=2, help="alternating engine/fio runs per configuration (median)")
     nvme.add_argument("--ops", type=_csv(str), default=["read", "write"], help="read,write (default both)")
     nvme.add_argument("--no-fio", action="store_true", help="skip fio even when installed")
@@ -259,7 +260,8 @@ def add_bench_parser(subparsers) -> None:
                       help="skip the large-buffer (stream) engine runs; the fio-like ring runs always happen")
     nvme.add_argument("--deepspeed", action="store_true",
                       help="also time DeepSpeed's AsyncIOBuilder handle (pip install deepspeed; needs libaio-dev)")
-    nvme.add_argument("--fio-ioengine", default="io_uring", choices=["io_uring", "libaio", "psync"])
+    nvme.add_argument("--fio-ioengine", default="io_uring", choices=["io_uring", "libaio", "psync"],
+                      help="fio's ioengine for the comparison (default io_uring)")
     nvme.set_defaults(func=_checked(_cmd_nvme))
 
     def common(p, sizes_help=None):
@@ -281,7 +283,7 @@ def add_bench_parser(subparsers) -> None:
     pcie.set_defaults(func=_checked(_cmd_pcie))
     every = sub.add_parser("all", help="pcie, memcpy, adam, and nvme when --path is given")
     common(every, "memcpy/pcie sizes")
-    every.add_argument("--numel", type=float, default=2 ** 24)
+    every.add_argument("--numel", type=float, default=2 ** 24, help="AdamW parameters per step (default 16.8M)")
     every.add_argument("--path", action="append",
                        help="directory on an NVMe drive for the nvme sweep (repeat for several drives)")
     every.set_defaults(func=_checked(_cmd_all))

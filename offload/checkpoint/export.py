@@ -78,6 +78,7 @@ def add_export_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint directory, or the directory of checkpoints (its `latest`)")
     p.add_argument("out", help="output directory")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32")
-    p.add_argument("--max-shard-size", default="2GiB")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32",
+                   help="dtype of the written weights, cast from the fp32 master (default fp32)")
+    p.add_argument("--max-shard-size", default="2GiB", help="largest safetensors file written (default 2GiB)")
     p.set_defaults(func=_cmd_export)

@@ -13,6 +13,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from ..cli import debugging
 from ..config import format_size
 from .errors import InputError
 from .job import FinetuneConfig, FinetuneResult
@@ -78,6 +79,8 @@ def run_finetune(args: argparse.Namespace) -> int:
     try:
         cfg = FinetuneConfig(**{k: v for k, v in vars(args).items() if k in fields})
     except ValueError as exc:  # a setting out of range: one line naming it (FinetuneConfig's checks), no traceback
+        if debugging():
+            raise
         print(f"offload finetune: error: {exc}", file=sys.stderr)
         return 2
     rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -96,6 +99,8 @@ def run_finetune(args: argparse.Namespace) -> int:
     try:
         r = finetune(cfg, progress=progress)
     except InputError as exc:
+        if debugging():
+            raise
         print(f"offload finetune: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as stop:  # SIGINT, or SIGTERM (timeout, Slurm preemption, docker stop, kill)
@@ -145,49 +150,75 @@ def run_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default after its help, unless the help says it already or there is none to show
+    (None: the help says what is taken instead)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def add_finetune_parser(sub) -> None:
     p = sub.add_parser("finetune", help="fine-tune a Hugging Face causal LM with states paged to disk",
-                       description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       description=__doc__, formatter_class=HelpFormatter)
     d = FinetuneConfig()
     p.add_argument("--model", help="Hugging Face model directory (config.json + safetensors); default: the built-in "
                                    "26M-parameter Llama, randomly initialized")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model's; built-in: a BPE trained on the data)")
     p.add_argument("--data", help="plain text, or JSONL with a \"text\" field or \"prompt\"/\"response\" fields "
                                   "(loss on the response); default: the Python standard library's sources")
-    p.add_argument("--output", default=d.output, help="where the fine-tuned model is written (safetensors)")
+    p.add_argument("--output", default=d.output, help="where the fine-tuned model is written (safetensors); held "
+                                                      "by this run alone while it lives")
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=int, help="optimizer steps (default 150)")
-    length.add_argument("--epochs", type=float, help="passes over the training data")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    length.add_argument("--steps", type=int, help="optimizer steps (default 150, or what --epochs gives)")
+    length.add_argument("--epochs", type=float, help="passes over the training data (default: --steps)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per training sequence")
     p.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per forward, per rank")
-    p.add_argument("--grad-accum", type=int, default=d.grad_accum)
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum,
+                   help="micro-batches per optimizer step (the global batch: micro-batch x ranks x this)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (linear warmup, then cosine)")
-    p.add_argument("--warmup-steps", type=int, help="default: 5%% of the steps")
-    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm)
+    p.add_argument("--warmup-steps", type=int, help="steps of linear warmup (default: 5%% of the steps)")
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio,
+                   help="the cosine ends at the peak learning rate times this")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's decoupled weight decay")
+    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm,
+                   help="gradients clipped to this global L2 norm each step")
     p.add_argument("--params", choices=("device", "cpu", "nvme", "auto"), help="parameter tier (default nvme)")
     p.add_argument("--optimizer", choices=("device", "cpu", "nvme", "auto"),
                    help="tier of the fp32 master and AdamW moments (default nvme)")
-    p.add_argument("--nvme-path", help="swap directory on the drive to page to (default: a temporary directory)")
-    p.add_argument("--cpu-budget", help="host bytes for states, e.g. 8GiB (default: 256MiB built-in, else auto)")
-    p.add_argument("--device-budget", help="accelerator bytes for states (default auto)")
-    p.add_argument("--compute-dtype", choices=("fp32", "bf16"), help="default bf16")
+    p.add_argument("--nvme-path", help="swap directory on the drive to page to (default: a temporary directory, "
+                                       "removed at the end, as are those of dead runs)")
+    p.add_argument("--nvme-budget", help="swap bytes per rank, e.g. 400GiB (default auto: 90%% of the drive's free "
+                                         "space, split among this node's ranks)")
+    p.add_argument("--cpu-budget", help="host bytes for states per rank, e.g. 8GiB (default: 256MiB for the built-in "
+                                        "model, else auto: half the available host memory, split among ranks)")
+    p.add_argument("--device-budget", help="accelerator bytes for states, e.g. 60GiB (default auto: 90%% of the "
+                                           "GPU's free memory; without a GPU a quarter of the host's, split among "
+                                           "ranks)")
+    p.add_argument("--compute-dtype", choices=("fp32", "bf16"), help="forward and backward dtype (default bf16)")
     p.add_argument("--grad-checkpointing", action="store_true", help="the model's own activation checkpointing")
     p.add_argument("--update-in-backward", action="store_true", default=None,
                    help="opt-in: each unit's update under the backward, clipped by the previous step's norm "
                         "coefficient (offload.Config.update_in_backward)")
     p.add_argument("--config", dest="offload_config",
                    help="an offload Config JSON or a DeepSpeed JSON (zero_optimization); flags override it")
-    p.add_argument("--save-every", type=int, default=d.save_every, help="also save OUTPUT/checkpoint-STEP")
+    p.add_argument("--save-every", type=int, default=d.save_every,
+                   help="also save the model to OUTPUT/checkpoint-STEP every this many steps (0: at the end only)")
     p.add_argument("--max-shard-size", default=d.max_shard_size, help="largest safetensors file written")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help="a resumable checkpoint every this many steps (0: none)")
     p.add_argument("--checkpoint-dir", help="where checkpoints go (default OUTPUT/checkpoints)")
-    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
-    p.add_argument("--resume", help="go on from this checkpoint (or the newest in this directory of checkpoints)")
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints,
+                   help="the newest this many checkpoints are kept, older ones removed (at least 1)")
+    p.add_argument("--resume", help="go on from this checkpoint (or the newest in this directory of checkpoints), "
+                                    "with the same data and settings; a run keeps its --steps (its learning-rate "
+                                    "schedule spans them)")
     p.add_argument("--eval-blocks", type=int, default=d.eval_blocks, help="held-out blocks for the eval loss")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="the built-in tokenizer's vocabulary")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="data order, dropout, and the built-in model's initial weights")
     p.add_argument("--json", help="also write the result (losses, times, bytes) to this JSON file")
     p.set_defaults(func=run_finetune)

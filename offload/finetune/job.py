@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,8 +27,10 @@ import torch.nn.functional as F
 from ..config import Config, deepspeed_fields, parse_size
 from .batches import IGNORE, Sampler, TokenBlocks, build_blocks, split_heldout
 from .hf_model_dir import HFModelDir, save_pretrained
+from . import preflight
 from .corpus import DataError, read_data_file, stdlib_corpus
 from .errors import InputError
+from .preflight import RUNTIME_FIELDS, as_flags
 from .tokenizer import load_tokenizer, train_bpe
 
 # The built-in model: a Llama of 25.8M parameters, small enough to train for a few hundred steps on 2 cores.
@@ -60,6 +61,7 @@ class FinetuneConfig:
     params: str | None = None  # tier of the parameters: device, cpu, nvme or auto (default nvme)
     optimizer: str | None = None  # tier of the fp32 master and AdamW moments (default nvme)
     nvme_path: str | None = None  # swap directory (default: a temporary directory, removed at the end)
+    nvme_budget: str | None = None  # swap bytes per rank (default auto: 90% of the free space, split among ranks)
     cpu_budget: str | None = None  # default 256MiB for the built-in model (so shards really page), else auto
     device_budget: str | None = None  # default auto
     compute_dtype: str | None = None  # default bf16
@@ -92,6 +94,12 @@ class FinetuneConfig:
             raise InputError(f"--weight-decay must be 0 or more (got {self.weight_decay})")
         if self.eval_blocks < 1:
             raise InputError(f"--eval-blocks must be at least 1 (got {self.eval_blocks})")
+        if self.keep_checkpoints < 1:
+            raise InputError(f"--keep-checkpoints must be at least 1 (got {self.keep_checkpoints}); to keep every "
+                             "checkpoint give one at least the number of checkpoints the run saves")
+        for name in ("save_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise InputError(f"--{name.replace('_', '-')} must be 0 (never) or more (got {getattr(self, name)})")
         try:
             parse_size(self.max_shard_size, "--max-shard-size")
         except ValueError as exc:
@@ -119,16 +127,12 @@ class FinetuneResult:
     checkpoints: list[dict] = dataclasses.field(default_factory=list)  # {"path", "bytes", "seconds"} per save
 
 
-_RUNTIME_FIELDS = ("params", "optimizer", "nvme_path", "cpu_budget", "device_budget", "compute_dtype",
-                   "update_in_backward")
-
-
 def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
     """The runtime's Config: each field from the flag if given, else the --config file if it sets it, else
     the fine-tune's default."""
     defaults = dict(params="nvme", optimizer="nvme", nvme_path=default_nvme_path, device_budget="auto",
                     compute_dtype="bf16", cpu_budget="256MiB" if cfg.model is None else "auto",
-                    update_in_backward=False)
+                    update_in_backward=False)  # nvme_budget: the file's, else Config's (auto)
     from_file: dict = {}
     if cfg.offload_config is not None:
         import json
@@ -152,35 +156,17 @@ def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
                                  "offload.Config (or give a DeepSpeed JSON with a zero_optimization section)")
             from_file = loaded
     chosen = {name: getattr(cfg, name) if getattr(cfg, name) is not None else from_file.get(name, defaults[name])
-              for name in _RUNTIME_FIELDS}
+              for name in RUNTIME_FIELDS if name in defaults}
+    if cfg.nvme_budget is not None:
+        chosen["nvme_budget"] = cfg.nvme_budget
     try:
         return Config(**{"seed": cfg.seed, **from_file, **chosen})
     except (TypeError, ValueError) as exc:
-        raise InputError(f"the runtime settings: {exc}") from None
+        raise InputError(f"the runtime settings: {as_flags(str(exc))}") from None
 
 
 def _load_examples(cfg: FinetuneConfig):
     return stdlib_corpus() if cfg.data is None else read_data_file(cfg.data)
-
-
-def _check_nvme_space(cfg: Config, n_params: int, world: int) -> None:
-    """Before the first byte is written: room for the swap files of every rank on this node (one drive)."""
-    if "nvme" not in (cfg.params, cfg.optimizer):
-        return
-    from ..zero.state_store import check_nvme_path
-
-    compute = 2 if cfg.compute_dtype == "bf16" else 4
-    per_param = 0
-    if cfg.params == "nvme":
-        per_param += compute  # the compute-dtype parameter (with fp32 compute it is also the master)
-    if cfg.optimizer == "nvme":
-        per_param += (4 if compute == 2 else 0) + 8 + 4  # fp32 master (bf16 compute), two moments, the gradient
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    need = math.ceil(n_params / world) * per_param * local
-    try:
-        check_nvme_path(cfg.nvme_path, need, "--nvme-path (the params and optimizer states of this node's ranks)")
-    except OSError as exc:
-        raise InputError(str(exc).replace("offload.Config.nvme_path", "--nvme-path")) from None
 
 
 def _loss_sum(model, batch: TokenBlocks, device) -> torch.Tensor:
@@ -207,6 +193,13 @@ def _resume(rt, cfg: FinetuneConfig, sched, run_key: dict) -> int:
         raise InputError(f"--resume {cfg.resume}: {exc}") from None
     saved = extra.get("run", {})
     differ = [f"{k} {saved.get(k)} -> {v}" for k, v in run_key.items() if saved.get(k) != v]
+    if differ == [f"steps {saved.get('steps')} -> {run_key['steps']}"]:
+        raise InputError(f"--resume {cfg.resume}: the checkpoint is of a {saved.get('steps')}-step run and this one "
+                         f"asks for {run_key['steps']}; a resumed run keeps its length, because the learning rate's "
+                         "warmup and cosine decay are laid over --steps (a longer run is another run, whose earlier "
+                         f"steps had other rates). To train on: `offload export {cfg.resume} DIR` and start a new "
+                         "run with --model DIR (the optimizer's moments start afresh), or resume with --steps "
+                         f"{saved.get('steps')}")
     if differ:
         raise InputError(f"--resume {cfg.resume}: the run differs from the checkpoint's ({', '.join(differ)}); resume "
                          "with the same data, --seq-len, --micro-batch x ranks, --grad-accum, --seed and --steps")
@@ -250,37 +243,14 @@ class _Inputs:
     train: TokenBlocks
     heldout: TokenBlocks
     n_params: int
+    n_tensors: int
     ignored: list[str]
-
-
-def _check_writable_dir(path: str | os.PathLike, flag: str) -> None:
-    """`path` is a directory this process can create files in, or can be made one (its nearest existing
-    ancestor is): a probe file is written and removed there, so a read-only mount or a file in the way is
-    found before training (permission bits alone say nothing for root)."""
-    p = Path(path).expanduser().absolute()
-    if p.exists() and not p.is_dir():
-        raise InputError(f"{flag} {path}: is a file, not a directory; give a directory (it is created if missing)")
-    probe_dir = p
-    while not probe_dir.exists():
-        probe_dir = probe_dir.parent
-    if not probe_dir.is_dir():
-        raise InputError(f"{flag} {path}: {probe_dir} is a file, so the directory cannot be created there")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".offload-probe-", dir=probe_dir)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise InputError(f"{flag} {path}: cannot write in {probe_dir} ({exc.strerror}); give a writable "
-                         "directory") from None
 
 
 def _inputs(cfg: FinetuneConfig) -> _Inputs:
     """The model directory, tokenizer, config and token blocks, each checked (InputError otherwise)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    _check_writable_dir(cfg.output, "--output")  # found now, not after training (the trained weights lost)
-    if cfg.checkpoint_dir is not None:
-        _check_writable_dir(cfg.checkpoint_dir, "--checkpoint-dir")
     model_dir = HFModelDir(cfg.model) if cfg.model is not None else None
     examples = _load_examples(cfg)
     if cfg.tokenizer is not None:
@@ -311,26 +281,38 @@ def _inputs(cfg: FinetuneConfig) -> _Inputs:
     with torch.device("meta"):  # the shapes alone: to check the weights and the swap space before any byte moves
         shapes_only = AutoModelForCausalLM.from_config(hf_config)
     n_params = sum(p.numel() for p in shapes_only.parameters())
+    n_tensors = sum(1 for _ in shapes_only.parameters())
     ignored = model_dir.check(shapes_only) if model_dir is not None else []
-    return _Inputs(model_dir, tokenizer, hf_config, train, heldout, n_params, ignored)
+    return _Inputs(model_dir, tokenizer, hf_config, train, heldout, n_params, n_tensors, ignored)
 
 
 def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneResult:
     """Run the fine-tune (module docstring). `progress(step, total, loss, stats)` is called after each step
     (the CLI draws its progress bar with it); `on_trained(rt, model)` once training ends, while the runtime
     is still open (to inspect or evaluate the model before it is saved and the runtime closes)."""
+    with contextlib.ExitStack() as held:  # this run's directories and locks, released last
+        return _finetune(cfg, held, progress, on_trained)
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))  # the CPU allocator's words
+
+
+def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trained) -> FinetuneResult:
     import offload
     from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
     t_load = time.perf_counter()
-    inputs = _inputs(cfg)  # everything that can be wrong with the input is found before training starts
+    # every location and setting that can be wrong is found before the model loads, let alone trains
+    preflight.claim_outputs(cfg, held)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rcfg = runtime_config(cfg, preflight.own_swap_dir(held))
+    preflight.check_budgets(rcfg, world)
+    inputs = _inputs(cfg)
     model_dir, tokenizer, train, heldout = inputs.model_dir, inputs.tokenizer, inputs.train, inputs.heldout
     n_params = inputs.n_params
-
-    owned_swap = tempfile.TemporaryDirectory(prefix="offload-finetune-")  # used unless a swap dir is given
-    rcfg = runtime_config(cfg, owned_swap.name)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    _check_nvme_space(rcfg, n_params, world)
+    preflight.check_swap_room(rcfg, n_params, inputs.n_tensors, world)
     try:
         with offload.init(rcfg) as rt:
             model = AutoModelForCausalLM.from_config(inputs.hf_config)  # meta placeholders: nothing allocated yet
@@ -400,8 +382,16 @@ def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneRes
             out = save_pretrained(rt, model, cfg.output, tokenizer, parse_size(cfg.max_shard_size, "--max-shard-size"))
             stats = rt.stats()
             world = rt.world_size
-    finally:
-        owned_swap.cleanup()
+    except (MemoryError, OSError, ValueError) as exc:
+        if str(exc).startswith("offload.Config."):  # a setting the runtime refused (placement, budgets, nvme_path)
+            raise InputError(as_flags(str(exc))) from None
+        raise
+    except RuntimeError as exc:
+        if _out_of_memory(exc):
+            raise InputError(f"--micro-batch {cfg.micro_batch} x --seq-len {cfg.seq_len}: the forward and backward ran "
+                             f"out of memory ({str(exc).splitlines()[0]}); lower --micro-batch (a larger --grad-accum "
+                             "keeps the batch), add --grad-checkpointing, or lower --seq-len") from None
+        raise
     n_timed = max(1, len(losses) - 1)
     return FinetuneResult(
         losses=losses, first_step=steps - len(losses), eval_loss_before=eval_before, eval_loss_after=eval_after, output=out, n_params=n_params,

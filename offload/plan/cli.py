@@ -161,11 +161,12 @@ def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="size a run before launching it: fit, placement, step time",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help=f"a config.json (or its directory) or one of {', '.join(PRESETS)}")
-    p.add_argument("--gpus", type=_count("--gpus"), default=8, help="GPUs per node")
-    p.add_argument("--nodes", type=_count("--nodes"), default=1)
-    p.add_argument("--gpu", choices=sorted(DEVICES), default="h100")
+    p.add_argument("--gpus", type=_count("--gpus"), default=8, help="GPUs per node (default 8)")
+    p.add_argument("--nodes", type=_count("--nodes"), default=1, help="nodes (default 1)")
+    p.add_argument("--gpu", choices=sorted(DEVICES), default="h100",
+                   help="GPU model: its memory, bf16 TFLOP/s, PCIe and interconnect figures (default h100)")
     p.add_argument("--gpu-mem", type=_size("--gpu-mem"), help="memory per GPU, e.g. 80GiB (default: the GPU's)")
-    p.add_argument("--cpu-mem", type=_size("--cpu-mem"), default="1TiB", help="host RAM per node")
+    p.add_argument("--cpu-mem", type=_size("--cpu-mem"), default="1TiB", help="host RAM per node (default 1TiB)")
     p.add_argument("--nvme-size", type=_size("--nvme-size"), help="free NVMe space per node (default: unbounded)")
     p.add_argument("--nvme-read", help="NVMe read per node, e.g. 25GB/s")
     p.add_argument("--nvme-write", help="NVMe write per node, e.g. 12GB/s")
@@ -175,10 +176,12 @@ def add_plan_parser(sub) -> None:
                    help="CPU AdamW throughput per node")
     p.add_argument("--tflops", type=_positive("--tflops"), help="peak dense bf16 TFLOP/s per GPU (default: the GPU's)")
     p.add_argument("--mfu", type=_positive("--mfu", most=1.0), default=0.4,
-                   help="fraction of the peak a step achieves (0 < mfu <= 1)")
-    p.add_argument("--micro-batch", type=_count("--micro-batch"), default=1)
+                   help="fraction of the peak a step achieves (0 < mfu <= 1; default 0.4)")
+    p.add_argument("--micro-batch", type=_count("--micro-batch"), default=1,
+                   help="sequences per forward, per GPU (default 1)")
     p.add_argument("--seq-len", type=_count("--seq-len"), help="default: the model's maximum, at most 4096")
-    p.add_argument("--grad-accum", type=_count("--grad-accum"), default=1)
+    p.add_argument("--grad-accum", type=_count("--grad-accum"), default=1,
+                   help="micro-batches per optimizer step (default 1)")
     p.add_argument("--no-checkpointing", action="store_true", help="activation checkpointing off")
     p.add_argument("--update-in-backward", action="store_true",
                    help="model Config.update_in_backward (opt-in: each update under the backward, clipped by the "

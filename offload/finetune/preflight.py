@@ -1,0 +1,158 @@
+"""What `offload finetune` checks and claims before the model loads, so that no run is lost to a late check:
+the output and checkpoint directories (writable, and this run's alone while it lives), budgets the machine
+can hold, and room on the swap drive by the store's own rule; plus the spelling of the runtime's settings as
+this command's flags in every message.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..config import Config
+from ..dir_lock import DirectoryInUse, DirLock, remove_stale
+from .errors import InputError
+
+if TYPE_CHECKING:
+    from .job import FinetuneConfig
+
+RUNTIME_FIELDS = ("params", "optimizer", "nvme_path", "nvme_budget", "cpu_budget", "device_budget",
+                   "compute_dtype", "update_in_backward")
+SWAP_DIR_PREFIX = "offload-finetune-"  # the default swap directory: TMPDIR/offload-finetune-<random>
+
+
+def as_flags(message: str) -> str:
+    """A runtime error's message with its offload.Config settings spelled as this command's flags (the user
+    typed --cpu-budget, not offload.Config.cpu_budget)."""
+    def flag(name: str) -> str:
+        return f"--{name.replace('_', '-')}" if name in RUNTIME_FIELDS else f"{name} (in --config)"
+
+    message = re.sub(r"offload\.Config\.(\w+)", lambda m: flag(m.group(1)), message)
+    message = re.sub(r"\b(params|optimizer)='(\w+)'", lambda m: f"--{m.group(1)} {m.group(2)}", message)
+    return re.sub(r"\b(?<!-)(cpu_budget|device_budget|nvme_budget|nvme_path)\b", lambda m: flag(m.group(1)),
+                  message)
+
+
+def ranks_on_this_node(world: int) -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def check_budgets(cfg: Config, world: int) -> None:
+    """Budgets this machine cannot hold, refused before anything is loaded (the runtime's own check)."""
+    from ..device import compute_device
+    from ..store import check_fits_machine, resolve_budget
+
+    local = ranks_on_this_node(world)
+    device = compute_device()
+    sizes = {t: resolve_budget(getattr(cfg, f"{t}_budget"), t, ranks_sharing=local,
+                               device=device if device.type == "cuda" else None) for t in ("device", "cpu")}
+    try:
+        check_fits_machine(sizes["device"], sizes["cpu"], device, local, names=("--device-budget", "--cpu-budget"))
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
+def swap_bytes_per_rank(cfg: Config, n_params: int, n_tensors: int, world: int) -> int:
+    """An upper bound of the swap space one rank's nvme-homed states take, as the store lays them out: this
+    rank's share of every parameter at the bytes its states keep (the compute-dtype parameter; the fp32 master
+    when it is not the parameter, the two moments and the gradient), plus each unit's padding and page
+    rounding (placement.py: at most one alignment quantum a unit and one page a chunk, with chunks of at least
+    half a MiB; every unit holds at least one parameter tensor)."""
+    from ..store.swap_file import SLOT_ALIGN
+    from ..zero.layout import ALIGN
+
+    compute = 2 if cfg.compute_dtype == "bf16" else 4
+    kinds = []  # bytes per element of each nvme-homed state
+    if cfg.params == "nvme":
+        kinds.append(compute)
+    if cfg.optimizer == "nvme":
+        kinds += [4] * (3 + (compute != 4))  # exp_avg, exp_avg_sq, the gradient (+ the fp32 master)
+    numel = math.ceil(n_params / world)
+    chunks = math.ceil(numel * 4 / (512 << 10)) + n_tensors
+    return sum(k * (numel + n_tensors * ALIGN) + chunks * SLOT_ALIGN for k in kinds)
+
+
+def check_swap_room(cfg: Config, n_params: int, n_tensors: int, world: int) -> None:
+    """Before the first byte is written: room for this rank's swap by the runtime's own rule (the same
+    budget the store will enforce: --nvme-budget, else 90% of the free space split among this node's ranks)."""
+    if "nvme" not in (cfg.params, cfg.optimizer):
+        return
+    from ..store import format_bytes
+    from ..zero.state_store import prepare_swap_dir
+
+    local = ranks_on_this_node(world)
+    try:
+        budget = prepare_swap_dir(cfg.nvme_path, cfg.nvme_budget, local)
+    except OSError as exc:
+        raise InputError(as_flags(str(exc))) from None
+    need = swap_bytes_per_rank(cfg, n_params, n_tensors, world)
+    if need > budget:
+        free = shutil.disk_usage(cfg.nvme_path).free
+        rule = (f"--nvme-budget {cfg.nvme_budget}" if cfg.nvme_budget not in (None, "auto") else
+                f"90% of the {format_bytes(free)} free" + (f", split among {local} ranks" if local > 1 else ""))
+        raise InputError(f"--nvme-path {cfg.nvme_path}: this run swaps up to {format_bytes(need)} a rank (params on "
+                         f"{cfg.params}, optimizer states on {cfg.optimizer}) but the nvme budget is "
+                         f"{format_bytes(budget)} ({rule}); free space there, give --nvme-path on a larger drive, "
+                         "or keep a state in memory (--params cpu / --optimizer cpu)")
+
+
+def _claim(directory: str | os.PathLike, flag: str, held: contextlib.ExitStack) -> None:
+    """This run's own `directory` for its whole life: a second run naming it is refused with this one's pid."""
+    try:
+        held.enter_context(DirLock.acquire(directory, f"offload finetune {flag}"))
+    except DirectoryInUse as busy:
+        raise InputError(f"{flag} {directory}: in use by another live run ({busy.owner.describe() if busy.owner else 'pid unknown'}); "
+                         f"wait for it to end or give another {flag}") from None
+
+
+def claim_outputs(cfg: FinetuneConfig, held: contextlib.ExitStack) -> None:
+    """The output and checkpoint directories: writable (found now, not after training, when the trained
+    weights would be lost) and this run's alone (rank 0 writes them; two runs would prune each other's
+    checkpoints and overwrite each other's model)."""
+    check_writable_dir(cfg.output, "--output")
+    if cfg.checkpoint_dir is not None:
+        check_writable_dir(cfg.checkpoint_dir, "--checkpoint-dir")
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    _claim(cfg.output, "--output", held)
+    if cfg.checkpoint_dir is not None and Path(cfg.checkpoint_dir).resolve() != Path(cfg.output).resolve():
+        _claim(cfg.checkpoint_dir, "--checkpoint-dir", held)
+
+
+def own_swap_dir(held: contextlib.ExitStack) -> str:
+    """A temporary swap directory of this process's (used unless --nvme-path / --config gives one), locked
+    so that the next run finds and removes it if this process dies without cleaning up (kill -9); the
+    directories of such dead runs are removed here first."""
+    from ..zero.state_store import SWAP_LOCK
+
+    remove_stale(tempfile.gettempdir(), SWAP_DIR_PREFIX, SWAP_LOCK)
+    path = tempfile.mkdtemp(prefix=SWAP_DIR_PREFIX)
+    held.enter_context(DirLock.acquire(path, SWAP_LOCK))
+    held.callback(shutil.rmtree, path, True)  # first out: the files go, then the lock (a cleaner skips it meanwhile)
+    return path
+
+
+def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
+    """`path` is a directory this process can create files in, or can be made one (its nearest existing
+    ancestor is): a probe file is written and removed there, so a read-only mount or a file in the way is
+    found before training (permission bits alone say nothing for root)."""
+    p = Path(path).expanduser().absolute()
+    if p.exists() and not p.is_dir():
+        raise InputError(f"{flag} {path}: is a file, not a directory; give a directory (it is created if missing)")
+    probe_dir = p
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    if not probe_dir.is_dir():
+        raise InputError(f"{flag} {path}: {probe_dir} is a file, so the directory cannot be created there")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".offload-probe-", dir=probe_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise InputError(f"{flag} {path}: cannot write in {probe_dir} ({exc.strerror}); give a writable "
+                         "directory") from None
