@@ -437,8 +437,10 @@ def offload_kernel_threads():
         return None
 
 
-def deepspeed_config(s: Settings) -> dict:
-    largest = max(s.vocab * s.dim, s.dim * s.ff, 3 * s.dim * s.dim)  # embedding / head, ff, in_proj weights
+def deepspeed_config(s: Settings, largest: int | None = None) -> dict:
+    """`largest`: elements of the model's largest parameter (default: this bench's transformer's)."""
+    if largest is None:
+        largest = max(s.vocab * s.dim, s.dim * s.ff, 3 * s.dim * s.dim)  # embedding / head, ff, in_proj weights
     buffer_size = -(-largest // (1 << 20)) * (1 << 20)  # elements, rounded up to 1Mi
     return {
         "train_micro_batch_size_per_gpu": s.batch,
@@ -548,17 +550,19 @@ def probe_nvme(s: Settings, size: int = GiB, chunk: int = 64 << 20, repeats: int
             "block_size": 1 << 20, "queue_depth": 32, "workers": 2, "concurrent": False}
 
 
-def probe_adam(s: Settings, repeats: int = 3) -> dict:
+def probe_adam(s: Settings, repeats: int = 3, shapes: list | None = None) -> dict:
     """offload.AdamW (fused CPU kernel) over bf16 params with the model's shapes (fp32 master and moments
-    in state, bf16 param written by the kernel), in memory: median step time."""
+    in state, bf16 param written by the kernel), in memory: median step time, and the CPU seconds (every
+    thread) of the median step. `shapes`: the parameters' shapes (default: this bench's transformer's)."""
     import numpy as np
     import torch
 
     import offload
 
     setup_threads(s)
-    with torch.device("meta"):
-        shapes = [p.shape for p in model_from(s).parameters()]
+    if shapes is None:
+        with torch.device("meta"):
+            shapes = [p.shape for p in model_from(s).parameters()]
     g = torch.Generator().manual_seed(s.seed)
     params = []
     for shape in shapes:
@@ -567,12 +571,15 @@ def probe_adam(s: Settings, repeats: int = 3) -> dict:
         params.append(p)
     opt = offload.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
     opt.step()  # allocates the state (master, moments)
-    times = []
+    times, cpus = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = os.times(), time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t0)
-    return {"adam_s": float(np.median(times)), "adam_runs_s": times, "n_params": sum(p.numel() for p in params),
+        c1 = os.times()
+        cpus.append((c1.user - c0.user) + (c1.system - c0.system))
+    return {"adam_s": float(np.median(times)), "adam_runs_s": times, "adam_cpu_s": float(np.median(cpus)),
+            "adam_cpu_runs_s": cpus, "n_params": sum(p.numel() for p in params),
             "kernel_threads": offload_kernel_threads(), "optimizer": type(opt).__name__}
 
 
@@ -602,13 +609,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def spawn(name: str, s: Settings, log_tail: int = 60) -> dict:
-    """Runs one child; its JSON result (or {"error": ...} with the tail of its output)."""
+def spawn(name: str, s: Settings, log_tail: int = 60, script: str | None = None,
+          distributed: tuple = DISTRIBUTED) -> dict:
+    """Runs one child; its JSON result (or {"error": ...} with the tail of its output). `script`: the bench
+    whose `--child NAME --settings JSON` runs it (default: this one); `distributed`: the children run under
+    torchrun when s.world_size > 1."""
     env = dict(os.environ, OMP_NUM_THREADS=str(s.threads), PYTHONUNBUFFERED="1")
     env.setdefault("DS_ACCELERATOR", "cpu")
-    script = os.path.abspath(__file__)
+    script = os.path.abspath(script or __file__)
     child = [script, "--child", name, "--settings", json.dumps(dataclasses.asdict(s))]
-    if s.world_size > 1 and name in DISTRIBUTED:
+    if s.world_size > 1 and name in distributed:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                str(s.world_size)] + child
     else:
@@ -636,6 +646,22 @@ def spawn(name: str, s: Settings, log_tail: int = 60) -> dict:
         return {"contender": name, "error": f"exit {proc.returncode}", "output_tail": tail, "child_wall_s": wall}
     result["child_wall_s"] = wall
     return result
+
+
+def interleaved_rounds(contenders: list, rounds: int, settings_for, run_child=spawn, label: str = "") -> dict:
+    """{contender: [its result per round]}: round r runs every contender once, in the order rotated by r, each
+    in its own child (`run_child(name, settings_for(name, r))`)."""
+    runs: dict[str, list] = {c: [] for c in contenders}
+    for r in range(rounds):
+        order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
+        for name in order:
+            res = run_child(name, settings_for(name, r))
+            res["round"] = r
+            runs[name].append(res)
+            shown = f"{res['s_per_step']:.3f} s/step" if "s_per_step" in res else res["error"]
+            print(f"# {label}round {r + 1}/{rounds} {name:<13} {shown}  (child {res['child_wall_s']:.0f} s)",
+                  flush=True)
+    return runs
 
 
 def machine_info() -> dict:
@@ -828,18 +854,12 @@ def main(argv=None) -> int:
             if "torch" not in contenders:  # the bound's compute term comes from a torch child
                 print("# torch (compute term of the bound) ...", flush=True)
                 probes["torch"] = [spawn("torch", dataclasses.replace(base, nvme_dir=os.path.join(root, "torch")))]
-        for r in range(args.rounds):
-            order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
-            for name in order:
-                trace = args.trace if (name == args.trace_contender and r == args.rounds - 1) else None
-                s = dataclasses.replace(base, nvme_dir=os.path.join(root, f"{name}-r{r}"),
-                                        trace=os.path.abspath(trace) if trace else None)
-                res = spawn(name, s)
-                res["round"] = r
-                runs[name].append(res)
-                shown = f"{res['s_per_step']:.3f} s/step" if "s_per_step" in res else res["error"]
-                print(f"# round {r + 1}/{args.rounds} {name:<13} {shown}  (child {res['child_wall_s']:.0f} s)",
-                      flush=True)
+        def settings_for(name: str, r: int) -> Settings:
+            trace = args.trace if (name == args.trace_contender and r == args.rounds - 1) else None
+            return dataclasses.replace(base, nvme_dir=os.path.join(root, f"{name}-r{r}"),
+                                       trace=os.path.abspath(trace) if trace else None)
+
+        runs = interleaved_rounds(contenders, args.rounds, settings_for)
     finally:
         if owned:
             shutil.rmtree(root, ignore_errors=True)
