@@ -84,7 +84,7 @@ SCRIPT = os.path.abspath(__file__)
 ROW_FIELDS = ("median_s", "best_s", "rounds_s", "peak_rss_bytes", "final_loss", "cpu_s_per_step",
               "cpu_s_per_step_by_thread", "compute_s", "slept_s_per_step", "io_s", "adam_s", "bound_s", "binds",
               "efficiency", "cores_s", "split", "vs_torch", "deepspeed_over_this", "losses")
-RATE_FIELDS = ("ratio", "tflops", "compute_s", "io_floor_s", "table", "runs", "trace", "timeline_png")
+RATE_FIELDS = ("ratio", "tflops", "compute_s", "io_floor_s", "io_floor_run_s", "table", "runs", "trace", "timeline_png")
 
 
 @dataclasses.dataclass
@@ -542,8 +542,10 @@ def fmt_split(split: dict | None) -> str:
 def print_rate(entry: dict, s: EmuSettings) -> None:
     table = entry["table"]
     ratio = f"compute:io floor {entry['ratio']:.2f}, " if entry.get("ratio") is not None else ""
+    run_floor = entry.get("io_floor_run_s")
     print(f"\n## {ratio}emulated {entry['tflops']:.4g} TFLOP/s: compute {entry['compute_s']:.3f} s/step, "
-          f"I/O floor {entry['io_floor_s']:.3f} s/step")
+          f"I/O floor {entry['io_floor_s']:.3f} s/step"
+          + (f" (this rate's default run: {run_floor:.3f})" if run_floor is not None else ""))
     print(f"{'contender':<14}{'s/step':>8}{'best':>8}{'bound':>8}{'binds':>8}{'eff':>6}{'vs torch':>9}{'DS/this':>8}"
           f"{'peak RSS':>12}{'nvme R/step':>13}{'nvme W/step':>13}{'io s':>7}{'CPU s':>7}{'slept':>7}{'loss':>9}")
     for name, row in table.items():
@@ -667,6 +669,10 @@ def main(argv=None) -> int:
             moved = {"read": calibration["nvme_read_bytes_per_step"],
                      "written": calibration["nvme_written_bytes_per_step"]}
             floor = io_s(moved, nvme)
+            if floor <= 0:
+                raise SystemExit("calibration: the default contender moved no nvme bytes (every state resident): "
+                                 "no I/O floor to set rates by; give --emulate-gpu, a larger model or a smaller "
+                                 "--cpu-budget")
             calibration["io_floor_s"] = floor
             print(f"# calibration: {bso.fmt_bytes(moved['read'])} read, {bso.fmt_bytes(moved['written'])} written "
                   f"per step -> I/O floor {floor:.3f} s; with no wait {calibration['s_per_step']:.3f} s/step", flush=True)
@@ -692,10 +698,10 @@ def main(argv=None) -> int:
             print(f"# rate {entry['tflops']:.4g} TFLOP/s ({tag}): {', '.join(names)}", flush=True)
             runs = bso.interleaved_rounds(names, args.rounds, settings_for, run_child=spawn, label=f"{tag} ")
             table = summarize_rate(runs, s_rate, probes)
-            default = table.get("offload", {})
-            moved = default.get("io_bytes") or (calibration and {"read": calibration["nvme_read_bytes_per_step"],
-                                                                 "written": calibration["nvme_written_bytes_per_step"]})
-            entry.update(compute_s=step_compute_s(s_rate), io_floor_s=io_s(moved, nvme) if moved else 0.0,
+            moved = table.get("offload", {}).get("io_bytes")  # this rate's default run
+            run_floor = io_s(moved, nvme) if moved else None
+            entry.update(compute_s=step_compute_s(s_rate), io_floor_run_s=run_floor,
+                         io_floor_s=calibration["io_floor_s"] if calibration else (run_floor or 0.0),
                          table=table, runs=runs, trace=None, timeline_png=None,
                          plan=plan_rows(table, n_params, s_rate, probes))
             if entry["ratio"] is None and entry["io_floor_s"]:
