@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         if debugging():
             raise
         text = " ".join(str(exc).split()) or "(no message)"
+        if isinstance(exc, ValueError):  # a value the command refused: bad input, exit 2 like argparse's
+            print(f"offload {args.command}: error: {text}", file=sys.stderr)
+            return 2
         print(f"offload {args.command}: error: {type(exc).__name__}: {text} (OFFLOAD_DEBUG=1 shows the traceback)",
               file=sys.stderr)
         return 1

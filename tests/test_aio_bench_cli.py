@@ -34,6 +34,7 @@ def test_bench_nvme_writes_json_and_cleans_up(tmp_path, capsys, with_fio):
     assert "best read" in capsys.readouterr().out
 
 
-def test_bench_nvme_refuses_size_not_multiple_of_block(tmp_path):
-    with pytest.raises(ValueError, match="--size"):
-        main(["bench", "nvme", "--path", str(tmp_path), "--size", "5MiB", "--block-sizes", "4MiB", "--no-fio"])
+def test_bench_nvme_refuses_size_not_multiple_of_block(tmp_path, capsys):
+    assert main(["bench", "nvme", "--path", str(tmp_path), "--size", "5MiB", "--block-sizes", "4MiB", "--no-fio"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("offload bench: error: offload bench nvme: --size must be a multiple") and "\n" not in err

@@ -215,6 +215,14 @@ def test_an_unexpected_error_is_one_line_unless_debugging(monkeypatch, capsys):
     monkeypatch.setenv("OFFLOAD_DEBUG", "1")
     with pytest.raises(RuntimeError, match="went wrong"):
         main(["plan"])
+    monkeypatch.delenv("OFFLOAD_DEBUG")
+
+    def refused(args):  # a value the command refuses: bad input, exit 2 as argparse's own errors
+        raise ValueError("--x 3: must be even")
+
+    Parser.parse_args = lambda self, argv=None: argparse.Namespace(command="plan", func=refused)
+    assert main(["plan"]) == 2
+    assert capsys.readouterr().err == "offload plan: error: --x 3: must be even\n"
 
 
 # ---- --help -------------------------------------------------------------------------------------
