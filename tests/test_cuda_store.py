@@ -269,6 +269,34 @@ def test_a_prefetch_backs_off_when_the_device_tier_is_full(tmp_path):
         assert st.stats()["device"]["bytes_in_use"] == 0
 
 
+def test_a_prefetch_backs_off_when_the_gpu_is_full_below_the_budget(tmp_path):
+    """The device budget has room but the GPU has not (activations, NCCL, another process took what the budget
+    assumed free): the allocator's OOM inside a non-blocking lease escaped to the training thread. Now it
+    backs off (None) like a full budget, a blocking request past its deadline names device_budget, and the
+    same lease succeeds once the memory is back."""
+    from offload.store import ArenaBusyError
+    from offload.store.budget import DeviceTier
+
+    n = 16 << 20  # 64 MiB of fp32
+    with gpu_store(tmp_path, device_budget="1GiB") as st:
+        st.register("a", n, torch.float32, home="cpu", init=torch.full((n,), 3.0)).result()
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info()
+        filler = torch.empty(free - (32 << 20), dtype=torch.uint8, device="cuda")  # leaves less than 64 MiB
+        try:
+            assert st.lease("a", "device", LeaseMode.READ, block=False) is None
+            assert st.stats()["device"]["bytes_in_use"] == 0  # the budget it reserved was given back
+            tier = DeviceTier(1 << 30, torch.device("cuda", torch.cuda.current_device()))
+            with pytest.raises(ArenaBusyError, match="though the device budget has room.*lower device_budget"):
+                tier.alloc(n * 4, timeout=0.2)
+        finally:
+            del filler
+            torch.cuda.empty_cache()
+        lease = st.lease("a", "device", LeaseMode.READ, block=False)
+        assert lease is not None and same(lease.wait(timeout=60), torch.full((n,), 3.0))
+        lease.release().result()
+
+
 def test_fetches_land_on_the_stores_device_from_its_worker_threads(tmp_path):
     """The store's copies run in its worker threads, each bound to the store's device at start (a thread starts
     on device 0): what they fetch is on that device and correct."""

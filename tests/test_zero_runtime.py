@@ -490,6 +490,26 @@ def test_a_killed_runs_swap_is_removed_at_the_next_init(tmp_path, caplog):
     assert f"removed {dead}" in caplog.text and f"pid {procs[0].pid}" in caplog.text
 
 
+def test_stats_say_where_host_memory_is(tmp_path):
+    """rt.stats()["memory"]: the resident set against what the budgets hold; memory taken outside them (here a
+    256 MiB tensor of the training loop's own) shows as outside_budgets_bytes, and goes when it is freed."""
+    model = TinyTransformer()
+    with offload.init(_cfg(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), cpu_budget="64MiB")) as rt:
+        rt.wrap(model)
+        _train(model, rt, steps=2)
+        before = rt.stats()["memory"]
+        extra = torch.ones(64 << 20)  # 256 MiB, every page written
+        during = rt.stats()["memory"]
+        del extra
+        after = rt.stats()["memory"]
+    assert before["rss_at_open_bytes"] > 0 and before["host_budget_tiers"] == ("cpu", "device")
+    assert 0 < before["budgets_peak_bytes"]["cpu"] <= 64 << 20
+    assert before["budgets_in_use_bytes"]["nvme"] > 0
+    grew = during["outside_budgets_bytes"] - before["outside_budgets_bytes"]
+    assert (256 - 16) << 20 <= grew <= (256 + 16) << 20, grew
+    assert after["outside_budgets_bytes"] < during["outside_budgets_bytes"] - (200 << 20)  # given back (mmap'd)
+
+
 def test_auto_tiers_follow_budgets(tmp_path):
     with offload.init(_cfg(params="auto", optimizer="auto")) as rt:
         rt.wrap(TinyTransformer())

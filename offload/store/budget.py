@@ -172,24 +172,41 @@ class DeviceTier:
                 f"budget of {format_bytes(self.capacity)}; raise device_budget"
             )
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while self._in_use + size > self.capacity:
+        while True:
+            with self._cv:
+                while self._in_use + size > self.capacity:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise ArenaBusyError(
+                            f"device tier: timed out after {timeout}s waiting for {format_bytes(nbytes)}; "
+                            f"{format_bytes(self._in_use)} of {format_bytes(self.capacity)} in use"
+                        )
+                    self._cv.wait(left)  # woken by _free
+                self._in_use += size
+                self._peak = max(self._peak, self._in_use)
+            try:
+                with torch.cuda.stream(self.alloc_stream) if self.alloc_stream is not None else contextlib.nullcontext():
+                    t = torch.empty(size, dtype=torch.uint8, device=self.device)[:nbytes]
+                return _CudaBlock(self, nbytes, size, t)
+            except torch.OutOfMemoryError:
+                # the budget had room but the GPU had not (activations, NCCL, another process took more than the
+                # budget left them): like a full budget, a prefetch (timeout 0) backs off and a blocking request
+                # waits for this tier's next free, until its deadline
+                self._release(size)
                 left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                if left is None or left <= 0:
+                    free, _ = torch.cuda.mem_get_info(self.device)
                     raise ArenaBusyError(
-                        f"device tier: timed out after {timeout}s waiting for {format_bytes(nbytes)}; "
-                        f"{format_bytes(self._in_use)} of {format_bytes(self.capacity)} in use"
-                    )
-                self._cv.wait(left)  # woken by _free
-            self._in_use += size
-            self._peak = max(self._peak, self._in_use)
-        try:
-            with torch.cuda.stream(self.alloc_stream) if self.alloc_stream is not None else contextlib.nullcontext():
-                t = torch.empty(size, dtype=torch.uint8, device=self.device)[:nbytes]
-        except Exception:
-            self._release(size)
-            raise
-        return _CudaBlock(self, nbytes, size, t)
+                        f"device tier: {self.device} has {format_bytes(free)} free, not the {format_bytes(size)} asked "
+                        f"for, though the device budget has room ({format_bytes(self._in_use)} of "
+                        f"{format_bytes(self.capacity)} in use): other memory (activations, communicators, other "
+                        "processes) took it; lower device_budget"
+                    ) from None
+                with self._cv:
+                    self._cv.wait(left)  # woken by _free: the tier gave bytes back to the allocator's cache
+            except Exception:
+                self._release(size)
+                raise
 
     def _release(self, size: int) -> None:
         with self._cv:

@@ -3,6 +3,7 @@
     tune_malloc(device)      glibc's mmap threshold for the run: RSS near what is in use, or speed
     advise_huge_pages(t)     t's pages come as 2 MiB transparent huge pages when first touched
     peak_rss_bytes()         this process's peak resident set
+    rss_bytes()              this process's resident set now
 
 A freshly mapped buffer page-faults every 4 KiB when first written: a gathered unit's flat buffer is one
 each time it is gathered, so it asks for huge pages, 512 times fewer faults (40 MiB fresh + copied: 2.9 ms
@@ -94,3 +95,15 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (VmRSS), 0 where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

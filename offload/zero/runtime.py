@@ -43,7 +43,7 @@ from ..telemetry import Lane, Meter, Queue
 from . import comm, placement
 from .backward_updates import BackwardUpdates
 from .context import Counters, Lanes, UnitContext
-from .host_memory import peak_rss_bytes, tune_malloc
+from .host_memory import peak_rss_bytes, rss_bytes, tune_malloc
 from .materialize import ConstructionCapture
 from .optimizer_pipeline import OptimizerPipeline, UnitUpdate
 from .schedule import Schedule
@@ -96,6 +96,7 @@ class Runtime:
         self.schedule: Schedule | None = None
         self.pipeline: OptimizerPipeline | None = None
         self.meter = Meter()
+        self._rss_at_open = 0
         self.step_stats: StepStats | None = None
         self.optimizers: list = []  # weak references to the sharded optimizers over this runtime, in creation order
         self.last_checkpoint_seconds: float | None = None
@@ -124,6 +125,7 @@ class Runtime:
         bind_thread(self.device)  # before the process group: NCCL binds its communicator to the current device
         self.group = self._setup_group()
         tune_malloc(self.device)  # first: a bad OFFLOAD_MALLOC_TUNE raises before anything is built
+        self._rss_at_open = rss_bytes()  # the interpreter's, torch's and the user's own: rt.stats()["memory"]
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.group.world_size)))  # ranks sharing this host
         self.budgets = {"device": self._budget("device_budget", local), "cpu": self._budget("cpu_budget", local),
                         "nvme": None}
@@ -559,6 +561,25 @@ class Runtime:
             "plans_made": self.schedule.plans_made,
             "steps": self.step_stats.steps,
             "last_step": self.step_stats.last,
+            "memory": self._memory(s),
+        }
+
+    def _memory(self, store_stats: dict) -> dict:
+        """Where this process's host memory is: the resident set now and at open, what each budget holds now and
+        at its peak, the gathered units, and outside_budgets_bytes = RSS growth since open not explained by the
+        host budgets even at their peak (the cpu tier; on a machine without a GPU the device tier too, a region
+        of host memory): full gradients and their casts, reduce buffers, activations, allocator caches."""
+        host_tiers = ("cpu",) if self.device.type == "cuda" else ("cpu", "device")
+        rss = rss_bytes()
+        explained = sum(store_stats[t]["peak_bytes"] for t in host_tiers)
+        return {
+            "rss_bytes": rss,
+            "rss_at_open_bytes": self._rss_at_open,
+            "budgets_in_use_bytes": {t: store_stats[t]["bytes_in_use"] for t in ("device", "cpu", "nvme")},
+            "budgets_peak_bytes": {t: store_stats[t]["peak_bytes"] for t in ("device", "cpu", "nvme")},
+            "host_budget_tiers": host_tiers,
+            "gathered_bytes": self.gathered_bytes,
+            "outside_budgets_bytes": max(0, rss - self._rss_at_open - explained),
         }
 
     def _resident_sizes(self):
