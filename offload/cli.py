@@ -85,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - a user sees one line; OFFLOAD_DEBUG=1 shows the traceback
         if debugging():
             raise
+        from .errors import InputError
+
         text = " ".join(str(exc).split()) or "(no message)"
-        if isinstance(exc, ValueError):  # a value the command refused: bad input, exit 2 like argparse's
+        if isinstance(exc, InputError):  # input the command refused: exit 2, like argparse's own errors
             print(f"offload {args.command}: error: {text}", file=sys.stderr)
             return 2
         print(f"offload {args.command}: error: {type(exc).__name__}: {text} (OFFLOAD_DEBUG=1 shows the traceback)",

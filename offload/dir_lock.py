@@ -2,12 +2,16 @@
 
     with DirLock.acquire(out, "offload finetune --output"):   # DirectoryInUse if a live run holds it
         ...
-    owner_of(out)           # the live owner (pid, host, what), or None
-    remove_stale(parent, "offload-", "offload swap")   # those a dead owner locked for swap: removed, said so
+    run = make_locked_dir(parent, "offload-123-rank0-", "offload swap")   # a new directory, locked before it shows
+    owner_of(out)           # the live owner, or None
+    remove_stale(parent, "offload-", "offload swap")   # those a dead owner locked as swap: removed, said so
 
 The kernel drops a flock when its process dies, however it dies (kill -9 included), so "is the owner alive"
-is answered by trying the lock, never by a pid: pids are reused, and two containers sharing a drive see
-each other's pids as dead. The file holds the owner's pid, host and purpose, for the refusal's message.
+is answered by trying the lock, never by a pid (pids are reused). A lock says something only within one
+kernel: the record names the owner's boot (/proc/sys/kernel/random/boot_id) beside its pid and host, and a
+dead-looking directory locked under another boot (another node on a shared drive, whose flocks this kernel
+may not see) is reported, not removed. Filesystems without flock (NFS without lockd, some FUSE and Lustre
+mounts) raise LockUnavailable: the caller goes on without the lock, and says so.
 Used for the fine-tune's output and checkpoint directories (a second run refused with the first one's pid)
 and for every swap directory the runtime creates (a dead run's swap is found and removed at the next start).
 """
@@ -15,19 +19,31 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import logging
 import os
 import shutil
 import socket
+import tempfile
 from pathlib import Path
 
 from .store.sizes import format_bytes
 
 LOCK_NAME = ".offload-lock"
+_NEW = ".offload-new-"  # a directory being made: not matched by any scan until it is locked and renamed
+_NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 log = logging.getLogger("offload")
+
+
+def boot_id() -> str:
+    """This kernel's boot: flocks are only seen by processes of one kernel."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()  # no /proc: the host name is the best stand-in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +51,7 @@ class Owner:
     pid: int
     host: str
     what: str  # the purpose the owner gave, e.g. "offload finetune --output"
+    boot: str = ""  # boot_id() of the owner's kernel
 
     def describe(self) -> str:
         return f"pid {self.pid} on {self.host} ({self.what})"
@@ -47,10 +64,14 @@ class DirectoryInUse(RuntimeError):
         self.directory, self.owner = directory, owner
 
 
+class LockUnavailable(OSError):
+    """The filesystem has no flock: nobody's ownership can be known there."""
+
+
 def _read_owner(fd: int) -> Owner | None:
     try:
         data = json.loads(os.pread(fd, 4096, 0) or b"null")
-        return Owner(int(data["pid"]), str(data["host"]), str(data["what"]))
+        return Owner(int(data["pid"]), str(data["host"]), str(data["what"]), str(data.get("boot", "")))
     except (OSError, ValueError, TypeError, KeyError):
         return None  # the owner is between taking the lock and writing its record
 
@@ -65,59 +86,75 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 class DirLock:
-    """An exclusive flock on `directory`/.offload-lock for this process (directory created if missing).
-    release() removes the file while still holding the lock; acquire() re-checks after locking that the
-    path still names the file it locked, so an acquirer never holds a lock on a removed file."""
+    """An exclusive flock on `directory`/.offload-lock for this process. acquire() makes the directory (and
+    the lock file) if missing; release() removes the file while still holding the lock, and the directories
+    acquire() made if they are left empty. acquire() re-checks after locking that the path still names the
+    file it locked, so an acquirer never holds a lock on a removed file."""
 
-    def __init__(self, directory: Path, fd: int, previous: Owner | None, created: bool):
+    def __init__(self, directory: Path, fd: int, previous: Owner | None, created: list[Path]):
         self.directory, self._fd = directory, fd
-        self.previous = previous  # the record a dead owner left in the file (None: a fresh lock file)
-        self._created = created  # acquire() made the directory: release() removes it again if left empty
+        self.previous = previous  # the record a dead owner left in the file (None: none, or a fresh file)
+        self._created = created  # directories acquire() made, deepest first: removed again if left empty
 
     @classmethod
-    def acquire(cls, directory: str | os.PathLike, what: str) -> "DirLock":
+    def acquire(cls, directory: str | os.PathLike, what: str, create: bool = True) -> "DirLock":
+        """create=False: only an existing lock file is taken (FileNotFoundError otherwise): a look into a
+        directory never makes a lock file that a run making it could find taken."""
         d = Path(directory)
-        created = not d.exists()
-        d.mkdir(parents=True, exist_ok=True)
+        created = []
+        if create:
+            missing = d
+            while not missing.exists():
+                created.append(missing)
+                missing = missing.parent
+            d.mkdir(parents=True, exist_ok=True)
         path = d / LOCK_NAME
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 owner = _read_owner(fd)
                 os.close(fd)
                 raise DirectoryInUse(d.absolute(), owner) from None
+            except OSError as exc:
+                os.close(fd)
+                _remove_empty(created)
+                if exc.errno in _NO_FLOCK:
+                    raise LockUnavailable(exc.errno, f"{d}: this filesystem has no flock ({exc.strerror})") from None
+                raise
             except BaseException:
                 os.close(fd)
                 raise
             if _same_file(fd, path):
                 break
             os.close(fd)  # its owner released (and removed) it between our open and our flock: try the new one
+            if not create:
+                raise FileNotFoundError(errno.ENOENT, "lock file removed meanwhile", str(path))
         previous = _read_owner(fd)
-        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "what": what}).encode()
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "what": what, "boot": boot_id()})
         os.ftruncate(fd, 0)
-        os.pwrite(fd, record, 0)
+        os.pwrite(fd, record.encode(), 0)
         return cls(d, fd, previous, created)
 
-    def release(self, restore_previous: bool = False) -> None:
-        """Remove the lock file and drop the lock; restore_previous: put the previous owner's record back
-        and leave the file (a directory reported, not removed, is found again next time)."""
+    def release(self, keep_file: bool = False) -> None:
+        """Drop the lock. keep_file: leave the lock file, with the previous owner's record put back (a look
+        that changes nothing); otherwise remove it, and the directories acquire() made if now empty."""
         if self._fd is None:
             return
         try:
-            if restore_previous and self.previous is not None:
+            if keep_file:
                 os.ftruncate(self._fd, 0)
-                os.pwrite(self._fd, json.dumps(dataclasses.asdict(self.previous)).encode(), 0)
+                if self.previous is not None:
+                    os.pwrite(self._fd, json.dumps(dataclasses.asdict(self.previous)).encode(), 0)
             else:
                 (self.directory / LOCK_NAME).unlink(missing_ok=True)  # while held: see the class docstring
         except OSError:
             pass  # a directory removed or made read-only under us: the lock still goes with the fd
         os.close(self._fd)
-        if self._created:
-            with contextlib.suppress(OSError):
-                self.directory.rmdir()  # only if empty: a run refused before writing anything leaves no trace
         self._fd = None
+        if not keep_file:
+            _remove_empty(self._created)  # a run refused before writing anything leaves no trace
 
     @property
     def held(self) -> bool:
@@ -130,14 +167,41 @@ class DirLock:
         self.release()
 
 
-def owner_of(directory: str | os.PathLike) -> Owner | None:
-    """The live owner of `directory`, or None when no live process holds its lock."""
+def _remove_empty(directories: list[Path]) -> None:
+    for d in directories:  # deepest first
+        with contextlib.suppress(OSError):
+            d.rmdir()  # only if empty
+
+
+def make_locked_dir(parent: str | os.PathLike, prefix: str, what: str) -> tuple[Path, DirLock | None]:
+    """A new directory parent/prefix<random> (mode 0700, never a planted one), locked for `what` before it
+    shows under its name: made under a hidden name, locked, then renamed (the lock follows the inode), so no
+    scan ever sees it unlocked. The lock is None where the filesystem has no flock (a warning says so)."""
+    hidden = Path(tempfile.mkdtemp(prefix=_NEW, dir=parent))
     try:
-        lock = DirLock.acquire(directory, "probe") if Path(directory).is_dir() else None
+        lock = DirLock.acquire(hidden, what)
+    except LockUnavailable as exc:
+        log.warning("offload: %s; a directory left by a run that dies cannot be found and removed later", exc)
+        lock = None
+    except BaseException:
+        shutil.rmtree(hidden, ignore_errors=True)
+        raise
+    final = Path(parent) / (prefix + hidden.name[len(_NEW):])
+    os.rename(hidden, final)
+    if lock is not None:
+        lock.directory = final
+    return final, lock
+
+
+def owner_of(directory: str | os.PathLike) -> Owner | None:
+    """The live owner of `directory`, or None when no live process holds its lock (or it has none)."""
+    try:
+        lock = DirLock.acquire(directory, "probe", create=False)
     except DirectoryInUse as busy:
         return busy.owner or Owner(-1, "?", "?")
-    if lock is not None:
-        lock.release(restore_previous=True)  # a look changes nothing
+    except OSError:
+        return None
+    lock.release(keep_file=True)  # a look changes nothing
     return None
 
 
@@ -157,42 +221,42 @@ class StaleDir:
     path: Path
     nbytes: int
     owner: Owner  # the dead owner's record
-    removed: bool  # False: reported only (owned on another host, or without a lock file)
+    removed: bool  # False: reported only (locked under another boot: another node's, perhaps alive)
 
 
 def remove_stale(parent: str | os.PathLike, prefix: str, what: str) -> list[StaleDir]:
     """Subdirectories of `parent` named `prefix`* that a now dead owner locked for `what` (say, a swap
-    directory): removed when the owner ran on this host, else reported (a lock on a network drive says
-    nothing about another host's processes). Left alone: directories without a lock file (a live run between
-    creating one and locking it) and those locked for another purpose (a fine-tune's output is never swap)."""
+    directory): removed when the owner ran under this kernel, else reported. Left alone: directories this
+    process cannot look into (another user's), those without a lock file or record, those locked for another
+    purpose (a fine-tune's output is never swap), and live ones."""
     found = []
     try:
         entries = sorted(Path(parent).iterdir())
     except OSError:
         return found
     for d in entries:
-        if not d.name.startswith(prefix) or d.is_symlink() or not d.is_dir() or not (d / LOCK_NAME).exists():
+        if not d.name.startswith(prefix):
             continue
         try:
-            lock = DirLock.acquire(d, "removing a dead run's directory")
-        except DirectoryInUse:
-            continue  # its owner is alive
-        except OSError:
-            continue  # not ours to look into (permissions)
+            if d.is_symlink() or not d.is_dir():
+                continue
+            lock = DirLock.acquire(d, "removing a dead run's directory", create=False)
+        except (DirectoryInUse, OSError):
+            continue  # alive, not ours to look into (permissions), no lock file, or no flock there
         dead = lock.previous
         if dead is None or dead.what != what:
-            lock.release(restore_previous=True)
+            lock.release(keep_file=True)
             continue
         nbytes = _tree_bytes(d)
-        here = dead.host == socket.gethostname()
+        here = dead.boot == boot_id()
         if here:
             shutil.rmtree(d, ignore_errors=True)  # held while removed: no other cleaner works on it meanwhile
             lock.release()
             log.warning("offload: removed %s, left by a run that died (%s): %s freed", d, dead.describe(),
                         format_bytes(nbytes))
         else:
-            lock.release(restore_previous=True)
-            log.warning("offload: %s belongs to a run on %s that holds no lock from here (%s); remove it "
-                        "if that run is over", d, dead.host, format_bytes(nbytes))
+            lock.release(keep_file=True)
+            log.warning("offload: %s belongs to a run of another machine or boot (%s) that holds no lock seen from "
+                        "here (%s); remove it if that run is over", d, dead.describe(), format_bytes(nbytes))
         found.append(StaleDir(d, nbytes, dead, here))
     return found

@@ -272,8 +272,8 @@ def test_a_prefetch_backs_off_when_the_device_tier_is_full(tmp_path):
 def test_a_prefetch_backs_off_when_the_gpu_is_full_below_the_budget(tmp_path):
     """The device budget has room but the GPU has not (activations, NCCL, another process took what the budget
     assumed free): the allocator's OOM inside a non-blocking lease escaped to the training thread. Now it
-    backs off (None) like a full budget, a blocking request past its deadline names device_budget, and the
-    same lease succeeds once the memory is back."""
+    backs off (None) like a full budget, a blocking request past its deadline names device_budget, and a
+    lease succeeds once the memory is back."""
     from offload.store import ArenaBusyError
     from offload.store.budget import DeviceTier
 
@@ -292,6 +292,12 @@ def test_a_prefetch_backs_off_when_the_gpu_is_full_below_the_budget(tmp_path):
         finally:
             del filler
             torch.cuda.empty_cache()
+        # until the tier frees a block, prefetches do not retry (each try flushes the allocator's cache); a
+        # blocking lease does, and gets it
+        assert st.lease("a", "device", LeaseMode.READ, block=False) is None
+        lease = st.lease("a", "device", LeaseMode.READ)
+        assert same(lease.wait(timeout=60), torch.full((n,), 3.0))
+        lease.release().result()  # a free: prefetches try again
         lease = st.lease("a", "device", LeaseMode.READ, block=False)
         assert lease is not None and same(lease.wait(timeout=60), torch.full((n,), 3.0))
         lease.release().result()

@@ -43,9 +43,9 @@ def _start(tmp_path, tiny_model, data, *extra, env=None) -> subprocess.Popen:
                             env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
 
 
-def _wait_for_a_step(proc, tmp_path) -> None:
+def _wait_for_a_step(proc, checkpoints: Path) -> None:
     deadline = time.monotonic() + 240
-    while not (tmp_path / "out" / "checkpoints" / "latest").exists():  # a step done and checkpointed
+    while not (checkpoints / "latest").exists():  # a step done and checkpointed
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.2)
 
@@ -57,7 +57,7 @@ def test_a_second_run_on_a_live_runs_output_is_refused_with_its_pid(tmp_path, ti
     data = _small_data(tmp_path, text_file)
     first = _start(tmp_path, tiny_model, data)
     try:
-        _wait_for_a_step(first, tmp_path)
+        _wait_for_a_step(first, tmp_path / "out" / "checkpoints")
         err = _fails(capsys, ["--model", str(tiny_model), "--data", str(data), "--output", str(tmp_path / "out"),
                               "--steps", "2"], f"--output {tmp_path / 'out'}: in use by another live run",
                      f"pid {first.pid}", "give another --output")
@@ -66,17 +66,17 @@ def test_a_second_run_on_a_live_runs_output_is_refused_with_its_pid(tmp_path, ti
         ckpts = tmp_path / "ckpts"
         second = _start(tmp_path / "second", tiny_model, data, "--checkpoint-dir", str(ckpts))
         try:
-            while not (ckpts / "latest").exists():
-                assert second.poll() is None, second.communicate()[1][-3000:]
-                time.sleep(0.2)
+            _wait_for_a_step(second, ckpts)
             _fails(capsys, ["--output", str(tmp_path / "third"), "--checkpoint-dir", str(ckpts), "--steps", "2"],
                    f"--checkpoint-dir {ckpts}: in use by another live run", f"pid {second.pid}")
         finally:
             second.kill()
             second.wait()
-    finally:
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=120)
+    finally:
+        first.kill()  # a no-op once it has exited
+        first.wait()
     assert first.returncode == 128 + signal.SIGTERM
     assert not (tmp_path / "out" / ".offload-lock").exists()  # released on the way out
     assert not (tmp_path / "third").exists()  # the refused run left nothing behind
@@ -91,7 +91,7 @@ def test_a_killed_runs_swap_is_removed_by_the_next_run(tmp_path, tiny_model, tex
     data = _small_data(tmp_path, text_file)
     run = _start(tmp_path, tiny_model, data, env={"TMPDIR": str(tmp)})  # default swap: TMPDIR/offload-finetune-*
     try:
-        _wait_for_a_step(run, tmp_path)
+        _wait_for_a_step(run, tmp_path / "out" / "checkpoints")
         left = list(tmp.glob("offload-finetune-*/offload-*/*.swap"))
         assert left
     finally:
@@ -102,7 +102,7 @@ def test_a_killed_runs_swap_is_removed_by_the_next_run(tmp_path, tiny_model, tex
     # the next run, stopped by a setting checked after the clean-up but before the model loads
     _fails(capsys, ["--model", str(tiny_model), "--data", str(data), "--output", str(tmp_path / "out"),
                     "--cpu-budget", "100TiB"], "--cpu-budget")
-    assert list(tmp.iterdir()) == []
+    assert list(tmp.glob("*offload-*")) == []  # the dead run's, and the refused run's own
     assert f"pid {run.pid}" in caplog.text and "left by a run that died" in caplog.text
 
 
@@ -217,12 +217,21 @@ def test_an_unexpected_error_is_one_line_unless_debugging(monkeypatch, capsys):
         main(["plan"])
     monkeypatch.delenv("OFFLOAD_DEBUG")
 
-    def refused(args):  # a value the command refuses: bad input, exit 2 as argparse's own errors
-        raise ValueError("--x 3: must be even")
+    from offload.errors import InputError
+
+    def refused(args):  # input the command refuses: exit 2, as argparse's own errors
+        raise InputError("--x 3: must be even")
 
     Parser.parse_args = lambda self, argv=None: argparse.Namespace(command="plan", func=refused)
     assert main(["plan"]) == 2
     assert capsys.readouterr().err == "offload plan: error: --x 3: must be even\n"
+
+    def bug(args):  # a ValueError from a bug is not bad input: exit 1, with its type and the hint
+        raise ValueError("too many values to unpack")
+
+    Parser.parse_args = lambda self, argv=None: argparse.Namespace(command="plan", func=bug)
+    assert main(["plan"]) == 1
+    assert "ValueError: too many values to unpack (OFFLOAD_DEBUG=1" in capsys.readouterr().err
 
 
 # ---- --help -------------------------------------------------------------------------------------

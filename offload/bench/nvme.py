@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import InputError
 from ..store.aio import AioEngine, aligned_empty, parse_size
 
 DEFAULT_BLOCK_SIZES = ["128KiB", "512KiB", "1MiB", "4MiB", "8MiB"]
@@ -151,9 +152,9 @@ def run_nvme_bench(cfg: NvmeBenchConfig, log: Callable[[str], None] = print) -> 
                            f"{cfg.size / 2**30:.1f} GiB plus 0.25 GiB headroom; pass a smaller --size")
     bad = [b for b in cfg.block_sizes if b % 4096 or b <= 0]
     if bad:
-        raise ValueError(f"offload bench nvme: block sizes must be positive multiples of 4096, got {bad}")
+        raise InputError(f"offload bench nvme: block sizes must be positive multiples of 4096, got {bad}")
     if cfg.size % max(cfg.block_sizes):
-        raise ValueError(f"offload bench nvme: --size must be a multiple of the largest block size "
+        raise InputError(f"offload bench nvme: --size must be a multiple of the largest block size "
                          f"({max(cfg.block_sizes)} bytes), got {cfg.size}")
     fio_version = _fio_version() if cfg.fio else None
     path = os.path.join(cfg.path, f"offload-bench-nvme-{os.getpid()}.bin")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..cli import debugging
 from ..config import format_size
-from .errors import InputError
+from ..errors import InputError
 from .job import FinetuneConfig, FinetuneResult
 
 

@@ -15,7 +15,7 @@ import json
 import sysconfig
 from pathlib import Path
 
-from .errors import InputError
+from ..errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint.hf_writer import INDEX_NAME, SINGLE_NAME, write_hf_weights
-from .errors import InputError
+from ..errors import InputError
 
 
 

@@ -29,7 +29,7 @@ from .batches import IGNORE, Sampler, TokenBlocks, build_blocks, split_heldout
 from .hf_model_dir import HFModelDir, save_pretrained
 from . import preflight
 from .corpus import DataError, read_data_file, stdlib_corpus
-from .errors import InputError
+from ..errors import InputError
 from .preflight import RUNTIME_FIELDS, as_flags
 from .tokenizer import load_tokenizer, train_bpe
 
@@ -294,9 +294,17 @@ def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneRes
         return _finetune(cfg, held, progress, on_trained)
 
 
-def _out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))  # the CPU allocator's words
+@contextlib.contextmanager
+def _batch_fits(cfg: FinetuneConfig):
+    """Around a micro-batch's forward and backward: running out of memory there is the batch's size, said so."""
+    try:
+        yield
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one; the CPU allocator says "can't allocate memory"
+        if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
+            raise
+        raise InputError(f"--micro-batch {cfg.micro_batch} x --seq-len {cfg.seq_len}: the forward and backward ran out "
+                         f"of memory ({str(exc).splitlines()[0]}); lower --micro-batch (a larger --grad-accum keeps "
+                         "the batch), add --grad-checkpointing, or lower --seq-len") from None
 
 
 def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trained) -> FinetuneResult:
@@ -312,7 +320,8 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
     inputs = _inputs(cfg)
     model_dir, tokenizer, train, heldout = inputs.model_dir, inputs.tokenizer, inputs.train, inputs.heldout
     n_params = inputs.n_params
-    preflight.check_swap_room(rcfg, n_params, inputs.n_tensors, world)
+    preflight.check_swap_room(rcfg, n_params, inputs.n_tensors, world, budget_setting=(
+        f"--nvme-budget {cfg.nvme_budget}" if cfg.nvme_budget is not None else f"nvme_budget {rcfg.nvme_budget} (in --config)"))
     try:
         with offload.init(rcfg) as rt:
             model = AutoModelForCausalLM.from_config(inputs.hf_config)  # meta placeholders: nothing allocated yet
@@ -338,7 +347,8 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
             ckpt_dir = Path(cfg.checkpoint_dir or Path(cfg.output) / "checkpoints")
             load_s = time.perf_counter() - t_load
             model.train()
-            eval_before = evaluate(rt, model, heldout, cfg.micro_batch)
+            with _batch_fits(cfg):
+                eval_before = evaluate(rt, model, heldout, cfg.micro_batch)
             losses, step_s, checkpoints = [], [], []
             split: dict[str, float] = {}
             for step in range(start, steps):
@@ -347,10 +357,10 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                 local = torch.zeros(())
                 for micro in range(cfg.grad_accum):
                     batch = train.take(sampler.indices(step, micro, rt.rank))
-                    loss_sum = _loss_sum(model, batch, rt.device)
                     # the reduce averages over ranks: world_size / tokens makes the gradient the global token mean;
                     # every backward but the step's last says so (Config.update_in_backward waits for the last)
-                    with rt.accumulating() if micro < cfg.grad_accum - 1 else contextlib.nullcontext():
+                    with _batch_fits(cfg), (rt.accumulating() if micro < cfg.grad_accum - 1 else contextlib.nullcontext()):
+                        loss_sum = _loss_sum(model, batch, rt.device)
                         (loss_sum * (rt.world_size / max(1, tokens))).backward()
                     local += loss_sum.detach().cpu()
                 rt.clip_grad_norm_(cfg.max_grad_norm)
@@ -376,7 +386,8 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                                                add_files=lambda d: _hf_files(model, tokenizer, d))
                     checkpoints.append({"path": str(saved), "seconds": round(rt.last_checkpoint_seconds, 3),
                                         "bytes": sum(f.stat().st_size for f in saved.iterdir())})
-            eval_after = evaluate(rt, model, heldout, cfg.micro_batch)
+            with _batch_fits(cfg):
+                eval_after = evaluate(rt, model, heldout, cfg.micro_batch)
             if on_trained is not None:
                 on_trained(rt, model)
             out = save_pretrained(rt, model, cfg.output, tokenizer, parse_size(cfg.max_shard_size, "--max-shard-size"))
@@ -385,12 +396,6 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
     except (MemoryError, OSError, ValueError) as exc:
         if str(exc).startswith("offload.Config."):  # a setting the runtime refused (placement, budgets, nvme_path)
             raise InputError(as_flags(str(exc))) from None
-        raise
-    except RuntimeError as exc:
-        if _out_of_memory(exc):
-            raise InputError(f"--micro-batch {cfg.micro_batch} x --seq-len {cfg.seq_len}: the forward and backward ran "
-                             f"out of memory ({str(exc).splitlines()[0]}); lower --micro-batch (a larger --grad-accum "
-                             "keeps the batch), add --grad-checkpointing, or lower --seq-len") from None
         raise
     n_timed = max(1, len(losses) - 1)
     return FinetuneResult(

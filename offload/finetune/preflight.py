@@ -6,6 +6,7 @@ this command's flags in every message.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import re
@@ -15,11 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import Config
-from ..dir_lock import DirectoryInUse, DirLock, remove_stale
-from .errors import InputError
+from ..dir_lock import DirectoryInUse, DirLock, LockUnavailable, make_locked_dir, remove_stale
+from ..errors import InputError
 
 if TYPE_CHECKING:
     from .job import FinetuneConfig
+
+log = logging.getLogger("offload")
 
 RUNTIME_FIELDS = ("params", "optimizer", "nvme_path", "nvme_budget", "cpu_budget", "device_budget",
                    "compute_dtype", "update_in_backward")
@@ -38,14 +41,10 @@ def as_flags(message: str) -> str:
                   message)
 
 
-def ranks_on_this_node(world: int) -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
-
-
 def check_budgets(cfg: Config, world: int) -> None:
     """Budgets this machine cannot hold, refused before anything is loaded (the runtime's own check)."""
     from ..device import compute_device
-    from ..store import check_fits_machine, resolve_budget
+    from ..store import check_fits_machine, ranks_on_this_node, resolve_budget
 
     local = ranks_on_this_node(world)
     device = compute_device()
@@ -59,30 +58,31 @@ def check_budgets(cfg: Config, world: int) -> None:
 
 def swap_bytes_per_rank(cfg: Config, n_params: int, n_tensors: int, world: int) -> int:
     """An upper bound of the swap space one rank's nvme-homed states take, as the store lays them out: this
-    rank's share of every parameter at the bytes its states keep (the compute-dtype parameter; the fp32 master
-    when it is not the parameter, the two moments and the gradient), plus each unit's padding and page
-    rounding (placement.py: at most one alignment quantum a unit and one page a chunk, with chunks of at least
-    half a MiB; every unit holds at least one parameter tensor)."""
+    rank's share of every parameter at the bytes its states keep (placement.py: the compute-dtype parameter;
+    optimizer_fp32_states of fp32), plus each unit's padding and page rounding (at most one alignment quantum
+    a unit and one page a chunk, chunks being at least half a MiB; every unit holds at least one tensor)."""
     from ..store.swap_file import SLOT_ALIGN
     from ..zero.layout import ALIGN
+    from ..zero.placement import optimizer_fp32_states
 
-    compute = 2 if cfg.compute_dtype == "bf16" else 4
+    compute = cfg.torch_compute_dtype.itemsize
     kinds = []  # bytes per element of each nvme-homed state
     if cfg.params == "nvme":
         kinds.append(compute)
     if cfg.optimizer == "nvme":
-        kinds += [4] * (3 + (compute != 4))  # exp_avg, exp_avg_sq, the gradient (+ the fp32 master)
+        kinds += [4] * optimizer_fp32_states(compute)
     numel = math.ceil(n_params / world)
     chunks = math.ceil(numel * 4 / (512 << 10)) + n_tensors
     return sum(k * (numel + n_tensors * ALIGN) + chunks * SLOT_ALIGN for k in kinds)
 
 
-def check_swap_room(cfg: Config, n_params: int, n_tensors: int, world: int) -> None:
+def check_swap_room(cfg: Config, n_params: int, n_tensors: int, world: int, budget_setting: str) -> None:
     """Before the first byte is written: room for this rank's swap by the runtime's own rule (the same
-    budget the store will enforce: --nvme-budget, else 90% of the free space split among this node's ranks)."""
+    budget the store will enforce: nvme_budget, else 90% of the free space split among this node's ranks).
+    `budget_setting`: where an explicit nvme budget came from, as the user wrote it (the flag or --config)."""
     if "nvme" not in (cfg.params, cfg.optimizer):
         return
-    from ..store import format_bytes
+    from ..store import format_bytes, ranks_on_this_node
     from ..zero.state_store import prepare_swap_dir
 
     local = ranks_on_this_node(world)
@@ -91,14 +91,18 @@ def check_swap_room(cfg: Config, n_params: int, n_tensors: int, world: int) -> N
     except OSError as exc:
         raise InputError(as_flags(str(exc))) from None
     need = swap_bytes_per_rank(cfg, n_params, n_tensors, world)
-    if need > budget:
-        free = shutil.disk_usage(cfg.nvme_path).free
-        rule = (f"--nvme-budget {cfg.nvme_budget}" if cfg.nvme_budget not in (None, "auto") else
-                f"90% of the {format_bytes(free)} free" + (f", split among {local} ranks" if local > 1 else ""))
-        raise InputError(f"--nvme-path {cfg.nvme_path}: this run swaps up to {format_bytes(need)} a rank (params on "
-                         f"{cfg.params}, optimizer states on {cfg.optimizer}) but the nvme budget is "
-                         f"{format_bytes(budget)} ({rule}); free space there, give --nvme-path on a larger drive, "
-                         "or keep a state in memory (--params cpu / --optimizer cpu)")
+    if need <= budget:
+        return
+    states = f"this run swaps up to {format_bytes(need)} a rank (params on {cfg.params}, optimizer states on {cfg.optimizer})"
+    if cfg.nvme_budget not in (None, "auto"):
+        raise InputError(f"{budget_setting}: {states} but the budget is {format_bytes(budget)}; raise it (the drive "
+                         f"has {format_bytes(shutil.disk_usage(cfg.nvme_path).free)} free), or keep a state in memory "
+                         "(--params cpu / --optimizer cpu)")
+    free = shutil.disk_usage(cfg.nvme_path).free
+    raise InputError(f"--nvme-path {cfg.nvme_path}: {states} but the nvme budget is {format_bytes(budget)} (90% of "
+                     f"the {format_bytes(free)} free" + (f", split among {local} ranks" if local > 1 else "") +
+                     "); free space there, give --nvme-path on a larger drive, or keep a state in memory "
+                     "(--params cpu / --optimizer cpu)")
 
 
 def _claim(directory: str | os.PathLike, flag: str, held: contextlib.ExitStack) -> None:
@@ -106,8 +110,11 @@ def _claim(directory: str | os.PathLike, flag: str, held: contextlib.ExitStack) 
     try:
         held.enter_context(DirLock.acquire(directory, f"offload finetune {flag}"))
     except DirectoryInUse as busy:
-        raise InputError(f"{flag} {directory}: in use by another live run ({busy.owner.describe() if busy.owner else 'pid unknown'}); "
-                         f"wait for it to end or give another {flag}") from None
+        who = busy.owner.describe() if busy.owner else "pid unknown"
+        raise InputError(f"{flag} {directory}: in use by another live run ({who}); wait for it to end or give "
+                         f"another {flag}") from None
+    except LockUnavailable as exc:
+        log.warning("offload finetune: %s; a second run given %s %s would not be refused", exc, flag, directory)
 
 
 def claim_outputs(cfg: FinetuneConfig, held: contextlib.ExitStack) -> None:
@@ -131,10 +138,11 @@ def own_swap_dir(held: contextlib.ExitStack) -> str:
     from ..zero.state_store import SWAP_LOCK
 
     remove_stale(tempfile.gettempdir(), SWAP_DIR_PREFIX, SWAP_LOCK)
-    path = tempfile.mkdtemp(prefix=SWAP_DIR_PREFIX)
-    held.enter_context(DirLock.acquire(path, SWAP_LOCK))
+    path, lock = make_locked_dir(tempfile.gettempdir(), SWAP_DIR_PREFIX, SWAP_LOCK)
+    if lock is not None:
+        held.callback(lock.release)
     held.callback(shutil.rmtree, path, True)  # first out: the files go, then the lock (a cleaner skips it meanwhile)
-    return path
+    return str(path)
 
 
 def check_writable_dir(path: str | os.PathLike, flag: str) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .corpus import Example
-from .errors import InputError
+from ..errors import InputError
 
 END_OF_TEXT = "<|endoftext|>"  # separates packed documents; also the padding token (padding has no loss)
 

@@ -7,12 +7,13 @@ Knows nothing about modules or optimizers.
     Residency, Tier            residency.py     (where a shard's bytes are)
     PinnedArena                arena.py         (one page-locked allocation, exact sub-allocation)
     parse_size, format_bytes   sizes.py         ("60GiB")
-    resolve_budget             budget.py        ("auto" budgets)
+    resolve_budget, ...        budget.py        ("auto" budgets, the swap rule, budgets vs the machine)
     SwapDir, SwapFile          swap_file.py     (preallocated swap files)
     AioEngine                  aio.py           (async O_DIRECT engine)
 """
 from .arena import ArenaBlock, ArenaBusyError, ArenaFullError, PinnedArena
-from .budget import AUTO_FRACTION, check_fits_machine, host_memory, nvme_budget_bytes, resolve_budget
+from .budget import (AUTO_FRACTION, check_fits_machine, host_memory, nvme_budget_bytes, ranks_on_this_node,
+                     resolve_budget)
 from .lease import Lease, LeaseMode
 from .links import Link
 from .residency import Residency, Tier
@@ -24,5 +25,5 @@ __all__ = [
     "TieredStore", "StoreConfig", "StoreError", "SwapCorruptError", "ShardInfo", "Residency", "Tier",
     "PinnedArena", "ArenaBlock", "ArenaFullError", "ArenaBusyError", "SwapSpaceError", "Lease", "LeaseMode", "Link",
     "parse_size", "format_bytes", "resolve_budget", "AUTO_FRACTION", "nvme_budget_bytes", "host_memory",
-    "check_fits_machine",
+    "check_fits_machine", "ranks_on_this_node",
 ]

@@ -1,7 +1,8 @@
 """Tier budgets: "60GiB"-style sizes or "auto", and the device tier's allocator.
 
 "auto" resolves to a stated fraction of what is free now, split evenly among the ranks of this node that
-share the resource (`ranks_sharing`: LOCAL_WORLD_SIZE for host memory and the swap drive; a GPU is its rank's own):
+share the resource (`ranks_sharing`, ranks_on_this_node(), for host memory and the swap drive; a GPU is its
+rank's own):
     device: 90% of torch.cuda.mem_get_info() free bytes; on a machine without CUDA 25% of the available
             host memory (the device tier is then a region of host memory)
     cpu:    50% of the available host memory
@@ -27,7 +28,7 @@ from .arena import ArenaBusyError, ArenaFullError, PinnedArena
 from .sizes import format_bytes, parse_size
 
 __all__ = ["AUTO_FRACTION", "resolve_budget", "nvme_budget_bytes", "host_memory", "check_fits_machine",
-           "DeviceTier"]
+           "ranks_on_this_node", "DeviceTier"]
 
 AUTO_FRACTION = {"device_cuda": 0.90, "device_host": 0.25, "cpu": 0.50, "nvme": 0.90}
 
@@ -58,6 +59,20 @@ def host_memory() -> tuple[int, int]:
     if cg is not None:
         total, available = min(total, cg[0]), min(available, max(0, cg[0] - cg[1]))
     return total, available
+
+
+# How launchers tell a process how many ranks share its node: torchrun, Open MPI, MPICH/Intel MPI, Slurm's srun
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+
+
+def ranks_on_this_node(default: int) -> int:
+    """The ranks sharing this node's host memory and drive, from the launcher's environment; `default` (the
+    world size: all ranks on one node) when no launcher says."""
+    for name in _LOCAL_SIZE_VARS:
+        value = os.environ.get(name, "").split("(")[0]  # Slurm may write "4(x2)": 4 tasks on each of 2 nodes
+        if value.strip().isdigit() and int(value) > 0:
+            return int(value)
+    return max(1, default)
 
 
 def _existing(path: str) -> str:
@@ -153,6 +168,8 @@ class DeviceTier:
         self._cv = threading.Condition()
         self._in_use = 0
         self._peak = 0
+        self._frees = 0  # blocks freed so far: what a request the GPU refused waits to change
+        self._gpu_full_at, self._gpu_full_size = -1, 0  # the GPU refused this size when _frees had this value
 
     @property
     def bytes_in_use(self) -> int:
@@ -163,6 +180,11 @@ class DeviceTier:
         return self._host.peak_bytes if self._host else self._peak
 
     def alloc(self, nbytes: int, timeout: float | None = None):
+        """A block of `nbytes`, waiting up to `timeout` seconds for room (None: as long as it takes for the
+        budget; 0: not at all, ArenaBusyError at once: a prefetch backs off). The GPU itself may have less free
+        than the budget (activations, communicators, other processes): then, like a full budget, the request
+        waits for this tier's next free until its deadline (None: raises at once, naming device_budget), and
+        later requests that could not wait do not try the allocator again until a block is freed."""
         if self._host is not None:
             return self._host.alloc(nbytes, timeout)
         size = -(-nbytes // 512) * 512
@@ -182,31 +204,35 @@ class DeviceTier:
                             f"{format_bytes(self._in_use)} of {format_bytes(self.capacity)} in use"
                         )
                     self._cv.wait(left)  # woken by _free
+                if self._gpu_full_at == self._frees and size >= self._gpu_full_size and timeout == 0:
+                    # the GPU refused as much since the last free: each try would flush the allocator's cache
+                    raise self._gpu_full(size)
                 self._in_use += size
                 self._peak = max(self._peak, self._in_use)
+                seen = self._frees
             try:
                 with torch.cuda.stream(self.alloc_stream) if self.alloc_stream is not None else contextlib.nullcontext():
                     t = torch.empty(size, dtype=torch.uint8, device=self.device)[:nbytes]
                 return _CudaBlock(self, nbytes, size, t)
             except torch.OutOfMemoryError:
-                # the budget had room but the GPU had not (activations, NCCL, another process took more than the
-                # budget left them): like a full budget, a prefetch (timeout 0) backs off and a blocking request
-                # waits for this tier's next free, until its deadline
-                self._release(size)
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is None or left <= 0:
-                    free, _ = torch.cuda.mem_get_info(self.device)
-                    raise ArenaBusyError(
-                        f"device tier: {self.device} has {format_bytes(free)} free, not the {format_bytes(size)} asked "
-                        f"for, though the device budget has room ({format_bytes(self._in_use)} of "
-                        f"{format_bytes(self.capacity)} in use): other memory (activations, communicators, other "
-                        "processes) took it; lower device_budget"
-                    ) from None
                 with self._cv:
-                    self._cv.wait(left)  # woken by _free: the tier gave bytes back to the allocator's cache
+                    self._in_use -= size  # not a free: OOM waiters keep waiting for a real one
+                    self._cv.notify_all()  # budget waiters may fit now
+                    self._gpu_full_at, self._gpu_full_size = self._frees, size
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is None or left <= 0 or not self._cv.wait_for(lambda: self._frees != seen, left):
+                        raise self._gpu_full(size) from None
             except Exception:
                 self._release(size)
                 raise
+
+    def _gpu_full(self, size: int) -> ArenaBusyError:
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return ArenaBusyError(
+            f"device tier: {self.device} has {format_bytes(free)} free, not the {format_bytes(size)} asked for, "
+            f"though the device budget has room ({format_bytes(self._in_use)} of {format_bytes(self.capacity)} in "
+            "use): other memory (activations, communicators, other processes) took it; lower device_budget"
+        )
 
     def _release(self, size: int) -> None:
         with self._cv:
@@ -218,7 +244,10 @@ class DeviceTier:
             raise RuntimeError("device tier: block freed twice")
         blk.freed = True
         blk.tensor = torch.empty(0, dtype=torch.uint8)
-        self._release(blk.reserved)
+        with self._cv:
+            self._frees += 1  # under the lock with the release: a waiter cannot miss it
+            self._in_use -= blk.reserved
+            self._cv.notify_all()
 
     def close(self) -> None:
         if self._host is not None:

@@ -84,26 +84,25 @@ def advise_huge_pages(t: torch.Tensor) -> None:
         libc.madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing but speed
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set: VmHWM (per address space, so it does not inherit the parent's peak
-    across fork+exec as ru_maxrss can), else ru_maxrss."""
+def _status_bytes(field: str) -> int | None:
+    """A size field of /proc/self/status ("VmRSS", "VmHWM"), in bytes; None where /proc is missing."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set: VmHWM (per address space, so it does not inherit the parent's peak
+    across fork+exec as ru_maxrss can), else ru_maxrss."""
+    peak = _status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def rss_bytes() -> int:
     """This process's resident set now (VmRSS), 0 where /proc is missing."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _status_bytes("VmRSS") or 0

@@ -55,6 +55,12 @@ class Placement:
         return equal_chunk(shard_numel, self.chunk_numel)
 
 
+def optimizer_fp32_states(width: int) -> int:
+    """fp32 states homed with the optimizer, per element: exp_avg, exp_avg_sq, the gradient, and the fp32 master
+    unless the parameter is it (compute dtype of `width` bytes)."""
+    return 3 + (1 if width != 4 else 0)
+
+
 def equal_chunk(shard_numel: int, chunk_numel: int) -> int:
     """Elements per chunk cutting a shard of shard_numel into equal (aligned) chunks of at most chunk_numel."""
     pieces = max(1, -(-shard_numel // chunk_numel))
@@ -165,9 +171,10 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
         full = s.layout.padded_numel * width
         if full > budgets["device"]:
             raise MemoryError(
-                f"offload: unit {s.index} ({s.name or '<root>'}, {s.module_type}) needs {format_size(full)} ({full} bytes) "
-                f"gathered on the device, more than device_budget {format_size(budgets['device'])}; raise "
-                "device_budget or cut smaller units (Config.unit_classes / unit_min_bytes)"
+                f"offload.Config.device_budget: unit {s.index} ({s.name or '<root>'}, {s.module_type}) needs "
+                f"{format_size(full)} ({full} bytes) gathered on the device, more than device_budget "
+                f"{format_size(budgets['device'])}; raise device_budget or cut smaller units "
+                "(offload.Config.unit_classes / unit_min_bytes)"
             )
     chunk_numel = fit_chunk(chunk_numel_for(budgets["cpu"], chunk_setting), [s.layout.shard_numel for s in sizes])
     chunks = {s.index: [hi - lo for lo, hi in chunk_bounds(s.layout.shard_numel,
@@ -176,7 +183,7 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
     # bytes the new units' shards hold in their home tier, as the store holds them (every chunk page-rounded)
     new_chunks = [n for s in new for n in chunks[s.index]]
     param_bytes = sum(page_bytes(n * width) for n in new_chunks)
-    opt_bytes = (3 + (1 if width != 4 else 0)) * sum(page_bytes(n * 4) for n in new_chunks)  # m, v, grad (+ master)
+    opt_bytes = optimizer_fp32_states(width) * sum(page_bytes(n * 4) for n in new_chunks)
 
     def staging(p: str, o: str) -> int:
         return host_working_set(list(chunks.values()), width, p == "nvme", o == "nvme",

@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from ..config import Config, parse_duration
 from ..device import Streams, bind_thread, compute_device
-from ..store import Tier, check_fits_machine, resolve_budget
+from ..store import Tier, check_fits_machine, ranks_on_this_node, resolve_budget
 from ..telemetry import Lane, Meter, Queue
 from . import comm, placement
 from .backward_updates import BackwardUpdates
@@ -126,7 +126,7 @@ class Runtime:
         self.group = self._setup_group()
         tune_malloc(self.device)  # first: a bad OFFLOAD_MALLOC_TUNE raises before anything is built
         self._rss_at_open = rss_bytes()  # the interpreter's, torch's and the user's own: rt.stats()["memory"]
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.group.world_size)))  # ranks sharing this host
+        local = ranks_on_this_node(self.group.world_size)  # ranks sharing this host's memory and drive
         self.budgets = {"device": self._budget("device_budget", local), "cpu": self._budget("cpu_budget", local),
                         "nvme": None}
         check_fits_machine(self.budgets["device"], self.budgets["cpu"], self.device, local)

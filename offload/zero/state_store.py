@@ -11,10 +11,10 @@ Where a consumer wants a shard:
   Use.HOST     the CPU optimizer and the gradient accumulation: host memory (a cpu working copy for nvme
                homes; the home copy for cpu homes; for device homes on a GPU, a host copy made when waited)
 
-This class also owns the swap directory: it creates the run directory (mkdtemp, 0700) under nvme_path,
-holds its lock for the run's life (offload/dir_lock.py) and removes it when closed (the only place that does
-any of these). prepare_swap_dir() is what every run does first with nvme_path: check it, remove what dead runs
-left there (a kill -9 cannot clean up after itself), and take this rank's nvme budget by the store's one rule.
+This class also owns the runtime's swap directory: it creates the run directory (0700) under nvme_path, holds
+its lock for the run's life (offload/dir_lock.py) and removes it when closed. prepare_swap_dir() is what every
+run does first with nvme_path: check it, remove what dead runs left there (a kill -9 cannot clean up after
+itself), and take this rank's nvme budget by the store's one rule.
 """
 from __future__ import annotations
 
@@ -22,14 +22,13 @@ import concurrent.futures as cf
 import enum
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from ..config import format_size
 from ..device import retire
-from ..dir_lock import DirLock, remove_stale
+from ..dir_lock import DirLock, make_locked_dir, remove_stale
 from ..store import LeaseMode, StoreConfig, Tier, TieredStore, nvme_budget_bytes
 from ..store.lease import Lease
 from .shards import ShardKey, ShardSpec
@@ -123,14 +122,10 @@ class UnitStateStore:
         self.run_dir: Path | None = None
         self._run_lock: DirLock | None = None
         if nvme_path:
-            # A fresh directory of our own: unpredictable name, created atomically with mode 0700 (never a
-            # planted directory or symlink); locked while this process lives, removed by close().
-            self.run_dir = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-rank{rank}-", dir=nvme_path))
-            try:
-                self._run_lock = DirLock.acquire(self.run_dir, SWAP_LOCK)
-            except BaseException:
-                self._remove_run_dir()
-                raise
+            # A fresh directory of our own: unpredictable name, mode 0700 (never a planted directory or symlink),
+            # locked before it shows under its name and while this process lives; removed by close()
+            self.run_dir, self._run_lock = make_locked_dir(nvme_path, f"{RUN_DIR_PREFIX}{os.getpid()}-rank{rank}-",
+                                                           SWAP_LOCK)
         cfg = StoreConfig(
             device_budget=budgets["device"] if budgets["device"] is not None else "auto",
             cpu_budget=budgets["cpu"] if budgets["cpu"] is not None else "auto",
@@ -266,12 +261,13 @@ def prepare_swap_dir(path: str | os.PathLike, budget: str | int | None, ranks_sh
     """What a run does first with its nvme_path: check it (check_nvme_path), remove the swap directories that
     dead runs left under it, then this rank's nvme budget by the store's rule (store.nvme_budget_bytes: the
     setting, else 90% of the free space split among the `ranks_sharing` ranks of this node). An explicit
-    budget larger than the free space is refused."""
+    budget is this rank's: the node's ranks together must find it free."""
     check_nvme_path(path, None, "")
     remove_stale(path, RUN_DIR_PREFIX, SWAP_LOCK)
     if budget is not None and budget != "auto":
         need = nvme_budget_bytes(budget, str(path))
-        check_nvme_path(path, need, "nvme_budget")
+        check_nvme_path(path, need * ranks_sharing,
+                        "nvme_budget" + (f" x the {ranks_sharing} ranks of this node" if ranks_sharing > 1 else ""))
         return need
     return nvme_budget_bytes("auto", str(path), ranks_sharing)
 
