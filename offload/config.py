@@ -272,10 +272,15 @@ def deepspeed_fields(ds: dict) -> tuple[dict[str, Any], list[str]]:
         zero, top = ds, {}
     fields: dict[str, Any] = {}
     for key, value in top.items():
+        # "auto" is Hugging Face's placeholder, filled from TrainingArguments: the trainer decides those
         if key == "bf16":
-            fields["compute_dtype"] = "bf16" if (value or {}).get("enabled", False) else "fp32"
+            enabled = (value or {}).get("enabled", False)
+            if enabled == "auto":
+                ignored.append("bf16.enabled=auto")
+            else:
+                fields["compute_dtype"] = "bf16" if enabled else "fp32"
         elif key == "fp16":
-            if (value or {}).get("enabled", False):
+            if (value or {}).get("enabled", False) not in (False, "auto"):
                 raise ValueError("from_deepspeed: fp16.enabled=true is not supported; use bf16 or fp32")
         elif key == "communication_data_type":  # the dtype gradients are summed over ranks in
             dtype = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32", None: None}.get(value, "?")
@@ -320,6 +325,9 @@ def deepspeed_fields(ds: dict) -> tuple[dict[str, Any], list[str]]:
         )
     if nvme_paths:
         fields["nvme_path"] = next(iter(nvme_paths.values()))
+    if zero.get("stage3_param_persistence_threshold") == "auto":
+        ignored.append("zero_optimization.stage3_param_persistence_threshold=auto")
+        zero.pop("stage3_param_persistence_threshold")
     if "stage3_param_persistence_threshold" in zero:
         # DeepSpeed counts elements; offload counts bytes of the gathered unit (compute dtype).
         elements = int(zero.pop("stage3_param_persistence_threshold"))

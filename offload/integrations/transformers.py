@@ -1,0 +1,179 @@
+"""Hugging Face Trainer in one line: `OffloadTrainer` is `transformers.Trainer` with the model's states in the
+offload runtime (parameters, gradients and AdamW states sharded over ranks, paged to host memory or NVMe).
+
+    from offload.integrations.transformers import OffloadTrainer
+    trainer = OffloadTrainer(model=model, args=TrainingArguments(...), train_dataset=ds,
+                             offload_config=offload.Config(params="nvme", optimizer="nvme", nvme_path="/mnt/nvme"))
+    trainer.train()
+    trainer.save_model("out")      # consolidated Hugging Face safetensors (the fp32 master weights)
+    trainer.close()                # or `with OffloadTrainer(...) as trainer:`; the runtime's swap files go
+
+What differs from Trainer, and why (as transformers' DeepSpeed integration replaces the same pieces):
+  - the model is wrapped by an offload runtime: the trainer's own (opened from `offload_config`, closed by
+    close()), or the one open around it (`with offload.init(cfg): model = ...; trainer = OffloadTrainer(...)`);
+  - the optimizer is offload.AdamW over Trainer's two parameter groups (weight decay on the same names),
+    with its learning rate, betas and epsilon; the scheduler is Trainer's own;
+  - `max_grad_norm` clips with rt.clip_grad_norm_ (the global norm over every shard and rank);
+  - the micro-batches before a step's last run inside rt.accumulating() (each reduces its gradient into the
+    gradient shards, which hold the sum: memory one shard per unit, not a full gradient);
+  - Accelerate prepares autocast only: the runtime owns placement and gradient reduction (no DDP wrap);
+  - bf16=True computes in bf16 (Config.compute_dtype; the fp32 master stays with the optimizer);
+  - activation (gradient) checkpointing is the model's own, as Trainer turns it on (it runs over the runtime);
+  - checkpoints (save_steps) hold the runtime's exact checkpoint (fp32 master, moments, scheduler) beside
+    Trainer's state, and resume_from_checkpoint restores it: a resumed run's losses are the uninterrupted ones.
+Trainer settings this cannot honour are refused at construction with the setting and the fix (REFUSED).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+import offload
+from offload.config import Config
+from offload.zero.runtime import current as current_runtime
+
+OFFLOAD_STATE = "offload-state"  # the runtime's checkpoint inside Trainer's checkpoint-N directory
+
+# TrainingArguments fields whose non-default values this integration cannot honour: (field, why and the fix)
+REFUSED = (
+    ("fp16", "fp16 needs a loss scaler, which offload does not have; use bf16=True"),
+    ("deepspeed", "offload replaces DeepSpeed ZeRO; map its JSON with offload.Config.from_deepspeed(path) and pass "
+                  "that as offload_config"),
+    ("fsdp", "offload shards the model itself; drop fsdp"),
+    ("torch_compile", "the runtime's gather/release hooks are not traced by torch.compile; drop torch_compile"),
+    ("load_best_model_at_end", "the best checkpoint's weights are not reloaded into the runtime yet; export it "
+                               "with `offload export CHECKPOINT/offload-state OUT` instead"),
+)
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")  # what offload.AdamW replaces exactly
+
+
+def _refuse_unsupported(args: TrainingArguments, offload_config: Config | None) -> None:
+    # the dataclass's defaults, not a second TrainingArguments: building one resets Accelerate's process state
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
+    for name, why in REFUSED:
+        if not hasattr(args, name):
+            continue
+        value, default = getattr(args, name), defaults.get(name)
+        if value and value != default:
+            raise ValueError(f"OffloadTrainer: TrainingArguments.{name}={value!r} is not supported: {why}")
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim not in OPTIMIZERS:
+        raise ValueError(f"OffloadTrainer: TrainingArguments.optim={optim!r}; the optimizer is offload.AdamW (the "
+                         f"fused CPU AdamW over the sharded states): give optim='adamw_torch' (same update)")
+    # TrainingArguments.bf16 sets the compute dtype; a Config asking for bf16 (not its fp32 default) against it is
+    # a contradiction, not a choice to make silently
+    if offload_config is not None and offload_config.compute_dtype == "bf16" and not args.bf16:
+        raise ValueError("OffloadTrainer: TrainingArguments.bf16=False but offload_config.compute_dtype='bf16'; "
+                         "set TrainingArguments.bf16=True (it sets the compute dtype)")
+
+
+class OffloadTrainer(Trainer):
+    """transformers.Trainer over an offload runtime (module docstring). Takes Trainer's arguments plus
+    `offload_config`, an offload.Config (None: the runtime open around the trainer, else Config's defaults)."""
+
+    def __init__(self, model=None, args: TrainingArguments | None = None, *trainer_args,
+                 offload_config: Config | None = None, **trainer_kwargs):
+        if model is None:
+            raise ValueError("OffloadTrainer: give the model (model_init is not supported: the runtime shards the "
+                             "model once, when the trainer is built)")
+        if args is None:
+            args = TrainingArguments(output_dir="trainer_output")
+        outer = current_runtime()
+        if outer is not None and offload_config is not None:
+            raise ValueError("OffloadTrainer: an offload runtime is already open; build the trainer inside it without "
+                             "offload_config, or outside it with offload_config")
+        _refuse_unsupported(args, offload_config)
+        args.device  # Trainer's distributed set-up first (torchrun: Accelerate's process group), which the runtime joins
+        self._owns_runtime = outer is None
+        if outer is None:
+            cfg = offload_config or Config()
+            cfg = dataclasses.replace(cfg, compute_dtype="bf16" if args.bf16 else "fp32")
+            self.offload_runtime = offload.init(cfg).__enter__()
+        else:
+            self.offload_runtime = outer
+            if (outer.config.compute_dtype == "bf16") != bool(args.bf16):  # its units are cast already
+                raise ValueError(f"OffloadTrainer: TrainingArguments.bf16={args.bf16} but the open runtime computes in "
+                                 f"{outer.config.compute_dtype}; make them agree")
+        try:
+            if not any(hasattr(p, "_offload_unit") for p in model.parameters()):
+                self.offload_runtime.wrap(model)  # built outside: sharded now (built inside: already its units)
+            super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        except BaseException:
+            self.close()
+            raise
+        # the runtime owns placement and gradient reduction, as a model sharded at load time does: Accelerate
+        # prepares autocast only (no DDP wrap, which would all-reduce placeholders)
+        self.is_distributed_loading_by_transformers = True
+
+    # ---- life ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the runtime this trainer opened (its threads, arena and swap files go; the model is unusable
+        after). A runtime open around the trainer is its owner's to close."""
+        rt = getattr(self, "offload_runtime", None)
+        if rt is not None and self._owns_runtime and not rt.closed:
+            rt.__exit__(None, None, None)
+
+    def __enter__(self) -> "OffloadTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the optimizer and the step -------------------------------------------------------------
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            opt_model = self.model if model is None else model
+            decay = set(self.get_decay_parameter_names(opt_model))
+            named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+            self.optimizer = offload.AdamW([g for g in groups if g["params"]], lr=self.args.learning_rate,
+                                           betas=(self.args.adam_beta1, self.args.adam_beta2),
+                                           eps=self.args.adam_epsilon)
+        return self.optimizer
+
+    def _sync_replicated_trainable_parameters(self, model) -> None:
+        pass  # every trainable parameter is the runtime's (sharded, reduced by it): nothing replicated to sync
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        last = self.accelerator.sync_gradients  # Trainer sets it per micro-batch: the step's last one
+        with contextlib.nullcontext() if last else self.offload_runtime.accumulating():
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def _clip_grad_norm(self, model):
+        return self.offload_runtime.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:  # max_grad_norm 0: the norm for the log, nothing clipped
+            grad_norm = self.offload_runtime.clip_grad_norm_(float("inf"))
+        return grad_norm.item() if hasattr(grad_norm, "item") else grad_norm
+
+    # ---- saving and resuming ---------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The model as a Hugging Face directory (config, consolidated safetensors of the fp32 master weights,
+        the tokenizer): collective, every rank gathers, rank 0 writes."""
+        from offload.finetune.hf_model_dir import save_pretrained
+
+        output_dir = output_dir or self.args.output_dir
+        tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
+        save_pretrained(self.offload_runtime, self.model, output_dir, tokenizer)
+        if self.args.should_save:
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self.offload_runtime.save_checkpoint(output_dir, lr_scheduler=self.lr_scheduler, tag=OFFLOAD_STATE)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, OFFLOAD_STATE)):
+            raise ValueError(f"OffloadTrainer: {resume_from_checkpoint} has no {OFFLOAD_STATE}/: not a checkpoint "
+                             "of an OffloadTrainer run (the model's weights alone cannot resume its optimizer)")
+        # the weights come back with the optimizer's states in _load_optimizer_and_scheduler (one checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is not None:
+            self.offload_runtime.load_checkpoint(os.path.join(checkpoint, OFFLOAD_STATE),
+                                                 lr_scheduler=self.lr_scheduler)

@@ -1,0 +1,202 @@
+"""OffloadTrainer (offload/integrations/transformers.py) against transformers' own Trainer in memory, step for
+step: the same losses, gradient norms and weights (fp32 within 1e-5; bf16 within 2e-2, the rounding of bf16
+weights against autocast's), with gradient accumulation and clipping that triggers; save_model gives the weights
+the runtime holds; a resume from a mid-run checkpoint gives the uninterrupted losses bit for bit; two ranks
+under torchrun give the one-rank losses; settings it cannot honour are refused with their name."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+import offload  # noqa: E402
+from offload.integrations.transformers import OFFLOAD_STATE, OffloadTrainer  # noqa: E402
+
+VOCAB, SEQ = 300, 32
+
+
+class Blocks(torch.utils.data.Dataset):
+    """Token blocks of a seeded generator; the labels are the inputs (the model shifts them)."""
+
+    def __init__(self, n: int = 64):
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+def training_args(out, **overrides) -> TrainingArguments:
+    """6 steps of 4 sequences x 2 micro-batches, clipped at 0.5 (the gradient norm here is about 0.9: it clips)."""
+    base = dict(output_dir=str(out), max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                learning_rate=1e-3, weight_decay=0.01, max_grad_norm=0.5, logging_steps=1, save_strategy="no",
+                report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, lr_scheduler_type="linear",
+                warmup_steps=2)
+    return TrainingArguments(**{**base, **overrides})
+
+
+def nvme_config(path) -> offload.Config:
+    return offload.Config(params="nvme", optimizer="nvme", nvme_path=str(path), cpu_budget="64MiB",
+                          device_budget="64MiB")
+
+
+def logged(trainer, key="loss") -> list[float]:
+    return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Trainer in memory: its per-step losses and gradient norms and its final weights."""
+    ref = Trainer(model=tiny_llama(), args=training_args(tmp_path_factory.mktemp("ref")), train_dataset=Blocks())
+    ref.train()
+    return logged(ref), logged(ref, "grad_norm"), {k: v.clone() for k, v in ref.model.state_dict().items()}
+
+
+def test_offload_trainer_is_trainer_step_for_step(tmp_path, reference):
+    losses, norms, weights = reference
+    with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "run"), train_dataset=Blocks(),
+                        offload_config=nvme_config(tmp_path)) as trainer:
+        trainer.train()
+        assert trainer.offload_runtime.stats()["nvme_read_bytes"] > 0  # the states really paged
+        assert logged(trainer) == pytest.approx(losses, rel=1e-5)
+        assert logged(trainer, "grad_norm") == pytest.approx(norms, rel=1e-5)
+        assert min(norms) > 0.5  # every step clipped
+        held = trainer.offload_runtime.full_state_dict(trainer.model)
+        trainer.save_model(tmp_path / "saved")
+    for name, value in weights.items():
+        torch.testing.assert_close(held[name], value, rtol=0, atol=1e-5, msg=name)
+    saved = LlamaForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
+    assert all(torch.equal(saved[k], held[k]) for k in saved)  # the runtime's fp32 master weights, as written
+    assert list(tmp_path.glob("offload-*")) == []  # close() removed the swap
+
+
+def test_activation_checkpointing_as_trainer_turns_it_on(tmp_path, reference):
+    with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "run", activation_checkpointing=True),
+                        train_dataset=Blocks(), offload_config=nvme_config(tmp_path)) as trainer:
+        trainer.train()
+        assert trainer.model.is_activation_checkpointing
+        assert logged(trainer) == pytest.approx(reference[0], rel=1e-5)
+
+
+def test_bf16_tracks_trainers_autocast(tmp_path):
+    ref = Trainer(model=tiny_llama(), args=training_args(tmp_path / "ref", bf16=True), train_dataset=Blocks())
+    ref.train()
+    with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "run", bf16=True), train_dataset=Blocks(),
+                        offload_config=offload.Config(params="cpu", optimizer="cpu", cpu_budget="64MiB",
+                                                      device_budget="64MiB", compute_dtype="bf16")) as trainer:
+        trainer.train()
+        assert trainer.offload_runtime.config.compute_dtype == "bf16"
+        assert logged(trainer) == pytest.approx(logged(ref), rel=2e-2)
+
+
+def test_a_trainer_deepspeed_json_with_autos_maps_to_the_runtime(tmp_path):
+    """Hugging Face's DeepSpeed JSONs leave sizes and dtypes "auto" for the Trainer to fill; from_deepspeed took
+    int("auto") and failed. Now the trainer's arguments decide those, and they are listed as ignored."""
+    ds = {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+          "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                "stage3_param_persistence_threshold": "auto", "reduce_bucket_size": "auto"}}
+    with pytest.warns(UserWarning, match="stage3_param_persistence_threshold=auto"):
+        cfg = offload.Config.from_deepspeed(ds, cpu_budget="64MiB", device_budget="64MiB")
+    assert "bf16.enabled=auto" in cfg.deepspeed_ignored
+    with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "run", bf16=True, max_steps=2),
+                        train_dataset=Blocks(), offload_config=cfg) as trainer:
+        trainer.train()
+        rt = trainer.offload_runtime
+        assert (rt.config.compute_dtype, rt.params_tier, rt.optimizer_tier) == ("bf16", "nvme", "nvme")
+
+
+def test_a_resume_from_a_mid_run_checkpoint_is_bit_for_bit(tmp_path):
+    args = dict(save_strategy="steps", save_steps=3)
+    with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "a", **args), train_dataset=Blocks(),
+                        offload_config=nvme_config(tmp_path)) as trainer:
+        trainer.train()
+        uninterrupted = logged(trainer)
+    ckpt = tmp_path / "a" / "checkpoint-3"
+    assert (ckpt / OFFLOAD_STATE / "manifest.json").is_file() and (ckpt / "trainer_state.json").is_file()
+    with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "b", **args), train_dataset=Blocks(),
+                        offload_config=nvme_config(tmp_path)) as trainer:
+        trainer.train(resume_from_checkpoint=str(ckpt))
+        resumed = logged(trainer)
+    assert len(resumed) == 6 and resumed[3:] == uninterrupted[3:]  # steps 4-6 run again: the same bits
+    with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "c"), train_dataset=Blocks(),
+                        offload_config=nvme_config(tmp_path)) as trainer:
+        plain = tmp_path / "plain"
+        plain.mkdir()
+        with pytest.raises(ValueError, match="not a checkpoint of an OffloadTrainer run"):
+            trainer.train(resume_from_checkpoint=str(plain))
+
+
+def test_two_ranks_under_torchrun_give_the_one_rank_losses(tmp_path, reference):
+    code = textwrap.dedent(f"""
+        import json, os, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_trainer import Blocks, OffloadTrainer, nvme_config, tiny_llama, training_args, logged
+        with OffloadTrainer(model=tiny_llama(), args=training_args({str(tmp_path / 'run')!r},
+                            per_device_train_batch_size=2), train_dataset=Blocks(),
+                            offload_config=nvme_config({str(tmp_path)!r})) as trainer:
+            assert trainer.offload_runtime.world_size == 2 and trainer.args.world_size == 2
+            trainer.train()
+            if os.environ["RANK"] == "0":
+                print("LOSSES", json.dumps(logged(trainer)), flush=True)
+    """)
+    script = tmp_path / "two_ranks.py"
+    script.write_text(code)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script)], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-4000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("LOSSES "))
+    assert json.loads(line[len("LOSSES "):]) == pytest.approx(reference[0], rel=1e-5)
+
+
+def test_a_model_built_inside_an_open_runtime_trains_there(tmp_path):
+    """`with offload.init(cfg): model = ...` shards the model as it is built (no rank holds it whole); the
+    trainer uses that runtime and leaves it open. Its training equals Trainer's in memory from the same start."""
+    cfg = offload.Config(params="cpu", optimizer="cpu", cpu_budget="64MiB", device_budget="64MiB")
+    with offload.init(cfg) as rt:
+        model = LlamaForCausalLM(tiny_llama().config)  # sharded unit by unit as it is built
+        start = rt.full_state_dict(model)
+        with pytest.raises(ValueError, match="already open"):
+            OffloadTrainer(model=model, args=training_args(tmp_path / "x"), offload_config=cfg)
+        trainer = OffloadTrainer(model=model, args=training_args(tmp_path / "run"), train_dataset=Blocks())
+        trainer.train()
+        trainer.close()  # not its runtime: still open
+        assert trainer.offload_runtime is rt and not rt.closed
+        losses = logged(trainer)
+    plain = LlamaForCausalLM(tiny_llama().config)
+    plain.load_state_dict({k: start[k] for k in plain.state_dict()})  # (start also has non-persistent buffers)
+    ref = Trainer(model=plain, args=training_args(tmp_path / "ref"), train_dataset=Blocks())
+    ref.train()
+    assert losses == pytest.approx(logged(ref), rel=1e-5)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (dict(optim="adafactor"), "optim='adafactor'"),
+    (dict(torch_compile=True), "torch_compile=True"),
+    (dict(load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps"), "offload export"),
+])
+def test_settings_it_cannot_honour_are_refused(tmp_path, overrides, says):
+    with pytest.raises(ValueError, match=says):
+        OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path, **overrides), train_dataset=Blocks())
+    with pytest.raises(ValueError, match="bf16=False but offload_config.compute_dtype='bf16'"):
+        OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path), train_dataset=Blocks(),
+                       offload_config=offload.Config(compute_dtype="bf16"))
+    assert offload.zero.runtime.current() is None  # a refused trainer leaves no runtime open
