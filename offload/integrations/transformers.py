@@ -22,6 +22,7 @@ What differs from Trainer, and why (as transformers' DeepSpeed integration repla
   - checkpoints (save_steps) hold the runtime's exact checkpoint (fp32 master, moments, scheduler) beside
     Trainer's state, and resume_from_checkpoint restores it: a resumed run's losses are the uninterrupted ones.
 Trainer settings this cannot honour are refused at construction with the setting and the fix (REFUSED).
+A model loaded with `from_pretrained` inside `offload.init` streams into the store (hf_loading.py).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from transformers import Trainer, TrainingArguments
 import offload
 from offload.config import Config
 from offload.zero.runtime import current as current_runtime
+
+from . import hf_loading  # noqa: F401 - from_pretrained inside a runtime streams into the store
 
 OFFLOAD_STATE = "offload-state"  # the runtime's checkpoint inside Trainer's checkpoint-N directory
 
@@ -177,3 +180,4 @@ class OffloadTrainer(Trainer):
         if checkpoint is not None:
             self.offload_runtime.load_checkpoint(os.path.join(checkpoint, OFFLOAD_STATE),
                                                  lr_scheduler=self.lr_scheduler)
+

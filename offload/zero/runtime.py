@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import math
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -164,6 +166,8 @@ class Runtime:
         self._capture = ConstructionCapture(on_module=self._note_module,
                                             on_load=lambda m: self.materialize_pending()).__enter__()
         self._hooks.append(nn.modules.module.register_module_forward_pre_hook(self._auto_wrap))
+        if "transformers" in sys.modules:  # from_pretrained in the block streams into the store (not imported else)
+            importlib.import_module("offload.integrations.hf_loading")
         self.is_open = True
         _ACTIVE.append(self)
 

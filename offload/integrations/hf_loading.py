@@ -1,0 +1,67 @@
+"""`from_pretrained` inside an open runtime: `with offload.init(cfg): model = AutoModelForCausalLM.from_pretrained(DIR)`
+(any PreTrainedModel class) builds the model as placeholders and streams DIR's safetensors into the store unit by
+unit, so no rank ever holds the whole model (host memory while loading: about the cpu budget plus a few units),
+as `rt.wrap(model, weights=...)` does for `offload finetune`. Outside a runtime from_pretrained is transformers'
+own. Installed when this module is imported: the runtime imports it when it opens if transformers is loaded, and
+the Trainer integration imports it. Arguments that would change where or how weights load are refused by name.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from transformers import PreTrainedModel
+
+from offload.zero.runtime import current as current_runtime
+
+# from_pretrained arguments that change nothing for a local directory of safetensors (dtype is checked apart)
+_FROM_PRETRAINED_HARMLESS = {"cache_dir", "force_download", "local_files_only", "token", "revision", "use_safetensors",
+                             "weights_only", "disable_mmap", "trust_remote_code", "low_cpu_mem_usage", "_from_auto",
+                             "_commit_hash", "attn_implementation", "dtype", "torch_dtype"}
+_FROM_PRETRAINED_DEFAULTS = {"ignore_mismatched_sizes": False, "fusion_config": None, "device_map": None}
+
+
+def _from_pretrained_streamed(rt, cls, path, *model_args, config=None, **kwargs):
+    from offload.finetune.hf_model_dir import HFModelDir
+
+    if model_args:
+        raise ValueError(f"offload: {cls.__name__}.from_pretrained inside offload.init takes no positional model "
+                         "arguments")
+    for key, value in kwargs.items():
+        if key in ("dtype", "torch_dtype") and value not in (None, "auto", torch.float32, rt.compute_dtype):
+            raise ValueError(f"offload: from_pretrained({key}={value}) inside offload.init; the runtime's "
+                             f"Config.compute_dtype ({rt.config.compute_dtype}) decides, with an fp32 master copy")
+        if key == "adapter_kwargs" and not any(v is not None for v in (value or {}).values()):
+            continue  # the Auto classes pass {"revision": None}: no adapter asked for
+        if key not in _FROM_PRETRAINED_HARMLESS and value != _FROM_PRETRAINED_DEFAULTS.get(key, object()):
+            raise ValueError(f"offload: from_pretrained({key}={value!r}) is not supported inside offload.init (the "
+                             "runtime places and loads the weights itself, from a local directory)")
+    model_dir = HFModelDir(path, flag=f"{cls.__name__}.from_pretrained")
+    if config is None or isinstance(config, (str, os.PathLike)):
+        config = model_dir.config() if config is None else type(model_dir.config()).from_pretrained(str(config))
+    extra = {"attn_implementation": kwargs["attn_implementation"]} if kwargs.get("attn_implementation") else {}
+    model = cls._from_config(config, **extra)  # placeholders: nothing is allocated until the weights stream in
+    model_dir.check(model)  # every parameter's name and shape, before a byte moves
+    rt.wrap(model, weights=model_dir.weights(model))
+    model.eval()  # as transformers' from_pretrained leaves it
+    return model
+
+
+def _install_streaming_from_pretrained() -> None:
+    original = PreTrainedModel.from_pretrained.__func__
+    if getattr(original, "_offload_streamed", False):
+        return
+
+    @functools.wraps(original)
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        rt = current_runtime()
+        if rt is None:
+            return original(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        return _from_pretrained_streamed(rt, cls, pretrained_model_name_or_path, *model_args, **kwargs)
+
+    from_pretrained._offload_streamed = True
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+
+_install_streaming_from_pretrained()
