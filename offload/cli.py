@@ -40,6 +40,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
         info["kernel_threads"] = mod.num_threads()
         if hasattr(mod, "aio_backends"):
             info["aio_backends"] = mod.aio_backends()
+    info.update(_host_memory_info())
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -47,6 +48,27 @@ def _cmd_env(args: argparse.Namespace) -> int:
         for key, value in info.items():
             print(f"{key:<{width}}  {value}")
     return 0
+
+
+def _host_memory_info() -> dict:
+    """What the budgets are sized against: host memory (capped by the cgroup's limit), how much may be
+    page-locked (the cpu arena is mlock'ed when it fits under RLIMIT_MEMLOCK, else registered with CUDA or left
+    pageable), and the NUMA nodes pinned pages could land on."""
+    import resource
+
+    from .store import format_bytes, host_memory
+
+    total, available = host_memory()
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    try:
+        nodes = sorted(p for p in os.listdir("/sys/devices/system/node") if p.startswith("node"))
+    except OSError:
+        nodes = []
+    return {
+        "host_memory": f"{format_bytes(total)} total, {format_bytes(available)} available (cgroup limit included)",
+        "memlock_limit": "unlimited" if soft == resource.RLIM_INFINITY else format_bytes(soft),
+        "numa_nodes": len(nodes) or 1,
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,6 +35,11 @@ def test_env_reports_built_extension():
     assert info["extension_built"] is True, info["extension_error"]
     assert info["cpu_isa_best"] in ("avx512", "avx2", "scalar")
     assert info["kernel_threads"] >= 1
+    # what the budgets are sized against and how much may be page-locked (issue 21)
+    from offload.store import format_bytes, host_memory
+
+    assert info["host_memory"].startswith(format_bytes(host_memory()[0]) + " total")
+    assert info["memlock_limit"] and info["numa_nodes"] >= 1
 
 
 def test_env_without_extension_says_why():
