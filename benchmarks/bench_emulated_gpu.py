@@ -8,12 +8,13 @@ pipeline hides the I/O and the CPU Adam behind compute. Here it can.
 Model (`EmulatedModel`): `--layers` blocks (`EmulatedBlock`, the units), each with a transformer layer's
 weight shapes (qkv 3d x d, proj d x d, fc1 ff x d, fc2 d x ff: 4 d^2 + 2 d ff parameters, no biases), and a
 root scale vector (d). Input: bf16 activations (micro-batch x seq x d) from a seeded generator, the same for
-every contender; loss = mean((model(x) - 1)^2) in fp32. A block is `EmulatedCompute`, an autograd.Function:
-  forward   sleeps 2 * its params * tokens / rate, returns x + sum_j sum(W_j) / sqrt(numel W_j)
-            (one memory-bound read of its weights),
+every contender; loss = (model(x) - 1)^2 summed over features, mean over tokens, in fp32 (the gradient's
+norm is above 1: clipping at 1.0 scales every step). A block is `EmulatedCompute`, an autograd.Function:
+  forward   sleeps 2 * its params * tokens / rate, returns x + sum_j mean(W_j) (one memory-bound read
+            of its weights),
   backward  sleeps twice as long, returns the exact gradients of that function: the input's gradient is
-            the output's, W_j's is full-size, sum(grad) / sqrt(numel W_j) broadcast (one memory-bound write,
-            no matmul), in the parameter's dtype.
+            the output's, W_j's is full-size, sum(grad) / numel(W_j) broadcast (one memory-bound write, no
+            matmul), in the parameter's dtype.
 So the runtime's gradient hooks, reduces, clip norms and optimizer see real tensors of the real size.
 Default: 8 blocks of d=1024, ff=4096 (100.7M params), micro-batch 2 x seq 1024 per rank, bf16, clip 1.0
 every step, AdamW (lr 1e-4, wd 0.01).
@@ -136,7 +137,7 @@ def emulated_compute():
     import torch
 
     class EmulatedCompute(torch.autograd.Function):
-        """forward: wait its FLOPs, return x + sum_j sum(W_j) / sqrt(numel W_j); backward: wait twice as long,
+        """forward: wait its FLOPs, return x + sum_j mean(W_j); backward: wait twice as long,
         return the exact gradients (the input's passed through, each weight's a scaled broadcast)."""
 
         @staticmethod
@@ -144,8 +145,8 @@ def emulated_compute():
             n = sum(w.numel() for w in weights)
             wait = forward_wait_s(n, x.shape[0] * x.shape[1], tflops)
             _wait(wait, f"gpu:fwd {index}")
-            shift = sum(w.sum(dtype=torch.float32) / math.sqrt(w.numel()) for w in weights)
-            ctx.specs = [(w.shape, w.dtype, w.device, 1.0 / math.sqrt(w.numel())) for w in weights]
+            shift = sum(w.sum(dtype=torch.float32) / w.numel() for w in weights)
+            ctx.specs = [(w.shape, w.dtype, w.device, 1.0 / w.numel()) for w in weights]
             ctx.wait, ctx.index = 2 * wait, index
             return x + shift
 
@@ -220,7 +221,9 @@ def make_input(s: EmuSettings, step: int, rank: int = 0, ranks: int = 1):
 
 
 def loss_of(out):
-    return (out.float() - 1.0).pow(2).mean()
+    """Squared distance to 1 summed over the features, mean over tokens (its gradient's norm is above 1:
+    clipping at 1.0 scales every step)."""
+    return (out.float() - 1.0).pow(2).sum(-1).mean()
 
 
 # ---- contenders (children) ----------------------------------------------------------------------
