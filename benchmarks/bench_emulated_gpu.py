@@ -518,11 +518,24 @@ def plan_prediction(row: dict, n_params: int, s: EmuSettings, probes: dict, upda
                  update_in_backward=update_in_backward)
     t = row["tiers"]
     place = Placement(t["params"], t["optimizer"], t["grads"])
-    p = predict(EmulatedSpec("emulated", n_params), w, place, mc)
-    return {"placement": str(place), "predicted_s": p["step_s"], "measured_s": row["median_s"],
-            "error": p["step_s"] / row["median_s"] - 1.0, "resources": p["resources"], "phases": p["phases"],
-            "bottleneck": p["bottleneck"], "update_in_backward": update_in_backward,
-            "machine": dataclasses.asdict(mc)}
+    spec = EmulatedSpec("emulated", n_params)
+    p = predict(spec, w, place, mc)
+    out = {"placement": str(place), "predicted_s": p["step_s"], "measured_s": row["median_s"],
+           "error": p["step_s"] / row["median_s"] - 1.0, "resources": p["resources"], "phases": p["phases"],
+           "bottleneck": p["bottleneck"], "update_in_backward": update_in_backward,
+           "machine": dataclasses.asdict(mc), "plan_nvme_bytes": None, "predicted_measured_bytes_s": None}
+    # a diagnostic, not the plan: the same phases with the bytes the runtime moved (it keeps what fits of the cpu
+    # budget resident; the plan moves every nvme-homed state every step): each bandwidth scaled by plan / measured
+    plan_read = p["resources"]["nvme read"] * mc.nvme_read_Bps
+    plan_written = p["resources"]["nvme write"] * mc.nvme_write_Bps
+    moved = row.get("io_bytes")
+    if moved and plan_read > 0 and plan_written > 0 and moved["read"] > 0 and moved["written"] > 0:
+        mc2 = dataclasses.replace(mc, nvme_read_Bps=mc.nvme_read_Bps * plan_read / moved["read"],
+                                  nvme_write_Bps=mc.nvme_write_Bps * plan_written / moved["written"])
+        p2 = predict(spec, w, place, mc2)
+        out.update(plan_nvme_bytes={"read": plan_read, "written": plan_written},
+                   predicted_measured_bytes_s=p2["step_s"], error_measured_bytes=p2["step_s"] / row["median_s"] - 1.0)
+    return out
 
 
 def plan_rows(table: dict, n_params: int, s: EmuSettings, probes: dict) -> dict:
@@ -550,7 +563,7 @@ def print_rate(entry: dict, s: EmuSettings) -> None:
           f"I/O floor {entry['io_floor_s']:.3f} s/step"
           + (f" (this rate's default run: {run_floor:.3f})" if run_floor is not None else ""))
     print(f"{'contender':<14}{'s/step':>8}{'best':>8}{'bound':>8}{'binds':>8}{'eff':>6}{'vs torch':>9}{'DS/this':>8}"
-          f"{'peak RSS':>12}{'nvme R/step':>13}{'nvme W/step':>13}{'io s':>7}{'CPU s':>7}{'slept':>7}{'loss':>9}")
+          f"{'peak RSS':>12}{'nvme R/step':>13}{'nvme W/step':>13}{'io s':>7}{'CPU s':>7}{'slept':>7}{'loss':>11}")
     for name, row in table.items():
         if "median_s" not in row:
             print(f"{name:<14}  failed: {row.get('error')} (see stderr / --json)")
@@ -561,7 +574,7 @@ def print_rate(entry: dict, s: EmuSettings) -> None:
               f"{row['efficiency']:6.2f}{f(row['vs_torch'], 9)}{f(row['deepspeed_over_this'], 8)}"
               f"{bso.fmt_bytes(row['peak_rss_bytes']):>12}{bso.fmt_bytes(io.get('read')):>13}"
               f"{bso.fmt_bytes(io.get('written')):>13}{row['io_s']:7.3f}{row['cpu_s_per_step']:7.3f}"
-              f"{row['slept_s_per_step']:7.3f}{row['final_loss']:9.5f}")
+              f"{row['slept_s_per_step']:7.3f}{row['final_loss']:11.4f}")
     print(f"# bound = max(compute {entry['compute_s']:.3f}, io (own bytes / engine bandwidth), adam "
           f"{next(iter(r['adam_s'] for r in table.values() if r.get('adam_s')), 0.0):.3f} = offload.AdamW CPU s / "
           f"{bso.CORES} cores); eff = bound / s/step; DS/this = DeepSpeed's s/step / this one's")
@@ -577,6 +590,10 @@ def print_rate(entry: dict, s: EmuSettings) -> None:
         print(f"# plan {name:<13} {p['placement']}{' (update in backward)' if p['update_in_backward'] else ''}: "
               f"predicted {p['predicted_s']:.3f} s, measured {p['measured_s']:.3f} s, error {100 * p['error']:+.1f}% "
               f"(busy: " + ", ".join(f"{k} {v:.3f}" for k, v in p["resources"].items() if v) + ")")
+        if p.get("predicted_measured_bytes_s") is not None:
+            print(f"#      {'':<13} the plan moves {bso.fmt_bytes(p['plan_nvme_bytes']['read'])} / "
+                  f"{bso.fmt_bytes(p['plan_nvme_bytes']['written'])} per step; with the bytes the runtime moved: "
+                  f"{p['predicted_measured_bytes_s']:.3f} s, error {100 * p['error_measured_bytes']:+.1f}% (diagnostic)")
     if entry.get("timeline_png"):
         print(f"# timeline of offload's last timed step: {entry['timeline_png']}")
 
@@ -612,9 +629,26 @@ def parse_args(argv=None):
     ap.add_argument("--nvme-path", default=None, help="swap directory (default: a temp dir under /tmp, removed)")
     ap.add_argument("--out-dir", default=None, help="traces and timeline PNGs of the default contender, per rate")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="print the tables of a --json file again (with this code's summary), run nothing")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--settings", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
+
+
+def report(path: str) -> int:
+    """The tables of a --json file, summarized again from its runs and probes."""
+    with open(path) as f:
+        doc = json.load(f)
+    base = EmuSettings(**doc["settings"])
+    print(f"# {path}: {doc['n_params'] / 1e6:.2f}M params, {base.world_size} rank(s), {doc['rounds']} round(s) of "
+          f"{base.steps} timed step(s) after {base.warmup}; command: {' '.join(doc['command'])}")
+    for entry in doc["rates"]:
+        s_rate = dataclasses.replace(base, tflops=entry["tflops"])
+        entry["table"] = summarize_rate(entry["runs"], s_rate, doc["probes"])
+        entry["plan"] = plan_rows(entry["table"], doc["n_params"], s_rate, doc["probes"])
+        print_rate(entry, s_rate)
+    return 0
 
 
 def _names(text: str) -> list[str]:
@@ -628,6 +662,8 @@ def main(argv=None) -> int:
         return 0
     from offload.config import parse_size
 
+    if args.report:
+        return report(args.report)
     contenders, plan_extra = _names(args.contenders), _names(args.plan_contenders)
     unknown = [c for c in contenders + plan_extra if c not in CONTENDERS + PLAN_CONTENDERS]
     if unknown:
