@@ -345,26 +345,12 @@ def run_offload(s: EmuSettings, name: str) -> dict:
         tiers = {"params": rt.params_tier, "optimizer": rt.optimizer_tier, "grads": rt.grads_tier}
         tiers = {k: getattr(v, "value", v) for k, v in tiers.items()}
         units = len(rt.units)
-    per_rank = bso.gather_ranks({
-        "nvme_read_bytes": after["nvme_read_bytes"] - before["nvme_read_bytes"],
-        "nvme_written_bytes": after["nvme_written_bytes"] - before["nvme_written_bytes"],
-        "peak_rss_bytes": bso.peak_rss_bytes(),
-        "proc_io_per_step": out["proc_io_per_step"],
-        "cpu_s_per_step": out["cpu_s_per_step"],
-        "cpu_s_per_step_by_thread": out["cpu_s_per_step_by_thread"],
-    }, s.nvme_dir)
+    out.update(bso.over_ranks(s, out, before, after))
     if world > 1:
         dist.destroy_process_group()
-    out.update(
-        n_params=n_params, units=units, config=chosen, tiers=tiers, batch_per_process=s.batch, processes=world,
-        peak_rss_bytes=[r["peak_rss_bytes"] for r in per_rank],
-        nvme_read_bytes_per_step=sum(r["nvme_read_bytes"] for r in per_rank) / s.steps,
-        nvme_written_bytes_per_step=sum(r["nvme_written_bytes"] for r in per_rank) / s.steps,
-        per_rank_proc_io_per_step=[r["proc_io_per_step"] for r in per_rank],
-        cpu_s_per_step=sum(r["cpu_s_per_step"] for r in per_rank),
-        cpu_s_per_step_by_thread=bso.sum_by_name(r["cpu_s_per_step_by_thread"] for r in per_rank),
-        slept_step_s=slept[-s.steps:], split=_split(splits[-s.steps:]), last_steps=splits[-s.steps:],
-        rt_stats=after, trace=s.trace)
+    out.update(n_params=n_params, units=units, config=chosen, tiers=tiers, batch_per_process=s.batch,
+               processes=world, slept_step_s=slept[-s.steps:], split=_split(splits[-s.steps:]),
+               last_steps=splits[-s.steps:], trace=s.trace)
     return out
 
 

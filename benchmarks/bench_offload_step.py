@@ -403,6 +403,18 @@ def run_offload(s: Settings, pipeline: bool, update_in_backward: bool = False) -
                           trace_hooks=trace_hooks)
         before, after = marks[0], rt.stats()
         units = len(rt.units)
+    out.update(over_ranks(s, out, before, after))
+    if world > 1:
+        dist.destroy_process_group()
+    out.update(n_params=n_params, units=units, pipeline=pipeline, batch_per_process=s.batch, processes=world,
+               offload_kernel_threads=offload_kernel_threads(), trace=s.trace)
+    return out
+
+
+def over_ranks(s: Settings, out: dict, before: dict, after: dict) -> dict:
+    """An offload child's timed window summed over its ranks (every rank calls it: it exchanges through files):
+    nvme bytes per step from rt.stats() (`before` when the clock started, `after` at the end), peak RSS per
+    rank, CPU seconds per step (every thread of every rank), and rank 0's rt.stats()."""
     per_rank = gather_ranks({
         "nvme_read_bytes": after["nvme_read_bytes"] - before["nvme_read_bytes"],
         "nvme_written_bytes": after["nvme_written_bytes"] - before["nvme_written_bytes"],
@@ -411,10 +423,7 @@ def run_offload(s: Settings, pipeline: bool, update_in_backward: bool = False) -
         "cpu_s_per_step": out["cpu_s_per_step"],
         "cpu_s_per_step_by_thread": out["cpu_s_per_step_by_thread"],
     }, s.nvme_dir)
-    if world > 1:
-        dist.destroy_process_group()
-    out.update(
-        n_params=n_params, units=units, pipeline=pipeline, batch_per_process=s.batch, processes=world,
+    return dict(
         peak_rss_bytes=[r["peak_rss_bytes"] for r in per_rank],
         nvme_read_bytes_per_step=sum(r["nvme_read_bytes"] for r in per_rank) / s.steps,
         nvme_written_bytes_per_step=sum(r["nvme_written_bytes"] for r in per_rank) / s.steps,
@@ -422,10 +431,7 @@ def run_offload(s: Settings, pipeline: bool, update_in_backward: bool = False) -
         cpu_s_per_step=sum(r["cpu_s_per_step"] for r in per_rank),
         cpu_s_per_step_by_thread=sum_by_name(r["cpu_s_per_step_by_thread"] for r in per_rank),
         rt_stats=after,  # rank 0's cumulative counters (since the block opened) and last_step split
-        offload_kernel_threads=offload_kernel_threads(),
-        trace=s.trace,
     )
-    return out
 
 
 def offload_kernel_threads():
