@@ -61,8 +61,30 @@ def test_arguments_that_change_loading_are_refused(tmp_path):
             AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float16)
         with pytest.raises(ValueError, match="LlamaForCausalLM.from_pretrained .*: no config.json"):
             LlamaForCausalLM.from_pretrained(tmp_path)
-        model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32, local_files_only=True)
+        # what example scripts pass, at transformers' own defaults, loads (the Auto classes copy revision into
+        # adapter_kwargs; subfolder "" and dtype as a string are the defaults spelled out)
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype="float32", local_files_only=True,
+                                                     revision="main", subfolder="", variant=None)
         assert model is not None
+        from transformers import AutoModelForSequenceClassification
+
+        with pytest.raises(ValueError, match="score.weight is missing.*a new head"):  # transformers would init it
+            AutoModelForSequenceClassification.from_pretrained(tmp_path / "m", num_labels=3)
+
+
+def test_the_generation_config_comes_with_the_model_and_goes_with_it(tmp_path):
+    _save(tmp_path / "m")
+    from transformers import GenerationConfig
+
+    GenerationConfig(eos_token_id=[2, 7], temperature=0.3, do_sample=True).save_pretrained(tmp_path / "m")
+    from offload.finetune.hf_model_dir import save_pretrained
+
+    with offload.init(_cfg()) as rt:
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+        assert model.generation_config.eos_token_id == [2, 7] and model.generation_config.temperature == 0.3
+        save_pretrained(rt, model, tmp_path / "out")
+    again = GenerationConfig.from_pretrained(tmp_path / "out")
+    assert again.eos_token_id == [2, 7] and again.temperature == 0.3
 
 
 def test_loading_holds_about_the_budgets_not_the_model(tmp_path):

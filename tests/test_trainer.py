@@ -44,11 +44,12 @@ def tiny_llama() -> LlamaForCausalLM:
 
 
 def training_args(out, **overrides) -> TrainingArguments:
-    """6 steps of 4 sequences x 2 micro-batches, clipped at 0.5 (the gradient norm here is about 0.9: it clips)."""
+    """6 steps of 4 sequences x 2 micro-batches, clipped at 0.5 (the gradient norm here is about 0.9: it clips);
+    a weight decay large enough to move the weights past the tolerance (0.5 x lr x |w| a step)."""
     base = dict(output_dir=str(out), max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                learning_rate=1e-3, weight_decay=0.01, max_grad_norm=0.5, logging_steps=1, save_strategy="no",
-                report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, lr_scheduler_type="linear",
-                warmup_steps=2)
+                learning_rate=1e-3, weight_decay=0.5, max_grad_norm=0.5, logging_steps=1, save_strategy="no",
+                report_to=[], use_cpu=not torch.cuda.is_available(), seed=0, dataloader_num_workers=0,
+                lr_scheduler_type="linear", warmup_steps=2)
     return TrainingArguments(**{**base, **overrides})
 
 
@@ -78,6 +79,8 @@ def test_offload_trainer_is_trainer_step_for_step(tmp_path, reference):
         assert logged(trainer) == pytest.approx(losses, rel=1e-5)
         assert logged(trainer, "grad_norm") == pytest.approx(norms, rel=1e-5)
         assert min(norms) > 0.5  # every step clipped
+        decays = {g["weight_decay"]: len(g["params"]) for g in trainer.optimizer.param_groups}
+        assert decays == {0.5: 16, 0.0: 5}  # Trainer's split: no decay on the 5 RMSNorm weights
         held = trainer.offload_runtime.full_state_dict(trainer.model)
         trainer.save_model(tmp_path / "saved")
     for name, value in weights.items():
@@ -144,6 +147,7 @@ def test_a_resume_from_a_mid_run_checkpoint_is_bit_for_bit(tmp_path):
             trainer.train(resume_from_checkpoint=str(plain))
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="two ranks need two GPUs here")
 def test_two_ranks_under_torchrun_give_the_one_rank_losses(tmp_path, reference):
     code = textwrap.dedent(f"""
         import json, os, sys
@@ -192,11 +196,40 @@ def test_a_model_built_inside_an_open_runtime_trains_there(tmp_path):
     (dict(optim="adafactor"), "optim='adafactor'"),
     (dict(torch_compile=True), "torch_compile=True"),
     (dict(load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps"), "offload export"),
+    (dict(bf16_full_eval=True), "bf16_full_eval"),
+    (dict(auto_find_batch_size=True), "offload plan"),
+    (dict(accelerator_config={"even_batches": False}), "every rank must run as many forwards"),
 ])
 def test_settings_it_cannot_honour_are_refused(tmp_path, overrides, says):
     with pytest.raises(ValueError, match=says):
         OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path, **overrides), train_dataset=Blocks())
-    with pytest.raises(ValueError, match="bf16=False but offload_config.compute_dtype='bf16'"):
-        OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path), train_dataset=Blocks(),
-                       offload_config=offload.Config(compute_dtype="bf16"))
-    assert offload.zero.runtime.current() is None  # a refused trainer leaves no runtime open
+
+
+def test_a_refused_trainer_leaves_the_model_as_it_was(tmp_path):
+    """Refusals come before the model is sharded: a torch optimizer (it would step the placeholders and train
+    nothing), another optimizer class, a bf16 contradiction, or an argument Trainer itself does not take."""
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for kwargs, says in ((dict(optimizers=(torch.optim.AdamW(model.parameters()), None)), "offload.AdamW"),
+                         (dict(optimizer_cls_and_kwargs=(torch.optim.SGD, {})), "optimizer_cls_and_kwargs"),
+                         (dict(offload_config=offload.Config(compute_dtype="bf16")), "bf16=False but offload_config"),
+                         (dict(tokenizer=None), "tokenizer")):
+        with pytest.raises((ValueError, TypeError), match=says):
+            OffloadTrainer(model=model, args=training_args(tmp_path), train_dataset=Blocks(), **kwargs)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # real, unchanged values
+    assert offload.zero.runtime.current() is None
+
+
+def test_the_trainers_runtime_does_not_take_over_the_process(tmp_path, reference):
+    """Its own runtime is the trainer's alone: modules built after it are plain torch, from_pretrained loads as
+    without offload, and a second trainer gets a runtime of its own."""
+    with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "a"), train_dataset=Blocks(),
+                        offload_config=nvme_config(tmp_path)) as first:
+        assert offload.zero.runtime.current() is None
+        assert torch.nn.Linear(2, 2).weight.device.type != "meta"
+        with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "b"), train_dataset=Blocks(),
+                            offload_config=nvme_config(tmp_path)) as second:
+            assert second.offload_runtime is not first.offload_runtime
+            second.train()
+        first.train()
+        assert logged(first) == pytest.approx(reference[0], rel=1e-5) == logged(second)

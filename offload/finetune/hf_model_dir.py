@@ -154,6 +154,9 @@ def save_pretrained(rt, model: nn.Module, out_dir: str | os.PathLike, tokenizer=
             config = config.__class__.from_dict(config.to_dict())  # a copy: the live model's config stays as is
             config.dtype = dtype
             config.save_pretrained(str(tmp))
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and model.can_generate():  # sampling defaults, eos ids: as transformers keeps them
+            generation.save_pretrained(str(tmp))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
 

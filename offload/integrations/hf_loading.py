@@ -19,7 +19,18 @@ from offload.zero.runtime import current as current_runtime
 _FROM_PRETRAINED_HARMLESS = {"cache_dir", "force_download", "local_files_only", "token", "revision", "use_safetensors",
                              "weights_only", "disable_mmap", "trust_remote_code", "low_cpu_mem_usage", "_from_auto",
                              "_commit_hash", "attn_implementation", "dtype", "torch_dtype"}
-_FROM_PRETRAINED_DEFAULTS = {"ignore_mismatched_sizes": False, "fusion_config": None, "device_map": None}
+# ... and these, at these values (what transformers takes when they are not given)
+_FROM_PRETRAINED_DEFAULTS = {"ignore_mismatched_sizes": (False,), "fusion_config": (None,), "device_map": (None,),
+                             "subfolder": ("", None), "variant": (None,)}
+_ADAPTER_LOOKUP = {"revision", "token", "cache_dir", "local_files_only", "_commit_hash"}  # Auto copies these in
+
+
+def _dtype_ok(value, rt) -> bool:
+    if value in (None, "auto"):
+        return True
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value in (torch.float32, rt.compute_dtype)
 
 
 def _from_pretrained_streamed(rt, cls, path, *model_args, config=None, **kwargs):
@@ -29,12 +40,12 @@ def _from_pretrained_streamed(rt, cls, path, *model_args, config=None, **kwargs)
         raise ValueError(f"offload: {cls.__name__}.from_pretrained inside offload.init takes no positional model "
                          "arguments")
     for key, value in kwargs.items():
-        if key in ("dtype", "torch_dtype") and value not in (None, "auto", torch.float32, rt.compute_dtype):
+        if key in ("dtype", "torch_dtype") and not _dtype_ok(value, rt):
             raise ValueError(f"offload: from_pretrained({key}={value}) inside offload.init; the runtime's "
                              f"Config.compute_dtype ({rt.config.compute_dtype}) decides, with an fp32 master copy")
-        if key == "adapter_kwargs" and not any(v is not None for v in (value or {}).values()):
-            continue  # the Auto classes pass {"revision": None}: no adapter asked for
-        if key not in _FROM_PRETRAINED_HARMLESS and value != _FROM_PRETRAINED_DEFAULTS.get(key, object()):
+        if key == "adapter_kwargs" and set(value or {}) <= _ADAPTER_LOOKUP:
+            continue  # the Auto classes pass the loading options on for an adapter lookup: no adapter asked for
+        if key not in _FROM_PRETRAINED_HARMLESS and value not in _FROM_PRETRAINED_DEFAULTS.get(key, ()):
             raise ValueError(f"offload: from_pretrained({key}={value!r}) is not supported inside offload.init (the "
                              "runtime places and loads the weights itself, from a local directory)")
     model_dir = HFModelDir(path, flag=f"{cls.__name__}.from_pretrained")
@@ -42,8 +53,17 @@ def _from_pretrained_streamed(rt, cls, path, *model_args, config=None, **kwargs)
         config = model_dir.config() if config is None else type(model_dir.config()).from_pretrained(str(config))
     extra = {"attn_implementation": kwargs["attn_implementation"]} if kwargs.get("attn_implementation") else {}
     model = cls._from_config(config, **extra)  # placeholders: nothing is allocated until the weights stream in
-    model_dir.check(model)  # every parameter's name and shape, before a byte moves
+    try:
+        model_dir.check(model)  # every parameter's name and shape, before a byte moves
+    except ValueError as exc:
+        raise type(exc)(f"{exc}. Inside offload.init every parameter must be in the files under its own name: a new "
+                        "head, or a base model's class over a task model's directory, is not loaded there yet; "
+                        "load it outside offload.init and rt.wrap(model)") from None
     rt.wrap(model, weights=model_dir.weights(model))
+    if model.can_generate() and (model_dir.path / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(model_dir.path))
     model.eval()  # as transformers' from_pretrained leaves it
     return model
 

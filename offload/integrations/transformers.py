@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 
 import torch
@@ -35,6 +36,7 @@ from transformers import Trainer, TrainingArguments
 
 import offload
 from offload.config import Config
+from offload.zero.optimizer import ShardedAdamW
 from offload.zero.runtime import current as current_runtime
 
 from . import hf_loading  # noqa: F401 - from_pretrained inside a runtime streams into the store
@@ -50,11 +52,19 @@ REFUSED = (
     ("torch_compile", "the runtime's gather/release hooks are not traced by torch.compile; drop torch_compile"),
     ("load_best_model_at_end", "the best checkpoint's weights are not reloaded into the runtime yet; export it "
                                "with `offload export CHECKPOINT/offload-state OUT` instead"),
+    ("fp16_full_eval", "evaluation would cast the model's buffers for good while its parameters stay as they are"),
+    ("bf16_full_eval", "evaluation would cast the model's buffers for good while its parameters stay as they are"),
+    ("auto_find_batch_size", "a retry after an out-of-memory error re-enters a step the runtime is in the middle "
+                             "of; size the batch with `offload plan` instead"),
+    ("parallelism_config", "context/tensor parallel splits are not the runtime's data parallelism"),
+    ("enable_jit_checkpoint", "a signal-driven save lands at different points on different ranks, and every save "
+                              "is collective here; use save_steps"),
+    ("save_on_each_node", "the runtime's checkpoint is written once, by every rank into one directory"),
 )
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")  # what offload.AdamW replaces exactly
 
 
-def _refuse_unsupported(args: TrainingArguments, offload_config: Config | None) -> None:
+def _refuse_unsupported(args: TrainingArguments, offload_config: Config | None, trainer_kwargs: dict) -> None:
     # the dataclass's defaults, not a second TrainingArguments: building one resets Accelerate's process state
     defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
     for name, why in REFUSED:
@@ -63,6 +73,16 @@ def _refuse_unsupported(args: TrainingArguments, offload_config: Config | None) 
         value, default = getattr(args, name), defaults.get(name)
         if value and value != default:
             raise ValueError(f"OffloadTrainer: TrainingArguments.{name}={value!r} is not supported: {why}")
+    if (getattr(args, "accelerator_config", None) is not None
+            and getattr(args.accelerator_config, "even_batches", True) is False):
+        raise ValueError("OffloadTrainer: TrainingArguments.accelerator_config.even_batches=False is not supported: "
+                         "every gather is a collective, so every rank must run as many forwards (keep it True)")
+    opt, _ = trainer_kwargs.get("optimizers", (None, None)) or (None, None)
+    if opt is not None and not isinstance(opt, ShardedAdamW):  # a torch optimizer would step the placeholders
+        raise ValueError("OffloadTrainer: optimizers=(optimizer, scheduler) takes an offload.AdamW over the model's "
+                         "runtime or None (the trainer then makes one); a scheduler may be given either way")
+    if trainer_kwargs.get("optimizer_cls_and_kwargs") is not None:
+        raise ValueError("OffloadTrainer: optimizer_cls_and_kwargs is not supported; the optimizer is offload.AdamW")
     optim = str(getattr(args.optim, "value", args.optim))
     if optim not in OPTIMIZERS:
         raise ValueError(f"OffloadTrainer: TrainingArguments.optim={optim!r}; the optimizer is offload.AdamW (the "
@@ -89,8 +109,13 @@ class OffloadTrainer(Trainer):
         if outer is not None and offload_config is not None:
             raise ValueError("OffloadTrainer: an offload runtime is already open; build the trainer inside it without "
                              "offload_config, or outside it with offload_config")
-        _refuse_unsupported(args, offload_config)
+        _refuse_unsupported(args, offload_config, trainer_kwargs)
+        # Trainer's own arguments checked before the model is sharded: a refusal then leaves it as it was
+        inspect.signature(Trainer.__init__).bind(self, model, args, *trainer_args, **trainer_kwargs)
         args.device  # Trainer's distributed set-up first (torchrun: Accelerate's process group), which the runtime joins
+        if args.n_gpu > 1:
+            raise ValueError("OffloadTrainer: one process driving several GPUs (nn.DataParallel) is not supported; "
+                             "launch one process per GPU with torchrun")
         self._owns_runtime = outer is None
         if outer is None:
             cfg = offload_config or Config()
@@ -102,8 +127,14 @@ class OffloadTrainer(Trainer):
                 raise ValueError(f"OffloadTrainer: TrainingArguments.bf16={args.bf16} but the open runtime computes in "
                                  f"{outer.config.compute_dtype}; make them agree")
         try:
+            if args.device.type != self.offload_runtime.device.type:
+                raise ValueError(f"OffloadTrainer: the trainer computes on {args.device} (TrainingArguments.use_cpu="
+                                 f"{args.use_cpu}) but the runtime on {self.offload_runtime.device}; make them agree "
+                                 "(use_cpu=True only where there is no GPU, or CUDA_VISIBLE_DEVICES='')")
             if not any(hasattr(p, "_offload_unit") for p in model.parameters()):
                 self.offload_runtime.wrap(model)  # built outside: sharded now (built inside: already its units)
+            if self._owns_runtime:  # the trainer's alone: the rest of the process builds and loads as without it
+                self.offload_runtime.stop_capturing()
             super().__init__(model, args, *trainer_args, **trainer_kwargs)
         except BaseException:
             self.close()

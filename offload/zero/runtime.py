@@ -165,7 +165,8 @@ class Runtime:
         # a module was built: the next forward may need to materialize it
         self._capture = ConstructionCapture(on_module=self._note_module,
                                             on_load=lambda m: self.materialize_pending()).__enter__()
-        self._hooks.append(nn.modules.module.register_module_forward_pre_hook(self._auto_wrap))
+        self._auto_wrap_hook = nn.modules.module.register_module_forward_pre_hook(self._auto_wrap)
+        self._hooks.append(self._auto_wrap_hook)
         if "transformers" in sys.modules:  # from_pretrained in the block streams into the store (not imported else)
             importlib.import_module("offload.integrations.hf_loading")
         self.is_open = True
@@ -274,6 +275,20 @@ class Runtime:
     # ---- wrapping ---------------------------------------------------------------------------
     def _note_module(self) -> None:
         self._pending = True
+
+    def stop_capturing(self) -> None:
+        """From now on modules are built as plain torch ones, and this runtime is not offload's current one
+        (from_pretrained, offload.AdamW over plain parameters behave as without offload); the models it wrapped
+        keep working, and close() ends it as before. For a runtime one object owns (OffloadTrainer), so that it
+        does not take over the rest of the process."""
+        self._check_open("rt.stop_capturing")
+        self.materialize_pending()
+        if self._capture is not None:
+            self._capture.stop()
+            self._capture = None
+        self._auto_wrap_hook.remove()  # it only wraps what the capture saw built
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
 
     def _auto_wrap(self, module, args):
         if not self._pending:

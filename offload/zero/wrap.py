@@ -85,6 +85,10 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
     # compute dtype (what model.to(torch.bfloat16) would do).
     for name, buf in list(model.named_buffers()):
         dtype = rt.compute_dtype if buf.is_floating_point() else buf.dtype
+        if buf.is_meta:
+            raise RuntimeError(f"offload: the model's buffer {name!r} has no values (meta): a loader built it deferred "
+                               "(transformers' from_pretrained, imported after offload.init opened, does); import "
+                               "transformers before `with offload.init(...)`, or load outside and rt.wrap(model)")
         if buf.device != rt.device or buf.dtype != dtype:
             mod_name, _, attr = name.rpartition(".")
             model.get_submodule(mod_name)._buffers[attr] = buf.to(rt.device, dtype)
