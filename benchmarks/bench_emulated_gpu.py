@@ -490,6 +490,27 @@ class EmulatedSpec:
     hidden: int = 0
 
 
+def runtime_room(s: EmuSettings, tiers: dict, cpu_budget: int) -> float:
+    """Host bytes a rank keeps nvme-homed states resident in, by the runtime's own accounting (placement.py):
+    the cpu budget less the cpu-homed states and the lanes' working set (every unit's chunks as placement cuts
+    them). The plan's step model takes it as `resident_bytes`."""
+    from offload.store.swap_file import page_bytes
+    from offload.zero.placement import (chunk_numel_for, equal_chunk, fit_chunk, host_working_set,
+                                        optimizer_fp32_states)
+    from offload.zero.shards import chunk_bounds
+
+    world, width = s.world_size, 2  # bf16 compute
+    shards = [-(-block_params(s.dim, s.ff) // world)] * s.layers + [-(-s.dim // world)]
+    chunk = fit_chunk(chunk_numel_for(cpu_budget, None), shards)
+    units = [[hi - lo for lo, hi in chunk_bounds(n, equal_chunk(n, chunk))] for n in shards]
+    cells = [c for u in units for c in u]
+    homed = ((sum(page_bytes(c * width) for c in cells) if tiers["params"] == "cpu" else 0)
+             + (optimizer_fp32_states(width) * sum(page_bytes(c * 4) for c in cells) if tiers["optimizer"] == "cpu" else 0))
+    working = host_working_set(units, width, tiers["params"] == "nvme", tiers["optimizer"] == "nvme",
+                               tiers["grads"] == "nvme").total
+    return max(0.0, cpu_budget - homed - working)
+
+
 def plan_prediction(row: dict, n_params: int, s: EmuSettings, probes: dict, update_in_backward: bool) -> dict:
     from offload.plan.memory import Placement, Workload
     from offload.plan.sizing import DEVICES
@@ -505,22 +526,17 @@ def plan_prediction(row: dict, n_params: int, s: EmuSettings, probes: dict, upda
     t = row["tiers"]
     place = Placement(t["params"], t["optimizer"], t["grads"])
     spec = EmulatedSpec("emulated", n_params)
-    p = predict(spec, w, place, mc)
+    from offload.config import parse_size
+
+    budget = parse_size(s.cpu_budget_all if t["optimizer"] == "cpu" else s.cpu_budget)
+    room = runtime_room(s, t, budget)
+    p = predict(spec, w, place, mc, resident_bytes=room)
     out = {"placement": str(place), "predicted_s": p["step_s"], "measured_s": row["median_s"],
            "error": p["step_s"] / row["median_s"] - 1.0, "resources": p["resources"], "phases": p["phases"],
            "bottleneck": p["bottleneck"], "update_in_backward": update_in_backward,
-           "machine": dataclasses.asdict(mc), "plan_nvme_bytes": None, "predicted_measured_bytes_s": None}
-    # a diagnostic, not the plan: the same phases with the bytes the runtime moved (it keeps what fits of the cpu
-    # budget resident; the plan moves every nvme-homed state every step): each bandwidth scaled by plan / measured
-    plan_read = p["resources"]["nvme read"] * mc.nvme_read_Bps
-    plan_written = p["resources"]["nvme write"] * mc.nvme_write_Bps
-    moved = row.get("io_bytes")
-    if moved and plan_read > 0 and plan_written > 0 and moved["read"] > 0 and moved["written"] > 0:
-        mc2 = dataclasses.replace(mc, nvme_read_Bps=mc.nvme_read_Bps * plan_read / moved["read"],
-                                  nvme_write_Bps=mc.nvme_write_Bps * plan_written / moved["written"])
-        p2 = predict(spec, w, place, mc2)
-        out.update(plan_nvme_bytes={"read": plan_read, "written": plan_written},
-                   predicted_measured_bytes_s=p2["step_s"], error_measured_bytes=p2["step_s"] / row["median_s"] - 1.0)
+           "machine": dataclasses.asdict(mc), "resident_bytes": room,
+           "plan_nvme_bytes": {"read": p["resources"]["nvme read"] * mc.nvme_read_Bps,
+                               "written": p["resources"]["nvme write"] * mc.nvme_write_Bps}}
     return out
 
 
@@ -576,10 +592,10 @@ def print_rate(entry: dict, s: EmuSettings) -> None:
         print(f"# plan {name:<13} {p['placement']}{' (update in backward)' if p['update_in_backward'] else ''}: "
               f"predicted {p['predicted_s']:.3f} s, measured {p['measured_s']:.3f} s, error {100 * p['error']:+.1f}% "
               f"(busy: " + ", ".join(f"{k} {v:.3f}" for k, v in p["resources"].items() if v) + ")")
-        if p.get("predicted_measured_bytes_s") is not None:
-            print(f"#      {'':<13} the plan moves {bso.fmt_bytes(p['plan_nvme_bytes']['read'])} / "
-                  f"{bso.fmt_bytes(p['plan_nvme_bytes']['written'])} per step; with the bytes the runtime moved: "
-                  f"{p['predicted_measured_bytes_s']:.3f} s, error {100 * p['error_measured_bytes']:+.1f}% (diagnostic)")
+        if p.get("resident_bytes") is not None:
+            print(f"#      {'':<13} the plan keeps {bso.fmt_bytes(p['resident_bytes'])} resident (the cpu budget less "
+                  f"what the runtime's placement holds there) and moves {bso.fmt_bytes(p['plan_nvme_bytes']['read'])} "
+                  f"/ {bso.fmt_bytes(p['plan_nvme_bytes']['written'])} per step")
     if entry.get("timeline_png"):
         print(f"# timeline of offload's last timed step: {entry['timeline_png']}")
 

@@ -47,12 +47,14 @@ def shortfall(tiers: dict, cap: Capacity, gpus_per_node: int) -> dict[str, float
 
 
 def evaluate(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity) -> list[dict]:
-    """Every placement: its bytes per tier, what it lacks, and its predicted step."""
+    """Every placement: its bytes per tier, what it lacks, and its predicted step. The host memory a rank has
+    left beside its cpu-homed states and staging keeps nvme-homed states resident, as the runtime does."""
     out = []
     for place in PLACEMENTS:
         tiers = tier_bytes(m, w, mc.ranks, place)
+        room = cap.cpu_per_node / mc.gpus_per_node - sum(tiers["cpu"].values())
         out.append({"placement": place, "tiers": tiers, "short": shortfall(tiers, cap, mc.gpus_per_node),
-                    "prediction": predict(m, w, place, mc)})
+                    "prediction": predict(m, w, place, mc, resident_bytes=max(0.0, room))})
     return out
 
 

@@ -12,6 +12,10 @@ Each resource's busy seconds per step (per rank; the disks and the CPU Adam are 
   nvme write    the same states written back once a step, gradient shards every micro-batch
   cpu adam      the fused CPU AdamW over the node's shards (optimizer off the device)
   collectives   all-gathers (forward and backward) and reduce-scatters over the ranks' interconnect
+nvme-homed states that fit in the host memory a rank has left (`resident_bytes`) are kept there and move no
+nvme bytes, as the runtime's residency plan keeps them (offload/planner/schedule.residency_plan): most traffic
+saved per byte first, which is the parameters (read twice per micro-batch, written once a step), then the
+gradients (written every micro-batch, read once), then master and moments (read and written once a step).
 
 The step is not their sum, and not quite their maximum. The pipeline overlaps within a phase, but global-norm
 clipping needs every gradient before any update, and each unit's next gather waits for its update:
@@ -73,16 +77,33 @@ class Movement:
         return max(self.nvme_upd_read + self.nvme_upd_write, self.adam, self.pcie_upd)
 
 
-def movement(shard_params: float, place: Placement, mc: Machine, sb: StateBytes = RUNTIME) -> Movement:
+def paged_bytes(shard_params: float, place: Placement, resident_bytes: float,
+                sb: StateBytes = RUNTIME) -> dict[str, float]:
+    """{params, grads, optimizer}: bytes of each nvme-homed state class one rank pages through nvme each step,
+    once `resident_bytes` of host memory hold what fits of them (module docstring: most traffic per byte first).
+    Classes homed elsewhere page nothing."""
+    sizes = {"params": sb.params * shard_params if place.params == "nvme" else 0.0,
+             "grads": sb.grads * shard_params if place.grads_tier == "nvme" else 0.0,
+             "optimizer": (sb.master + sb.moments) * shard_params if place.optimizer == "nvme" else 0.0}
+    left = max(0.0, resident_bytes)
+    out = {}
+    for cls, nbytes in sizes.items():  # in that order
+        kept = min(left, nbytes)
+        out[cls], left = nbytes - kept, left - kept
+    return out
+
+
+def movement(shard_params: float, place: Placement, mc: Machine, sb: StateBytes = RUNTIME,
+             resident_bytes: float = 0.0) -> Movement:
     """The transfers a placement costs one rank holding `shard_params` parameters (module docstring); the
-    node's ranks share its drives and its CPU."""
+    node's ranks share its drives and its CPU; `resident_bytes`: host memory the rank keeps nvme-homed states
+    resident in."""
     p_bytes, g_bytes = sb.params * shard_params, sb.grads * shard_params
-    opt_bytes = (sb.master + sb.moments) * shard_params
+    paged = paged_bytes(shard_params, place, resident_bytes, sb)
     on_dev_params, on_dev_opt = place.params == "device", place.optimizer == "device"
     on_dev_grads = place.grads_tier == "device"
     node = mc.gpus_per_node
-    nv_fwd = node * p_bytes / mc.nvme_read_Bps if place.params == "nvme" else 0.0
-    opt_nvme, grads_nvme = place.optimizer == "nvme", place.grads_tier == "nvme"
+    nv_fwd = node * paged["params"] / mc.nvme_read_Bps
     # the updated params up (params on the device, optimizer off it); gradients kept on the device down to
     # the CPU optimizer once a step instead of every micro-batch
     upd_up = p_bytes / mc.pcie_Bps if (on_dev_params and not on_dev_opt) else 0.0
@@ -93,11 +114,10 @@ def movement(shard_params: float, place: Placement, mc: Machine, sb: StateBytes 
         pcie_upd=upd_up + upd_down,
         nvme_fwd=nv_fwd,
         nvme_bwd_read=nv_fwd,
-        nvme_bwd_write=node * g_bytes / mc.nvme_write_Bps if grads_nvme else 0.0,
-        # master + moments in and out and the gradient in (on nvme); the updated params out
-        nvme_upd_read=node * ((opt_bytes if opt_nvme else 0.0) + (g_bytes if grads_nvme else 0.0)) / mc.nvme_read_Bps,
-        nvme_upd_write=(node * opt_bytes / mc.nvme_write_Bps if opt_nvme else 0.0)
-        + (node * p_bytes / mc.nvme_write_Bps if place.params == "nvme" else 0.0),
+        nvme_bwd_write=node * paged["grads"] / mc.nvme_write_Bps,
+        # master + moments in and out and the gradient in (what pages of them); the updated params out
+        nvme_upd_read=node * (paged["optimizer"] + paged["grads"]) / mc.nvme_read_Bps,
+        nvme_upd_write=node * (paged["optimizer"] + paged["params"]) / mc.nvme_write_Bps,
         adam=0.0 if on_dev_opt else node * shard_params / mc.adam_params_per_s,
     )
 
@@ -155,9 +175,10 @@ def bench_figures(path: str, setting: str) -> dict:
     return out
 
 
-def predict(m: ModelSpec, w: Workload, place: Placement, mc: Machine, sb: StateBytes = RUNTIME) -> dict:
+def predict(m: ModelSpec, w: Workload, place: Placement, mc: Machine, sb: StateBytes = RUNTIME,
+            resident_bytes: float = 0.0) -> dict:
     """{"resources": busy seconds per resource per step, "phases": seconds, "step_s", "bottleneck",
-    "tokens_per_s"} (module docstring)."""
+    "tokens_per_s"} (module docstring); `resident_bytes`: host memory per rank that keeps nvme-homed states."""
     r = mc.ranks
     shard = m.params / r  # parameters per rank
     tokens = w.micro_batch * w.seq_len  # per rank per micro-batch
@@ -166,7 +187,7 @@ def predict(m: ModelSpec, w: Workload, place: Placement, mc: Machine, sb: StateB
     rate = mc.device_flops * mc.mfu
     compute = passes * fwd_flops / rate
     c_fwd, c_bwd = fwd_flops / rate, (passes - 1) * fwd_flops / rate
-    mv = movement(shard, place, mc, sb)
+    mv = movement(shard, place, mc, sb, resident_bytes)
 
     coll = (r - 1) / r if r > 1 else 0.0
     ag = coll * sb.params * m.params / mc.interconnect_Bps  # one all-gather of every unit
