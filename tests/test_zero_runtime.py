@@ -437,10 +437,17 @@ def test_the_auto_nvme_budget_is_the_one_rule_and_placement_keeps_to_it(tmp_path
     with offload.init(_cfg(params="nvme", optimizer="nvme", nvme_path=str(tmp_path))) as rt:
         with pytest.raises(OSError, match=r"nvme_budget is .*90% of nvme_path's free space"):
             rt.wrap(TinyTransformer())
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four ranks on this node share the drive: each a quarter
+    from offload.store import nvme_budget_bytes, ranks_on_this_node
+
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=8 << 30))
+    assert nvme_budget_bytes("auto", str(tmp_path), ranks_sharing=4) == int((8 << 30) * 0.9 / 4)  # each a quarter
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8(x2)")  # the launchers' words for the ranks on this node
+    assert ranks_on_this_node(16) == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's first
+    assert ranks_on_this_node(16) == 4
+    assert ranks_on_this_node(1) == 1  # a lone process in a bigger allocation is one rank: its budgets unsplit
     with offload.init(_cfg(params="nvme", nvme_path=str(tmp_path))) as rt:
-        assert rt.budgets["nvme"] == int((8 << 30) * 0.9 / 4)
+        assert rt.budgets["nvme"] == int((8 << 30) * 0.9)
 
 
 def test_budgets_larger_than_the_machine_are_refused_at_init():

@@ -65,14 +65,16 @@ def host_memory() -> tuple[int, int]:
 _LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
 
 
-def ranks_on_this_node(default: int) -> int:
-    """The ranks sharing this node's host memory and drive, from the launcher's environment; `default` (the
-    world size: all ranks on one node) when no launcher says."""
+def ranks_on_this_node(world_size: int) -> int:
+    """The ranks sharing this node's host memory and drive, from the launcher's environment, at most the world
+    size (a lone `python train.py` inside an 8-task Slurm allocation is one rank, not eight); the world size
+    (all ranks on one node) when no launcher says."""
+    world_size = max(1, world_size)
     for name in _LOCAL_SIZE_VARS:
         value = os.environ.get(name, "").split("(")[0]  # Slurm may write "4(x2)": 4 tasks on each of 2 nodes
         if value.strip().isdigit() and int(value) > 0:
-            return int(value)
-    return max(1, default)
+            return min(int(value), world_size)
+    return world_size
 
 
 def _existing(path: str) -> str:
