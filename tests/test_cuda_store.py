@@ -120,8 +120,8 @@ def _grid(st: TieredStore, dtype: torch.dtype) -> dict:
                 else:
                     t.add_(1)
             elif mode is LeaseMode.OVERWRITE:
-                on_dev, on_host = patterns[(rnd, name)]
-                t.copy_(on_dev if t.device == on_dev.device else on_host)
+                on_dev, on_host = patterns[(rnd, name)]  # by the leased tier: on a CPU store both are host tensors
+                t.copy_(on_dev if tier == "device" else on_host)
             else:
                 snaps[(rnd, name)] = t.clone()  # read on the current stream: the release must not free it under us
             lease.release()  # the write-behind's future is not waited

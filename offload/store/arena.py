@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import ctypes.util
+import mmap
 import os
 import resource
 import threading
@@ -70,6 +71,16 @@ def _clear_cuda_last_error() -> int | None:
         return next((c for c in codes if c), 0) if codes else None
     except OSError:
         return None
+
+
+def _page_aligned_bytes(nbytes: int) -> torch.Tensor:
+    """`nbytes` zeroed bytes whose storage starts on a page boundary: an anonymous private mapping, unmapped when
+    the last tensor viewing it dies. The storage's own first byte must be in the registered range, not only the
+    views': torch's is_pinned() asks CUDA about the storage's start (a page-aligned view of a larger torch.empty
+    read as not pinned on an H200, though its copies were asynchronous)."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
 
 
 def _round_up(n: int, a: int = ALIGN) -> int:
@@ -135,10 +146,8 @@ class PinnedArena:
         self.closed = False
         self.lock_kind = "none"
         self.lock_error: str | None = None
-        # One allocation; the extra ALIGN bytes let the base start on a page boundary.
-        self._raw = torch.empty(self.capacity + ALIGN, dtype=torch.uint8)
-        skip = (-self._raw.data_ptr()) % ALIGN
-        self.buffer = self._raw[skip : skip + self.capacity]
+        self._raw = _page_aligned_bytes(self.capacity)  # one allocation
+        self.buffer = self._raw
         self.base_ptr = self.buffer.data_ptr()
         if self.capacity:
             self._free_offsets = [0]
