@@ -42,8 +42,8 @@ def test_the_saved_weights_stream_into_the_runtime(tmp_path, tie, dtype):
         assert all(torch.equal(held[k], v) for k, v in saved.items())
         assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
         ids = torch.arange(16).view(2, 8)
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits.float()
+        with torch.no_grad():  # inputs on the runtime's compute device (the GPU where there is one), as with torch
+            logits = model(input_ids=ids.to(rt.device)).logits.float().cpu()
     plain = LlamaForCausalLM.from_pretrained(tmp_path / "m")  # outside the runtime: transformers' own
     assert all(p.device.type == "cpu" for p in plain.parameters())
     with torch.no_grad():

@@ -83,18 +83,21 @@ def test_offload_trainer_is_trainer_step_for_step(tmp_path, reference):
         assert decays == {0.5: 16, 0.0: 5}  # Trainer's split: no decay on the 5 RMSNorm weights
         held = trainer.offload_runtime.full_state_dict(trainer.model)
         trainer.save_model(tmp_path / "saved")
-    for name, value in weights.items():
-        torch.testing.assert_close(held[name], value, rtol=0, atol=1e-5, msg=name)
+    off = {name: float((held[name] - value.to(held[name].device)).abs().max()) for name, value in weights.items()}
+    assert max(off.values()) <= 1e-5, {k: f"{v:.2e}" for k, v in off.items() if v > 1e-5}
     saved = LlamaForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
     assert all(torch.equal(saved[k], held[k]) for k in saved)  # the runtime's fp32 master weights, as written
     assert list(tmp_path.glob("offload-*")) == []  # close() removed the swap
 
 
 def test_activation_checkpointing_as_trainer_turns_it_on(tmp_path, reference):
-    with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "run", activation_checkpointing=True),
+    # newer transformers call gradient_checkpointing activation_checkpointing; 5.17 knows only the old name
+    new_name = "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    flag = {"activation_checkpointing" if new_name else "gradient_checkpointing": True}
+    with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "run", **flag),
                         train_dataset=Blocks(), offload_config=nvme_config(tmp_path)) as trainer:
         trainer.train()
-        assert trainer.model.is_activation_checkpointing
+        assert getattr(trainer.model, "is_activation_checkpointing" if new_name else "is_gradient_checkpointing")
         assert logged(trainer) == pytest.approx(reference[0], rel=1e-5)
 
 
