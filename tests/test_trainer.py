@@ -62,6 +62,23 @@ def logged(trainer, key="loss") -> list[float]:
     return [h[key] for h in trainer.state.log_history if key in h and "train_runtime" not in h]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def deterministic_kernels():
+    """On a GPU, deterministic kernels for this module (restored after it): 1 run in 5 on an H200 put the final
+    embed_tokens weight more than 1e-5 from Trainer's with the losses and norms still within 1e-5 (cause not
+    established; the suspects are kernels that sum with atomics, in attention's and the embedding's backward).
+    warn_only: an op without a deterministic kernel warns instead of failing. No-op on the CPU."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Trainer in memory: its per-step losses and gradient norms and its final weights."""
