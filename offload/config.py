@@ -19,6 +19,8 @@ from .store.sizes import parse_size as _parse_size
 
 TIERS = ("device", "cpu", "nvme", "auto")
 COMPUTE_DTYPES = ("fp32", "bf16")
+ACTIVATION_HOMES = ("none", "cpu", "nvme")  # Config.activations
+
 
 def parse_size(value: str | int | float, field: str = "size") -> int:
     """Bytes from "60GiB" / "1.5GB" / "4096" / 4096. Raises ValueError naming `field`."""
@@ -103,6 +105,15 @@ class Config:
       hyperparameters are set before the backward (an LR scheduler stepped after opt.step()), checkpoints are
       taken after opt.step(); a breach raises.
       See offload/zero/backward_updates.py.
+    activations: where the tensors autograd saves in a wrapped model's forward wait for the backward: "none"
+      (default: on the compute device, as in plain PyTorch), "cpu" (the cpu tier, pinned) or "nvme" (a swap file
+      under nvme_path, through the cpu tier). With activation checkpointing (a Hugging Face model's
+      gradient_checkpointing_enable(), torch.utils.checkpoint non-reentrant) what moves is each checkpointed
+      block's input. Only tensors of at least activations_min_size move, never parameters; they come back read
+      ahead, bit for bit, and a tensor stays put when the budgets have no room for it (rt.stats()
+      ["activations"]["kept_bytes"]). See offload/zero/activations.py.
+    activations_min_size: the smallest saved tensor that moves ("1MiB"): smaller ones cost more in copies than
+      they free.
     """
 
     params: str = "auto"
@@ -125,6 +136,8 @@ class Config:
     swap_checksums: bool = True
     machine: str | None = None
     update_in_backward: bool = False
+    activations: str = "none"
+    activations_min_size: str | int = "1MiB"
     # Keys of an imported DeepSpeed config that have no effect here (filled by from_deepspeed).
     deepspeed_ignored: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
@@ -174,6 +187,11 @@ class Config:
         if not isinstance(self.update_in_backward, bool):
             raise ValueError("offload.Config.update_in_backward: expected True or False, got "
                              f"{self.update_in_backward!r}")
+        if self.activations not in ACTIVATION_HOMES:
+            raise ValueError(f"offload.Config.activations: {self.activations!r} is not one of {ACTIVATION_HOMES}")
+        if self.activations == "nvme" and not self.nvme_path:
+            raise ValueError("offload.Config.nvme_path: required because activations='nvme'; give a directory")
+        parse_size(self.activations_min_size, "activations_min_size")
         if not isinstance(self.pipeline, bool):
             raise ValueError(f"offload.Config.pipeline: expected True or False, got {self.pipeline!r}")
         if self.chunk_size is not None and parse_size(self.chunk_size, "chunk_size") < 4096:

@@ -40,6 +40,7 @@ class Queue(enum.Enum):
     COLLECTIVE = "collective"  # collectives run on the training thread (clip norm, flags)
     SPACE = "space"  # budget space: a buffer could not be had until a release freed it
     CHECKPOINT = "checkpoint"  # writing or reading a checkpoint (rt.save_checkpoint / load_checkpoint)
+    ACTIVATION = "activation"  # an offloaded activation coming back for the backward (Config.activations)
 
 
 class Lane(enum.Enum):
@@ -52,6 +53,7 @@ class Lane(enum.Enum):
     NVME_READ = "nvme read"
     NVME_WRITE = "nvme write"
     COPY = "copy"
+    ACTIVATIONS = "activations"  # offloaded activations' copies out and back
 
 
 @dataclass

@@ -88,14 +88,18 @@ class SwapFile:
             raise OSError(errno.EINVAL, f"swap path {self.path!r} is not a regular file", self.path)
         self._ino = (st.st_dev, st.st_ino)
         self.size = 0  # bytes reserved (file length after fallocate)
+        self._freed: dict[int, list[int]] = {}  # slot length -> offsets given back (free()), reused first
 
     def reserve(self, nbytes: int) -> int:
-        """A 4096-aligned slot of nbytes (rounded up to 4096) at the end of the file; the file is
-        extended with fallocate so later writes cannot run out of space."""
+        """A 4096-aligned slot of nbytes (rounded up to 4096): one given back earlier with the same length, else
+        at the end of the file, extended with fallocate so later writes cannot run out of space. The caller
+        serializes calls (the store's lock)."""
         slot = page_bytes(nbytes)
         off = self.size
         if slot == 0:
             return off
+        if self._freed.get(slot):  # short-lived shards (activations) come back each step with the same sizes
+            return self._freed[slot].pop()
         free = self.dir.free_bytes()
         if slot > free:
             raise SwapSpaceError(
@@ -111,6 +115,17 @@ class SwapFile:
                                  f"({format_bytes(off + slot)}, {format_bytes(free)} free): {e}", self.path) from None
         self.size = off + slot
         return off
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Give back the slot reserve(nbytes) returned at `offset`: a later reserve of the same length reuses it
+        (the file does not shrink)."""
+        slot = page_bytes(nbytes)
+        if slot:
+            self._freed.setdefault(slot, []).append(offset)
+
+    @property
+    def free_bytes_in_file(self) -> int:
+        return sum(slot * len(offs) for slot, offs in self._freed.items())
 
     def check_intact(self, end: int) -> None:
         """Raises if the file was cut short of `end` behind the store's back (called before reads)."""

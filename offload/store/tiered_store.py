@@ -209,10 +209,12 @@ class TieredStore:
         tier_class: str = "params",
         init: torch.Tensor | None = None,
         timeout: float | None = None,
+        zero: bool = True,
     ) -> cf.Future:
         """Adds shard `name` of `numel` elements, its home copy in tier `home` ("device", "cpu" or "nvme";
         nvme shards go to the swap file of `tier_class`). Contents: `init` (cast like .to() if its dtype
-        differs) or zeros. The future resolves once the home copy holds them."""
+        differs) or zeros (zero=False: undefined, for a caller whose OVERWRITE lease comes next). The future
+        resolves once the home copy holds them."""
         self._check_open()
         home = Tier(home)
         if name is None or name == "" or getattr(type(name), "__hash__", None) is None:
@@ -265,7 +267,8 @@ class TieredStore:
         try:
             t = _view(blk, s)
             if init is None:
-                t.zero_()
+                if zero:
+                    t.zero_()
             elif t.device.type == "cpu" and init.device.type == "cpu":
                 _host_copy(t, init.detach())
             else:
@@ -366,6 +369,17 @@ class TieredStore:
             s.target = None
             fut, kick = self._chain(s, lambda: self._do_release(s, writeback, new, after), new)
         kick()  # outside the lock: may run the move's first step (its I/O submission) right here
+        return fut
+
+    def unregister(self, name) -> cf.Future:
+        """Future[None]: shard `name` removed once every move asked for before has finished: its home buffer or
+        swap slot and any working copy go back to their budgets (a freed slot is reused by the next shard of its
+        length). The caller holds no lease of it. For short-lived shards (offloaded activations)."""
+        s = self._get(name)
+        with self._lock:
+            s.target = None
+            fut, kick = self._chain(s, lambda: self._do_unregister(s), {})
+        kick()  # outside the lock: may run the move right here
         return fut
 
     def swap_location(self, name) -> tuple[int, int] | None:
@@ -840,6 +854,25 @@ class TieredStore:
                 blk.free()
         finally:
             self._drop_unused(new)
+
+    def _do_unregister(self, s: _Shard):
+        yield from ()  # a move (see _chain) with nothing to wait for
+        for working in ("dev_block", "cpu_block"):
+            blk = getattr(s, working)
+            if blk is not None:
+                setattr(s, working, None)
+                blk.free()
+        with self._lock:
+            if s.home_block is not None:
+                s.home_block.free()
+                self._home_bytes["cpu" if s.home is Tier.CPU else "dev"] -= page_bytes(s.nbytes)
+                s.home_block = None
+            if s.swap is not None:
+                s.swap.free(s.slot, s.nbytes)
+                self._nvme_used -= page_bytes(s.nbytes)
+                s.swap = None
+            if self._shards.get(s.name) is s:
+                del self._shards[s.name]
 
     def _teardown(self) -> None:
         """Frees everything the store holds; each step runs even if an earlier one failed."""

@@ -43,9 +43,11 @@ from ..device import Streams, bind_thread, compute_device
 from ..store import Tier, check_fits_machine, ranks_on_this_node, resolve_budget
 from ..telemetry import Lane, Meter, Queue
 from . import comm, placement
+from .activations import ActivationOffloader
 from .backward_updates import BackwardUpdates
 from .context import Counters, Lanes, UnitContext
 from .host_memory import peak_rss_bytes, rss_bytes, tune_malloc
+from .lanes import WorkLane
 from .materialize import ConstructionCapture
 from .optimizer_pipeline import OptimizerPipeline, UnitUpdate
 from .schedule import Schedule
@@ -103,6 +105,7 @@ class Runtime:
         self.optimizers: list = []  # weak references to the sharded optimizers over this runtime, in creation order
         self.last_checkpoint_seconds: float | None = None
         self.watchdog: Watchdog | None = None
+        self.activations: ActivationOffloader | None = None  # Config.activations != "none"
         self.backward_updates = BackwardUpdates(config.update_in_backward, self._queue_backward_update,
                                                 self.live_optimizers)
 
@@ -161,6 +164,12 @@ class Runtime:
                                  states_in_backward=not cfg.update_in_backward)  # (the updates read them)
         self.ctx.schedule = self.schedule
         self.ctx.on_reduce = self.backward_updates.on_reduce
+        if cfg.activations != "none":
+            lane = WorkLane(Lane.ACTIVATIONS, Queue.ACTIVATION, self.meter, threaded=cfg.pipeline, pause_each=False,
+                            streams=streams)
+            self.activations = ActivationOffloader(
+                self.states.store, self.device, Tier(cfg.activations), cfg.bytes_of("activations_min_size"), lane,
+                self.meter, reserve=self._lanes_host_bytes, is_param=self._holds_parameter_bytes)
         self.step_stats = StepStats(self.meter, self.states, self.ctx.counters, log_every=cfg.log_every)
         # a module was built: the next forward may need to materialize it
         self._capture = ConstructionCapture(on_module=self._note_module,
@@ -182,6 +191,11 @@ class Runtime:
             h.remove()
         self._hooks.clear()
         error = None
+        if self.activations is not None:
+            try:
+                self.activations.close()  # its copies finish before the store goes
+            except BaseException as e:  # noqa: BLE001 - reported after everything is freed
+                error = e
         if self.ctx is not None:
             for lane in self.ctx.lanes.all():
                 try:
@@ -269,6 +283,8 @@ class Runtime:
         replacing shards wholesale, and so rt.stats() counts every byte of the steps so far)."""
         for lane in self.ctx.lanes.all():
             lane.drain()
+        if self.activations is not None:
+            self.activations.drain()
         self.pipeline.drop_states_read_ahead()  # whoever quiesces may read or replace those states whole
         self.states.wait_moves()
 
@@ -325,6 +341,24 @@ class Runtime:
             return model
         shard_model(self, model, weights)
         return model
+
+    def attach_activation_offload(self, model: nn.Module) -> None:
+        """Config.activations: the saved-tensor hooks are open while `model`'s forward runs (wrap calls this)."""
+        if self.activations is None:
+            return
+        self._hooks.append(model.register_forward_pre_hook(lambda *_: self.activations.enter(), prepend=True))
+        self._hooks.append(model.register_forward_hook(lambda *_: self.activations.exit(), always_call=True))
+
+    def _lanes_host_bytes(self) -> int:
+        """cpu-tier bytes the lanes must always find free (their working set and read-ahead): what offloaded
+        activations, freed only in the backward, may never take."""
+        working, params_ahead, states_ahead = self._reserve_bytes()
+        return working.total + params_ahead + states_ahead
+
+    def _holds_parameter_bytes(self, t: torch.Tensor) -> bool:
+        """`t` is (a view of) a unit's gathered parameters: it comes back by the unit's own gather."""
+        storage = t.untyped_storage()._cdata
+        return any(u.flat.untyped_storage()._cdata == storage for u in self.units)
 
     def _reserve_bytes(self) -> tuple[placement.WorkingSet, int, int]:
         """(cpu bytes the lanes may hold at once to make progress, bytes of param reads worth holding ahead,
@@ -581,6 +615,7 @@ class Runtime:
             "steps": self.step_stats.steps,
             "last_step": self.step_stats.last,
             "memory": self._memory(s),
+            "activations": self.activations.report() if self.activations is not None else None,
         }
 
     def _memory(self, store_stats: dict) -> dict:

@@ -95,6 +95,7 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
     patch_model(model, rt)
     model._offload_runtime = rt
     rt.models.append(model)
+    rt.attach_activation_offload(model)
     return model
 
 

@@ -1,0 +1,314 @@
+"""Activation offload: tensors autograd saves in the forward leave the compute device for the store's cpu tier
+or an nvme swap file, and come back for the backward, read ahead in the reverse of the order they left.
+
+    offloader = ActivationOffloader(store, device, Tier.NVME, min_bytes, lane, meter, reserve, is_param)
+    with offloader.forward():           # the runtime opens it around each wrapped model's forward
+        loss = model(batch)             # saved tensors >= min_bytes: copied out by the lane, the original dropped
+    loss.backward()                     # each comes back when autograd asks (the next ones already on their way)
+
+What moves: every tensor autograd saves while the block is open (torch.autograd.graph.saved_tensors_hooks) that
+is on the compute device, holds at least `min_bytes`, is contiguous, and is not a parameter's bytes (`is_param`:
+the units' gathered buffers come back by their own gather). With activation checkpointing (torch.utils.checkpoint
+non-reentrant, as a Hugging Face model's gradient_checkpointing_enable() uses) the tensors saved outside the
+checkpointed blocks are each block's inputs: those travel, the activations recomputed in the backward never leave.
+The bytes move exactly: the backward sees bit for bit what the forward saved.
+
+Budgets: a tensor moves only if the store has room for it beside what the runtime's lanes need to make progress
+(`reserve()` bytes of the cpu tier; the states' own pipeline must never wait on activations, which are freed only
+in the backward); else it stays where it is, counted in stats()["kept_bytes"]. Shards of the "activations" class
+are removed from the store as soon as they are back (their swap slots are reused the next step).
+
+Where the bytes are, per saved tensor (`_Ticket`): OUT (the lane is copying it into the store; the original is
+held by that work) -> STORED (the store holds it: cpu tier or swap file) -> BACK (the lane has copied it into a
+fresh compute-device tensor and removed the shard) -> the tensor belongs to autograd. A ticket whose handle
+autograd dropped unused (a forward without backward) is removed from the store by the lane.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import inject
+from ..device import record, retire, sync, wait
+from ..ops.copy import copy_ as host_copy
+from ..store import LeaseMode
+from ..store.arena import ArenaFullError
+from ..store.residency import Tier
+from ..store.swap_file import SwapSpaceError, page_bytes
+from ..telemetry import Queue
+from .lanes import WorkLane
+
+__all__ = ["ActivationKey", "ActivationOffloader", "READ_AHEAD"]
+
+READ_AHEAD = 2  # saved tensors brought back ahead of the one autograd asks for (bounds the device memory it takes)
+
+
+@dataclass(frozen=True)
+class ActivationKey:
+    """A saved tensor's shard in the store: the forward it was saved in (from 0) and its place in that forward."""
+
+    forward: int
+    index: int
+
+
+@dataclass(eq=False)
+class _Ticket:
+    key: ActivationKey
+    nbytes: int
+    out: cf.Future  # resolves once the bytes are in the store (the lane's copy out)
+    back: cf.Future | None = None  # the lane's copy back into a fresh tensor: issued once, by unpack or read-ahead
+
+
+@dataclass(eq=False)
+class _Saved:
+    """What autograd holds in place of a moved tensor."""
+
+    ticket: _Ticket
+    shape: torch.Size
+    dtype: torch.dtype
+    value: torch.Tensor | None = None  # once back (a second unpack, retain_graph, returns it again)
+
+
+@dataclass
+class ActivationStats:
+    moved_bytes: int = 0  # saved bytes copied out to the store
+    kept_bytes: int = 0  # saved bytes that qualified but stayed (no room in the budgets)
+    moved_tensors: int = 0
+    read_ahead_hits: int = 0  # tensors already back (or on their way) when autograd asked
+
+
+class ActivationOffloader:
+    """See the module docstring."""
+
+    def __init__(self, store, device: torch.device, home: Tier, min_bytes: int, lane: WorkLane, meter,
+                 reserve, is_param):
+        if home not in (Tier.CPU, Tier.NVME):
+            raise ValueError(f"activations go to the cpu tier or nvme, not {home.value!r}")
+        self.store = store  # the TieredStore
+        self.device = device
+        self.home = home
+        self.min_bytes = max(1, int(min_bytes))
+        self.lane = lane  # copies out, reads back and removals run here, in order
+        self.meter = meter
+        self.reserve = reserve  # () -> cpu-tier bytes the runtime's lanes must always find free
+        self.is_param = is_param  # (tensor) -> True when its bytes are a parameter's
+        self.stats = ActivationStats()
+        self._forward_no = -1
+        self._count = 0
+        self._depth = 0
+        self._reserved = 0
+        self._hooks = None
+        self._order: dict[int, list[weakref.ref]] = {}  # forward -> its moved tensors' handles, in pack order
+        self._seen = WeakIdKeyDictionary()  # tensor -> (its version, handle): one copy of a tensor saved twice
+        self._dropped: collections.deque = collections.deque()  # tickets autograd dropped (appended by finalizers)
+        self._lock = threading.Lock()
+
+    # ---- the forward's block -------------------------------------------------------------------
+    def enter(self) -> None:
+        """Opens the saved-tensor hooks (nested calls count; the outermost starts a new forward)."""
+        if self._depth == 0:
+            self._forward_no += 1
+            self._count = 0
+            self._seen = WeakIdKeyDictionary()
+            self._reserved = self.reserve()  # the lanes' needs change only with the units (once per forward)
+            self.flush_dropped()
+            self._prune()
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
+        self._depth += 1
+
+    def exit(self) -> None:
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0:
+            hooks, self._hooks = self._hooks, None
+            hooks.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def forward(self):
+        self.enter()
+        try:
+            yield
+        finally:
+            self.exit()
+
+    # ---- pack: a saved tensor leaves -------------------------------------------------------------
+    def _qualifies(self, t: torch.Tensor) -> bool:
+        return (t.device == self.device and t.layout is torch.strided and t.is_contiguous()
+                and t.numel() * t.element_size() >= self.min_bytes
+                and not isinstance(t, nn.Parameter) and not self.is_param(t))
+
+    def _has_room(self, nbytes: int) -> bool:
+        cpu = self.store.stats()["cpu"]
+        taken = page_bytes(nbytes) if self.home is Tier.CPU else self.store.staged_nbytes(nbytes)
+        return cpu["capacity"] - cpu["bytes_in_use"] - taken >= self._reserved
+
+    def _pack(self, t: torch.Tensor):
+        if not self._qualifies(t):
+            return t
+        seen = self._seen.get(t)
+        if seen is not None and seen[0] == t._version:  # the same tensor saved again (a mask, rotary cos/sin)
+            handle = seen[1]()
+            if handle is not None:
+                return handle
+        nbytes = t.numel() * t.element_size()
+        key = ActivationKey(self._forward_no, self._count)
+        self._count += 1
+        lease = self._claim(key, t, nbytes)
+        if lease is None:
+            self.stats.kept_bytes += nbytes
+            return t
+        ready = record(self.device)  # the forward's kernels that wrote t, queued before this point
+        ticket = _Ticket(key, nbytes, out=self.lane.submit("activation out", self._copy_out, t, lease, ready))
+        saved = _Saved(ticket, t.shape, t.dtype)
+        weakref.finalize(saved, self._dropped.append, ticket)  # autograd dropped it: its shard goes (flush_dropped)
+        self._seen[t] = (t._version, weakref.ref(saved))
+        with self._lock:
+            self._order.setdefault(key.forward, []).append(weakref.ref(saved))
+        self.stats.moved_bytes += nbytes
+        self.stats.moved_tensors += 1
+        return saved
+
+    def _claim(self, key: ActivationKey, t: torch.Tensor, nbytes: int):
+        """A shard for `t` and an OVERWRITE lease of its cpu bytes, or None when the budgets have no room now."""
+        if not self._has_room(nbytes):
+            return None
+        try:
+            self.store.register(key, t.numel(), t.dtype, home=self.home.value, tier_class="activations", timeout=0,
+                                zero=False)  # an OVERWRITE lease fills it next
+        except (ArenaFullError, SwapSpaceError):  # ArenaBusyError included: no room now
+            return None
+        lease = self.store.lease(key, Tier.CPU, LeaseMode.OVERWRITE, block=False)
+        if lease is None:  # no staging slot free now (nvme): the shard goes again
+            self.store.unregister(key)
+            return None
+        return lease
+
+    def _copy_out(self, t: torch.Tensor, lease, ready) -> None:
+        """On the lane: t -> its cpu bytes, then the lease's release writes them home (nvme) behind."""
+        try:
+            buf = lease.wait()
+            if t.is_cuda:
+                wait(ready, self.device)  # the lane's stream: t's bytes are written by kernels queued before pack
+                buf.view(t.shape).copy_(t, non_blocking=True)
+                sync(record(self.device))  # the write-behind reads buf, and t may be freed once this returns
+            else:
+                host_copy(buf.view(t.shape), t)
+            inject.pause(Queue.ACTIVATION)  # a slow copy (tests): the forward goes on meanwhile
+        finally:
+            lease.release()
+
+    # ---- unpack: autograd asks for it back --------------------------------------------------------
+    def _unpack(self, saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        if saved.value is not None:
+            return saved.value
+        ticket = saved.ticket
+        if ticket.back is not None:
+            self.stats.read_ahead_hits += 1
+        self._read_ahead(ticket.key)
+        fut = self._bring_back(saved)
+        if not fut.done():
+            with self.meter.waiting(Queue.ACTIVATION):
+                cf.wait([fut])  # autograd needs this tensor now
+        t = fut.result()
+        retire(t)  # made on the lane's stream, used and freed on this one
+        saved.value = t
+        return t
+
+    def _bring_back(self, saved: _Saved) -> cf.Future:
+        ticket = saved.ticket
+        with self._lock:
+            if ticket.back is None:
+                ticket.back = self.lane.submit("activation back", self._copy_back, ticket, saved.shape, saved.dtype)
+            return ticket.back
+
+    def _read_ahead(self, key: ActivationKey) -> None:
+        """The next tensors the backward will ask for: those saved just before `key`, newest first."""
+        with self._lock:
+            handles = self._order.get(key.forward, [])
+        issued = 0
+        for ref in reversed(handles):
+            saved = ref()
+            if saved is None or saved.ticket.key.index >= key.index or saved.value is not None:
+                continue
+            self._bring_back(saved)
+            issued += 1
+            if issued == READ_AHEAD:
+                break
+
+    def _copy_back(self, ticket: _Ticket, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """On the lane: the stored bytes -> a fresh compute-device tensor; the shard is removed."""
+        ticket.out.result()  # the copy out landed (and raises here if it failed)
+        lease = self.store.lease(ticket.key, Tier.CPU, LeaseMode.READ)
+        try:
+            buf = lease.wait().view(shape)
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            if t.is_cuda:
+                t.copy_(buf, non_blocking=True)
+                sync(record(self.device))  # buf is released (its staging slot reused) right after
+            else:
+                host_copy(t, buf)
+            inject.pause(Queue.ACTIVATION)
+        finally:
+            lease.release()
+        self.store.unregister(ticket.key)
+        return t
+
+    # ---- tickets autograd dropped, and the end -----------------------------------------------------
+    def flush_dropped(self) -> None:
+        """Handles autograd dropped without asking for them back (a forward without a backward): their shards are
+        removed by the lane. Called at safe points, never from the finalizer itself (it may run inside any lock)."""
+        while self._dropped:
+            ticket = self._dropped.popleft()
+            with self._lock:
+                if ticket.back is not None:  # brought back: the copy back removes the shard
+                    continue
+            self.lane.submit("activation drop", self._drop, ticket)
+
+    def _drop(self, ticket: _Ticket) -> None:
+        try:
+            ticket.out.result()
+        except Exception:  # noqa: BLE001 - a failed copy out: its lease was released, the shard is still there
+            pass
+        self.store.unregister(ticket.key)
+
+    def _prune(self) -> None:
+        with self._lock:
+            for fwd in [f for f, hs in self._order.items() if all(h() is None for h in hs)]:
+                del self._order[fwd]
+
+    def drain(self) -> None:
+        """Wait for every copy and removal asked for so far (raises the first failure)."""
+        self.flush_dropped()
+        self.lane.drain()
+
+    def close(self) -> None:
+        """Finish the lane's work and stop it; shards still in the store go with the store."""
+        try:
+            self.drain()
+        finally:
+            self.lane.close()
+
+    def report(self) -> dict:
+        """rt.stats()["activations"]: bytes and tensors moved, bytes kept for want of room, read-ahead hits,
+        the seconds the training thread waited for one to come back, and the saved tensors the store holds now."""
+        return {"home": self.home.value, "moved_bytes": self.stats.moved_bytes,
+                "moved_tensors": self.stats.moved_tensors,
+                "kept_bytes": self.stats.kept_bytes, "read_ahead_hits": self.stats.read_ahead_hits,
+                "wait_s": self.meter.snapshot().wait_s[Queue.ACTIVATION],
+                "in_store": self.in_store()}
+
+    def in_store(self) -> int:
+        """Saved tensors whose shards the store holds now."""
+        return sum(1 for name in self.store.names() if isinstance(name, ActivationKey))
