@@ -313,6 +313,8 @@ class Runtime:
         unit = getattr(module, "_offload_unit_obj", None)
         if unit is not None and unit.state is UnitState.SHARDED:
             unit.unshard()  # its own pre-hook was registered too late for this call
+        if self.activations is not None and any(module is m for m in self.models):
+            self.activations.enter()  # likewise; the forward hook registered with it runs at this call's end
         return None
 
     def materialize_pending(self) -> list[nn.Module]:

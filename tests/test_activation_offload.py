@@ -1,0 +1,273 @@
+"""Config.activations (offload/zero/activations.py): the tensors autograd saves in the forward wait for the
+backward in the cpu tier or an nvme swap file. What is asserted: losses and final weights bit for bit those of the
+same run without offload (a transformers Llama with and without gradient checkpointing, fp32 and bf16, gradient
+accumulation, the synchronous path, 2 ranks, a slow activation lane), that something really moved and nothing is
+left in the store after the step, the budgets (a cpu tier with no room keeps the tensors where they are and still
+trains), swap slots reused step after step, a forward without a backward cleaned up, bad settings named, and a
+killed run's activation swap removed by the next start."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import offload  # noqa: E402
+from offload import inject  # noqa: E402
+from offload.store.swap_file import page_bytes  # noqa: E402
+from offload.telemetry import Queue  # noqa: E402
+from offload.zero.activations import ActivationKey  # noqa: E402
+
+
+def llama(layers: int = 3) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2))
+
+
+def checkpoint_blocks(model) -> None:
+    """transformers' activation checkpointing, non-reentrant, by whichever name this version has."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def batches(n: int, rank: int = 0):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(0, 300, (4, 64), generator=g) for _ in range(n)]
+
+
+def train(tmp, activations="none", checkpointing=True, compute_dtype="fp32", accumulate=1, steps=3, pipeline=True,
+          cpu_budget="256MiB", min_size="16KiB", rank=0):
+    """Losses, final fp32 weights and rt.stats() of `steps` AdamW steps of a small Llama."""
+    cfg = offload.Config(params="cpu", optimizer="nvme", nvme_path=str(tmp), cpu_budget=cpu_budget,
+                         device_budget="256MiB", compute_dtype=compute_dtype, pipeline=pipeline,
+                         activations=activations, activations_min_size=min_size)
+    with offload.init(cfg) as rt:
+        model = llama()
+        if checkpointing:
+            checkpoint_blocks(model)
+        model.train()
+        opt = offload.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        losses = []
+        data = batches(steps * accumulate, rank)
+        for step in range(steps):
+            for micro in range(accumulate):
+                ids = data[step * accumulate + micro]
+                loss = model(input_ids=ids, labels=ids).loss
+                (loss / accumulate).backward()
+                losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        weights = rt.full_state_dict(model)
+        stats = rt.stats()
+    return losses, weights, stats
+
+
+def assert_same(run, ref):
+    assert run[0] == ref[0], (run[0], ref[0])
+    bad = [k for k in ref[1] if not torch.equal(run[1][k], ref[1][k])]
+    assert not bad, bad[:5]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The runs without offload, by (checkpointing, compute dtype, accumulation)."""
+    cache = {}
+
+    def get(checkpointing=True, compute_dtype="fp32", accumulate=1):
+        key = (checkpointing, compute_dtype, accumulate)
+        if key not in cache:
+            cache[key] = train(tmp_path_factory.mktemp("ref"), "none", checkpointing, compute_dtype, accumulate)
+        return cache[key]
+    return get
+
+
+@pytest.mark.parametrize("home", ["cpu", "nvme"])
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["ckpt", "saved"])
+def test_offloaded_activations_train_bitwise_as_without(tmp_path, reference, home, checkpointing):
+    run = train(tmp_path, home, checkpointing)
+    assert_same(run, reference(checkpointing))
+    acts = run[2]["activations"]
+    assert acts["home"] == home and acts["moved_tensors"] > 0 and acts["kept_bytes"] == 0
+    assert acts["in_store"] == 0  # every shard removed once it came back
+    if checkpointing:  # the 3 blocks' inputs each step (the rotary cos/sin, saved by every block, moved once)
+        assert acts["moved_tensors"] <= 3 * (3 + 2 + 4)
+    if home == "nvme":
+        assert run[2]["nvme_written_bytes"] > ref_nvme(reference(checkpointing))
+
+
+def ref_nvme(ref) -> int:
+    return ref[2]["nvme_written_bytes"]
+
+
+@pytest.mark.parametrize("case", ["bf16", "accumulate", "sync"])
+def test_bf16_accumulation_and_the_synchronous_path(tmp_path, reference, case):
+    kw = {"bf16": dict(compute_dtype="bf16"), "accumulate": dict(accumulate=2), "sync": dict(pipeline=False)}[case]
+    run = train(tmp_path, "nvme", **kw)
+    kw.pop("pipeline", None)
+    assert_same(run, reference(**kw))
+    assert run[2]["activations"]["moved_tensors"] > 0 and run[2]["activations"]["in_store"] == 0
+
+
+@pytest.mark.parametrize("queue", [Queue.ACTIVATION, Queue.NVME_WRITE, Queue.NVME_READ])
+def test_a_slow_activation_copy_or_disk_changes_nothing(tmp_path, reference, queue):
+    """Each copy out / back (or each swap write / read) 20 ms late: the forward runs ahead of the copies out and
+    the backward waits for the copies back, and the numbers are the same."""
+    with inject.delay(queue, 0.02):
+        run = train(tmp_path, "nvme", steps=2)
+    ref = reference()
+    assert run[0] == ref[0][:2]
+    acts = run[2]["activations"]
+    assert acts["moved_tensors"] > 0 and acts["in_store"] == 0
+    if queue is Queue.ACTIVATION:
+        assert acts["wait_s"] > 0  # the backward did wait for a tensor coming back
+
+
+def test_a_full_cpu_tier_keeps_the_tensors_where_they_are(tmp_path, reference):
+    """A cpu budget that the states' working set fills: nothing moves (no wait, no deadlock), it trains the same,
+    and the cpu tier's peak stays within its budget."""
+    run = train(tmp_path, "cpu", cpu_budget="1280KiB", min_size="4KiB")
+    assert_same(run, reference())
+    acts, peak = run[2]["activations"], run[2]["peak_resident_bytes"]["cpu"]
+    assert acts["kept_bytes"] > 0 and acts["in_store"] == 0
+    assert peak <= run[2]["budgets"]["cpu"]
+
+
+def test_swap_slots_are_reused_step_after_step(tmp_path):
+    cfg = offload.Config(params="cpu", optimizer="cpu", nvme_path=str(tmp_path), cpu_budget="64MiB",
+                         device_budget="64MiB", activations="nvme", activations_min_size="16KiB")
+    with offload.init(cfg) as rt:
+        model = llama()
+        checkpoint_blocks(model)
+        model.train()
+        opt = offload.AdamW(model.parameters(), lr=1e-3)
+        swap = rt.states.store._swap
+        sizes = []
+        for ids in batches(3):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rt.quiesce()
+            sizes.append(swap["activations"].size)
+        assert sizes[0] > 0 and sizes[1] == sizes[0] == sizes[2]  # the same slots each step: the file does not grow
+        assert rt.stats()["activations"]["in_store"] == 0
+        assert swap["activations"].free_bytes_in_file == swap["activations"].size
+
+
+def test_a_forward_without_backward_is_cleaned_up(tmp_path):
+    """The saved tensors of a graph dropped unused leave the store once autograd lets them go (with this runtime,
+    when the next forward starts). A plain torch model: transformers' Llama keeps a dropped forward's graph alive
+    (in plain PyTorch too: 124 of its 127 saved tensors outlive `del loss`)."""
+    cfg = offload.Config(params="cpu", optimizer="cpu", nvme_path=str(tmp_path), cpu_budget="64MiB",
+                         device_budget="64MiB", activations="nvme", activations_min_size="16KiB")
+    with offload.init(cfg) as rt:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
+                                      for _ in range(4)])
+        x = torch.randn(64, 256)
+        model(x).sum().backward()
+        loss = model(x).sum()
+        rt.quiesce()
+        assert rt.activations.in_store() >= 4
+        del loss
+        model(x).sum().backward()
+        rt.quiesce()
+        assert rt.activations.in_store() == 0
+
+
+def test_the_store_removes_a_shard_and_reuses_its_room(tmp_path):
+    from offload.store import LeaseMode, StoreConfig, TieredStore
+
+    with TieredStore(StoreConfig(device="cpu", device_budget="1MiB", cpu_budget="1MiB", nvme_budget="16MiB",
+                                 nvme_path=str(tmp_path), lock_memory=False)) as st:
+        for rnd in range(3):
+            for home in ("cpu", "nvme"):
+                key = ActivationKey(rnd, 0 if home == "cpu" else 1)
+                st.register(key, 50_000, torch.float32, home=home, tier_class="activations", zero=False).result()
+                lease = st.lease(key, "cpu", LeaseMode.OVERWRITE)
+                lease.wait().fill_(rnd + 0.5)
+                lease.release()
+                back = st.lease(key, "cpu", LeaseMode.READ)
+                assert torch.all(back.wait() == rnd + 0.5)
+                back.release()
+                st.unregister(key).result()
+                with pytest.raises(KeyError):
+                    st.info(key)
+            assert st.stats()["cpu"]["bytes_in_use"] == 0 and st.stats()["nvme"]["bytes_in_use"] == 0
+        assert st._swap["activations"].size == page_bytes(200_000)  # one slot, reused every round
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match=r"Config.activations: 'gpu' is not one of"):
+        offload.Config(activations="gpu")
+    with pytest.raises(ValueError, match=r"Config.nvme_path: required because activations='nvme'"):
+        offload.Config(activations="nvme")
+    with pytest.raises(ValueError, match="activations_min_size"):
+        offload.Config(activations="cpu", activations_min_size="lots")
+
+
+def test_two_ranks_train_bitwise_as_without(tmp_path):
+    code = textwrap.dedent(f"""
+        import os, sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_activation_offload import train
+        rank = int(os.environ["RANK"])
+        ref = train({str(tmp_path / 'a')!r}, "none", rank=rank)
+        run = train({str(tmp_path / 'b')!r}, "nvme", rank=rank)
+        same = run[0] == ref[0] and all(torch.equal(run[1][k], ref[1][k]) for k in ref[1])
+        print("RANK", rank, "SAME", same, "MOVED", run[2]["activations"]["moved_tensors"], flush=True)
+    """)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    script = tmp_path / "two_ranks.py"
+    script.write_text(code)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script)], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = sorted(x for x in out.stdout.splitlines() if x.startswith("RANK "))
+    assert len(lines) == 2 and all(" SAME True " in x for x in lines), lines
+    assert all(int(x.split()[-1]) > 0 for x in lines), lines
+
+
+def test_a_killed_runs_activation_swap_is_removed_by_the_next_start(tmp_path, caplog):
+    """kill -9 between a forward and its backward, activations on nvme: the swap file holding them is in the run's
+    own directory, which the next offload.init under the same nvme_path removes (its owner is dead)."""
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import offload
+        from test_activation_offload import batches, llama
+        cfg = offload.Config(params="cpu", optimizer="cpu", nvme_path={str(tmp_path)!r}, cpu_budget="64MiB",
+                             device_budget="64MiB", activations="nvme", activations_min_size="16KiB")
+        with offload.init(cfg) as rt:
+            model = llama()
+            ids = batches(1)[0]
+            loss = model(input_ids=ids, labels=ids).loss
+            rt.quiesce()
+            print("STORED", rt.activations.in_store(), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    script = tmp_path / "killed.py"
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
+    assert int(next(x for x in out.stdout.splitlines() if x.startswith("STORED")).split()[1]) > 0
+    left = [p for p in tmp_path.glob("offload-*") if p.is_dir()]
+    assert left and any(p.glob("*activations*.swap") for p in left)
+    with caplog.at_level("WARNING", logger="offload"):
+        with offload.init(offload.Config(params="cpu", optimizer="cpu", nvme_path=str(tmp_path),
+                                         cpu_budget="64MiB", device_budget="64MiB")):
+            pass
+    assert "left by a run that died" in caplog.text
+    assert not [p for p in tmp_path.glob("offload-*") if p.is_dir()]
