@@ -62,7 +62,7 @@ def train(tmp, activations="none", checkpointing=True, compute_dtype="fp32", acc
         data = batches(steps * accumulate, rank)
         for step in range(steps):
             for micro in range(accumulate):
-                ids = data[step * accumulate + micro]
+                ids = data[step * accumulate + micro].to(rt.device)
                 loss = model(input_ids=ids, labels=ids).loss
                 (loss / accumulate).backward()
                 losses.append(loss.item())
