@@ -46,25 +46,32 @@ from ..store.swap_file import SwapSpaceError, page_bytes
 from ..telemetry import Queue
 from .lanes import WorkLane
 
-__all__ = ["ActivationKey", "ActivationOffloader", "READ_AHEAD"]
+__all__ = ["ActivationKey", "ActivationOffloader", "READ_AHEAD", "WRITE_WINDOW"]
 
 READ_AHEAD = 2  # saved tensors brought back ahead of the one autograd asks for (bounds the device memory it takes)
+WRITE_WINDOW = 4  # pieces written to nvme at once: bounds the staging the copies out take from the cpu tier
+MIN_PIECE_BYTES = 1 << 20  # a piece is at least this (or the store's staging slot, when larger)
 
 
 @dataclass(frozen=True)
 class ActivationKey:
-    """A saved tensor's shard in the store: the forward it was saved in (from 0) and its place in that forward."""
+    """One piece of a saved tensor in the store: the forward it was saved in (from 0), its place in that forward,
+    and the piece (a tensor moves in pieces of at most a staging slot, so the cpu tier never needs one range as
+    large as the tensor, and nvme staging stays bounded)."""
 
     forward: int
     index: int
+    piece: int = 0
 
 
 @dataclass(eq=False)
 class _Ticket:
-    key: ActivationKey
+    keys: list  # ActivationKey per piece
+    bounds: list  # (first, end) element of each piece
     nbytes: int
-    out: cf.Future  # resolves once the bytes are in the store (the lane's copy out)
+    out: cf.Future | None = None  # resolves once every piece is in the store (the lane's copy out)
     back: cf.Future | None = None  # the lane's copy back into a fresh tensor: issued once, by unpack or read-ahead
+    kept: torch.Tensor | None = None  # the lane found no room after all: the tensor itself, never moved
 
 
 @dataclass(eq=False)
@@ -109,6 +116,7 @@ class ActivationOffloader:
         self._order: dict[int, list[weakref.ref]] = {}  # forward -> its moved tensors' handles, in pack order
         self._seen = WeakIdKeyDictionary()  # tensor -> (its version, handle): one copy of a tensor saved twice
         self._dropped: collections.deque = collections.deque()  # tickets autograd dropped (appended by finalizers)
+        self._writes: collections.deque = collections.deque()  # the lane's write-behinds in flight (nvme), oldest first
         self._lock = threading.Lock()
 
     # ---- the forward's block -------------------------------------------------------------------
@@ -147,9 +155,16 @@ class ActivationOffloader:
                 and t.numel() * t.element_size() >= self.min_bytes
                 and not isinstance(t, nn.Parameter) and not self.is_param(t))
 
+    def _piece_bytes(self) -> int:
+        return max(self.store.staging_slot, MIN_PIECE_BYTES)
+
     def _has_room(self, nbytes: int) -> bool:
         cpu = self.store.stats()["cpu"]
-        taken = page_bytes(nbytes) if self.home is Tier.CPU else self.store.staged_nbytes(nbytes)
+        if self.home is Tier.CPU:  # every piece is held until the backward
+            taken = sum(page_bytes(min(self._piece_bytes(), nbytes - lo))
+                        for lo in range(0, nbytes, self._piece_bytes()))
+        else:  # a piece's staging at a time
+            taken = self.store.staged_nbytes(min(nbytes, self._piece_bytes()))
         return cpu["capacity"] - cpu["bytes_in_use"] - taken >= self._reserved
 
     def _pack(self, t: torch.Tensor):
@@ -161,51 +176,82 @@ class ActivationOffloader:
             if handle is not None:
                 return handle
         nbytes = t.numel() * t.element_size()
-        key = ActivationKey(self._forward_no, self._count)
+        index = self._count
         self._count += 1
-        lease = self._claim(key, t, nbytes)
-        if lease is None:
+        ticket = self._claim(index, t, nbytes)
+        if ticket is None:
             self.stats.kept_bytes += nbytes
             return t
         ready = record(self.device)  # the forward's kernels that wrote t, queued before this point
-        ticket = _Ticket(key, nbytes, out=self.lane.submit("activation out", self._copy_out, t, lease, ready))
+        ticket.out = self.lane.submit("activation out", self._copy_out, ticket, t, ready)
         saved = _Saved(ticket, t.shape, t.dtype)
         weakref.finalize(saved, self._dropped.append, ticket)  # autograd dropped it: its shard goes (flush_dropped)
         self._seen[t] = (t._version, weakref.ref(saved))
         with self._lock:
-            self._order.setdefault(key.forward, []).append(weakref.ref(saved))
-        self.stats.moved_bytes += nbytes
-        self.stats.moved_tensors += 1
+            self._order.setdefault(self._forward_no, []).append(weakref.ref(saved))
         return saved
 
-    def _claim(self, key: ActivationKey, t: torch.Tensor, nbytes: int):
-        """A shard for `t` and an OVERWRITE lease of its cpu bytes, or None when the budgets have no room now."""
+    def _claim(self, index: int, t: torch.Tensor, nbytes: int) -> _Ticket | None:
+        """Shards for `t`'s pieces, or None when the budgets have no room now."""
         if not self._has_room(nbytes):
             return None
+        step = max(1, self._piece_bytes() // t.element_size())
+        bounds = [(lo, min(lo + step, t.numel())) for lo in range(0, t.numel(), step)]
+        keys = [ActivationKey(self._forward_no, index, i) for i in range(len(bounds))]
+        done = []
         try:
-            self.store.register(key, t.numel(), t.dtype, home=self.home.value, tier_class="activations", timeout=0,
-                                zero=False)  # an OVERWRITE lease fills it next
+            for key, (lo, hi) in zip(keys, bounds):
+                self.store.register(key, hi - lo, t.dtype, home=self.home.value, tier_class="activations", timeout=0,
+                                    zero=False)  # an OVERWRITE lease fills it next
+                done.append(key)
         except (ArenaFullError, SwapSpaceError):  # ArenaBusyError included: no room now
+            for key in done:
+                self.store.unregister(key)
             return None
-        lease = self.store.lease(key, Tier.CPU, LeaseMode.OVERWRITE, block=False)
-        if lease is None:  # no staging slot free now (nvme): the shard goes again
-            self.store.unregister(key)
-            return None
-        return lease
+        return _Ticket(keys, bounds, nbytes)
 
-    def _copy_out(self, t: torch.Tensor, lease, ready) -> None:
-        """On the lane: t -> its cpu bytes, then the lease's release writes them home (nvme) behind."""
-        try:
-            buf = lease.wait()
-            if t.is_cuda:
-                wait(ready, self.device)  # the lane's stream: t's bytes are written by kernels queued before pack
-                buf.view(t.shape).copy_(t, non_blocking=True)
-                sync(record(self.device))  # the write-behind reads buf, and t may be freed once this returns
-            else:
-                host_copy(buf.view(t.shape), t)
-            inject.pause(Queue.ACTIVATION)  # a slow copy (tests): the forward goes on meanwhile
-        finally:
-            lease.release()
+    def _lease_out(self, key: ActivationKey):
+        """An OVERWRITE lease of a piece's cpu bytes (nvme: a staging slot, at most WRITE_WINDOW pieces in flight;
+        while there is no room, after the oldest write of ours lands); None when there is none and nothing of
+        ours is in flight to free one."""
+        while True:
+            while self._writes and (self._writes[0].done() or len(self._writes) >= WRITE_WINDOW):
+                self._writes.popleft().result()  # the oldest write-behind lands: its staging slot is free again
+            lease = self.store.lease(key, Tier.CPU, LeaseMode.OVERWRITE, block=False)
+            if lease is not None:
+                return lease
+            if not self._writes:
+                return None
+            self._writes.popleft().result()  # no room: wait for a write of ours to free a slot, then again
+
+    def _copy_out(self, ticket: _Ticket, t: torch.Tensor, ready) -> None:
+        """On the lane: t's pieces -> their cpu bytes; each lease's release writes its piece home (nvme) behind.
+        No room after all (the states took it meanwhile): the tensor stays as it is, in the ticket."""
+        flat = t.view(-1)
+        if t.is_cuda:
+            wait(ready, self.device)  # the lane's stream: t's bytes are written by kernels queued before pack
+        for n, (key, (lo, hi)) in enumerate(zip(ticket.keys, ticket.bounds)):
+            lease = self._lease_out(key)
+            if lease is None:
+                for k in ticket.keys:
+                    self.store.unregister(k)
+                ticket.kept = t
+                self.stats.kept_bytes += ticket.nbytes
+                return
+            try:
+                buf = lease.wait()
+                if t.is_cuda:
+                    buf.copy_(flat[lo:hi], non_blocking=True)
+                    sync(record(self.device))  # the write-behind reads buf, and t may be freed once this returns
+                else:
+                    host_copy(buf, flat[lo:hi])
+                inject.pause(Queue.ACTIVATION)  # a slow copy (tests): the forward goes on meanwhile
+            finally:
+                released = lease.release()
+            if self.home is Tier.NVME:
+                self._writes.append(released)
+        self.stats.moved_bytes += ticket.nbytes
+        self.stats.moved_tensors += 1
 
     # ---- unpack: autograd asks for it back --------------------------------------------------------
     def _unpack(self, saved):
@@ -216,7 +262,7 @@ class ActivationOffloader:
         ticket = saved.ticket
         if ticket.back is not None:
             self.stats.read_ahead_hits += 1
-        self._read_ahead(ticket.key)
+        self._read_ahead(ticket.keys[0])
         fut = self._bring_back(saved)
         if not fut.done():
             with self.meter.waiting(Queue.ACTIVATION):
@@ -240,7 +286,7 @@ class ActivationOffloader:
         issued = 0
         for ref in reversed(handles):
             saved = ref()
-            if saved is None or saved.ticket.key.index >= key.index or saved.value is not None:
+            if saved is None or saved.ticket.keys[0].index >= key.index or saved.value is not None:
                 continue
             self._bring_back(saved)
             issued += 1
@@ -248,21 +294,25 @@ class ActivationOffloader:
                 break
 
     def _copy_back(self, ticket: _Ticket, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """On the lane: the stored bytes -> a fresh compute-device tensor; the shard is removed."""
-        ticket.out.result()  # the copy out landed (and raises here if it failed)
-        lease = self.store.lease(ticket.key, Tier.CPU, LeaseMode.READ)
-        try:
-            buf = lease.wait().view(shape)
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            if t.is_cuda:
-                t.copy_(buf, non_blocking=True)
-                sync(record(self.device))  # buf is released (its staging slot reused) right after
-            else:
-                host_copy(t, buf)
-            inject.pause(Queue.ACTIVATION)
-        finally:
-            lease.release()
-        self.store.unregister(ticket.key)
+        """On the lane: the stored pieces -> a fresh compute-device tensor; the shards are removed."""
+        ticket.out.result()  # the copy out is over (and raises here if it failed)
+        if ticket.kept is not None:
+            return ticket.kept
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        flat = t.view(-1)
+        for key, (lo, hi) in zip(ticket.keys, ticket.bounds):
+            lease = self.store.lease(key, Tier.CPU, LeaseMode.READ)
+            try:
+                buf = lease.wait()
+                if t.is_cuda:
+                    flat[lo:hi].copy_(buf, non_blocking=True)
+                    sync(record(self.device))  # buf is released (its staging slot reused) right after
+                else:
+                    host_copy(flat[lo:hi], buf)
+                inject.pause(Queue.ACTIVATION)
+            finally:
+                lease.release()
+            self.store.unregister(key)
         return t
 
     # ---- tickets autograd dropped, and the end -----------------------------------------------------
@@ -279,9 +329,11 @@ class ActivationOffloader:
     def _drop(self, ticket: _Ticket) -> None:
         try:
             ticket.out.result()
-        except Exception:  # noqa: BLE001 - a failed copy out: its lease was released, the shard is still there
+        except Exception:  # noqa: BLE001 - a failed copy out: its leases were released, the shards are still there
             pass
-        self.store.unregister(ticket.key)
+        if ticket.kept is None:
+            for key in ticket.keys:
+                self.store.unregister(key)
 
     def _prune(self) -> None:
         with self._lock:

@@ -355,7 +355,8 @@ class Runtime:
         """cpu-tier bytes the lanes must always find free (their working set and read-ahead): what offloaded
         activations, freed only in the backward, may never take."""
         working, params_ahead, states_ahead = self._reserve_bytes()
-        return working.total + params_ahead + states_ahead
+        params_paged = any(u.shards.tiers.params is Tier.NVME for u in self.units)  # else read ahead to the device
+        return working.total + (params_ahead if params_paged else 0) + states_ahead
 
     def _holds_parameter_bytes(self, t: torch.Tensor) -> bool:
         """`t` is (a view of) a unit's gathered parameters: it comes back by the unit's own gather."""
