@@ -172,6 +172,21 @@ def test_update_in_backward_with_accumulation(tmp_path, tiny_model, text_file):
     assert early.losses == pytest.approx(base.losses, rel=1e-2)
 
 
+def test_activations_offloaded_to_nvme_train_as_without(tmp_path, tiny_model, text_file):
+    """--activations nvme with --grad-checkpointing: each block's input waits in the swap directory; the losses
+    are those of the run without, bit for bit."""
+    seen = {}
+    kw = dict(model=str(tiny_model), data=str(text_file), steps=2, seq_len=64, cpu_budget="8MiB",
+              grad_checkpointing=True)
+    (tmp_path / "small.json").write_text('{"activations_min_size": "4KiB"}')  # this model's tensors are small
+    base = finetune(FinetuneConfig(output=str(tmp_path / "a"), **kw))
+    moved = finetune(FinetuneConfig(output=str(tmp_path / "b"), activations="nvme",
+                                    offload_config=str(tmp_path / "small.json"), **kw),
+                     on_trained=lambda rt, model: seen.update(rt.stats()["activations"]))
+    assert moved.losses == base.losses
+    assert seen["home"] == "nvme" and seen["moved_tensors"] > 0 and seen["in_store"] == 0
+
+
 # ---- streaming load ----------------------------------------------------------------------------
 def test_streaming_load_peak_rss(tmp_path):
     """A model of 327 MB fp32 (5x the 64 MiB cpu budget) streams in: RSS grows by at most the budget + 3

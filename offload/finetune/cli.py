@@ -203,6 +203,10 @@ def add_finetune_parser(sub) -> None:
     p.add_argument("--update-in-backward", action="store_true", default=None,
                    help="opt-in: each unit's update under the backward, clipped by the previous step's norm "
                         "coefficient (offload.Config.update_in_backward)")
+    p.add_argument("--activations", choices=("none", "cpu", "nvme"),
+                   help="where the tensors the forward saves for the backward wait (with --grad-checkpointing: each "
+                        "block's input): on the compute device (none, the default), the cpu tier or the swap "
+                        "directory (offload.Config.activations)")
     p.add_argument("--config", dest="offload_config",
                    help="an offload Config JSON or a DeepSpeed JSON (zero_optimization); flags override it")
     p.add_argument("--save-every", type=int, default=d.save_every,

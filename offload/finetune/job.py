@@ -66,6 +66,7 @@ class FinetuneConfig:
     device_budget: str | None = None  # default auto
     compute_dtype: str | None = None  # default bf16
     update_in_backward: bool | None = None  # Config.update_in_backward (opt-in; default off)
+    activations: str | None = None  # Config.activations: none, cpu or nvme (default none)
     grad_checkpointing: bool = False
     offload_config: str | None = None  # an offload Config JSON or a DeepSpeed JSON; the flags above override
     save_every: int = 0  # also save to OUTPUT/checkpoint-STEP every this many steps (0: only at the end)
@@ -132,7 +133,7 @@ def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
     the fine-tune's default."""
     defaults = dict(params="nvme", optimizer="nvme", nvme_path=default_nvme_path, device_budget="auto",
                     compute_dtype="bf16", cpu_budget="256MiB" if cfg.model is None else "auto",
-                    update_in_backward=False)  # nvme_budget: the file's, else Config's (auto)
+                    update_in_backward=False, activations="none")  # nvme_budget: the file's, else Config's (auto)
     from_file: dict = {}
     if cfg.offload_config is not None:
         import json

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("offload")
 
 RUNTIME_FIELDS = ("params", "optimizer", "nvme_path", "nvme_budget", "cpu_budget", "device_budget",
-                   "compute_dtype", "update_in_backward")
+                   "compute_dtype", "update_in_backward", "activations")
 SWAP_DIR_PREFIX = "offload-finetune-"  # the default swap directory: TMPDIR/offload-finetune-<random>
 
 
