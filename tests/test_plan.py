@@ -202,3 +202,50 @@ def test_resident_host_memory_saves_the_most_traffic_per_byte_first():
     assert none.nvme_fwd == 2.0 and some.nvme_fwd == 0.0  # the params no longer read
     assert (none.nvme_upd_write, some.nvme_upd_write) == (14.0, 12.0)  # optimizer + params written
     assert (none.nvme_bwd_write, some.nvme_bwd_write) == (4.0, 3.0)
+
+
+def test_offloaded_activations_leave_the_device_but_a_window():
+    """Config.activations: with checkpointing every layer's input but ACTIVATION_WINDOW (3) of them waits in the
+    chosen tier; without it every layer's activations but 3; the logits stay."""
+    m = ModelSpec("t", vocab=1000, hidden=64, intermediate=256, layers=10, heads=4, kv_heads=4)
+    sbh = 128 * 2 * 64
+    for ckpt, per_layer in ((True, 2 * sbh), (False, 34 * sbh)):
+        none = Workload(micro_batch=2, seq_len=128, checkpointing=ckpt)
+        for home in ("cpu", "nvme"):
+            w = Workload(micro_batch=2, seq_len=128, checkpointing=ckpt, activations=home)
+            assert activation_bytes(m, none) - activation_bytes(m, w) == 7 * per_layer
+            t = tier_bytes(m, w, 8, Placement("cpu", "cpu"))
+            assert t[home]["activations"] == 7 * per_layer and t["device"]["activations"] == activation_bytes(m, w)
+    assert "activations" not in tier_bytes(m, none, 8, Placement("cpu", "cpu"))["cpu"]
+
+
+def test_offloaded_activations_cost_their_transfers():
+    """One rank, params and optimizer on the device: the only transfers are the activations', out over pcie in the
+    forward and back in the backward, and to nvme written in the forward and read in the backward."""
+    m = ModelSpec("t", vocab=32_000, hidden=4096, intermediate=11_008, layers=32, heads=32, kv_heads=32)
+    mc = Machine(gpus_per_node=1, pcie_Bps=10e9, nvme_read_Bps=2e9, nvme_write_Bps=1e9)
+    w = Workload(micro_batch=1, seq_len=8192, checkpointing=True)
+    moved = 2 * 8192 * 4096 * 29  # 29 layers' inputs, bf16
+    base = predict(m, w, Placement("device", "device"), mc)
+    cpu = predict(m, Workload(micro_batch=1, seq_len=8192, activations="cpu"), Placement("device", "device"), mc)
+    nvme = predict(m, Workload(micro_batch=1, seq_len=8192, activations="nvme"), Placement("device", "device"), mc)
+    assert base["resources"]["pcie"] == 0 and base["resources"]["nvme write"] == 0
+    assert cpu["resources"]["pcie"] == pytest.approx(2 * moved / 10e9)
+    assert nvme["resources"]["nvme write"] == pytest.approx(moved / 1e9)
+    assert nvme["resources"]["nvme read"] == pytest.approx(moved / 2e9)
+    assert base["step_s"] <= cpu["step_s"] <= nvme["step_s"]
+
+
+def test_plan_with_activations_offloaded_fits_a_longer_sequence(capsys):
+    """The 70B at 128K tokens: short on GPU memory with the activations there (the advice names the flag); with
+    --activations nvme it fits and the table shows them on nvme."""
+    args = ["plan", "--model", "llama-70b", "--gpus", "8", "--gpu-mem", "80GiB", "--cpu-mem", "1TiB",
+            "--seq-len", "131072"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "--activations cpu, or nvme" in out
+    assert main(args + ["--activations", "nvme"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: placement" in out and "activations offloaded to nvme" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("activations"))
+    assert row.split()[-2:] == ["154.00", "GiB"]  # 77 layers' inputs x 128K x 8192 x 2 bytes

@@ -91,7 +91,7 @@ def plan_from_args(args: argparse.Namespace) -> dict:
     mc = Machine(gpus_per_node=args.gpus, nodes=args.nodes, mfu=args.mfu, **figures)
     w = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len if args.seq_len is not None else min(m.max_seq, 4096),
                  grad_accum=args.grad_accum, checkpointing=not args.no_checkpointing,
-                 update_in_backward=args.update_in_backward)
+                 update_in_backward=args.update_in_backward, activations=args.activations)
     cap = capacity(parse_size(args.gpu_mem or dev["memory"], "--gpu-mem"), parse_size(args.cpu_mem, "--cpu-mem"),
                    parse_size(args.nvme_size, "--nvme-size") if args.nvme_size else None)
     options = evaluate(m, w, mc, cap)
@@ -115,7 +115,8 @@ def _print(plan: dict) -> None:
     print(f"{m['name']}: {m['params'] / 1e9:.2f}B parameters; {_count_of(ranks, 'rank')} "
           f"({_count_of(mc['nodes'], 'node')} x "
           f"{mc['gpus_per_node']}); micro-batch {w['micro_batch']} x seq {w['seq_len']}, accumulation "
-          f"{w['grad_accum']}, activation checkpointing {'on' if w['checkpointing'] else 'off'}")
+          f"{w['grad_accum']}, activation checkpointing {'on' if w['checkpointing'] else 'off'}"
+          + (f", activations offloaded to {w['activations']}" if w['activations'] != "none" else ""))
     states = m["params"] * 18
     print(f"model states: {_gib(states)} in all (18 bytes/param: bf16 param, fp32 grad, master, 2 moments), "
           f"{_gib(states / ranks)} per rank")
@@ -186,5 +187,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--update-in-backward", action="store_true",
                    help="model Config.update_in_backward (opt-in: each update under the backward, clipped by the "
                         "previous step's coefficient)")
+    p.add_argument("--activations", choices=("none", "cpu", "nvme"), default="none",
+                   help="model Config.activations: the saved activations wait in host memory or on nvme instead of "
+                        "the GPU (default none)")
     p.add_argument("--json", help="write the whole plan as JSON")
     p.set_defaults(func=_cmd_plan)

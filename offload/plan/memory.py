@@ -11,6 +11,11 @@ Models": 34 * s * b * h bytes per layer in 16-bit with a fused (flash / SDPA) at
 s x s score matrix; with activation checkpointing only each layer's input (2 * s * b * h bytes) is kept,
 plus one layer's full activations while it is recomputed. The logits add s * b * vocab * 6 bytes (bf16,
 and the fp32 copy the loss takes).
+
+With activations offloaded (Config.activations "cpu" or "nvme") the layers' saved tensors wait in that tier
+instead, except the ones around the layer being worked on (ACTIVATION_WINDOW layers: the one the backward is in
+and those read ahead): with checkpointing that is every layer's input but those, without it every layer's
+activations but those. The logits stay (the loss needs them first).
 """
 from __future__ import annotations
 
@@ -60,14 +65,27 @@ class Workload:
     grad_accum: int = 1
     checkpointing: bool = True
     update_in_backward: bool = False  # Config.update_in_backward: the update runs under the last backward
+    activations: str = "none"  # Config.activations: where saved activations wait (none: on the device)
+
+
+ACTIVATION_WINDOW = 3  # layers' saved tensors on the device while offloaded: the current one and two read ahead
+
+
+def offloaded_activation_bytes(m: ModelSpec, w: Workload) -> int:
+    """Bytes per micro-batch and rank that Config.activations moves off the device (0 for "none")."""
+    if w.activations == "none":
+        return 0
+    sbh = w.seq_len * w.micro_batch * m.hidden
+    per_layer = 2 * sbh if w.checkpointing else 34 * sbh
+    return per_layer * max(0, m.layers - ACTIVATION_WINDOW)
 
 
 def activation_bytes(m: ModelSpec, w: Workload) -> int:
-    """Peak activation bytes on one rank for one micro-batch (module docstring)."""
+    """Peak activation bytes on the device, one rank, one micro-batch (module docstring)."""
     sbh = w.seq_len * w.micro_batch * m.hidden
     full_layer = 34 * sbh
     kept = (2 * sbh * m.layers + full_layer) if w.checkpointing else full_layer * m.layers
-    return kept + 6 * w.seq_len * w.micro_batch * m.vocab
+    return kept - offloaded_activation_bytes(m, w) + 6 * w.seq_len * w.micro_batch * m.vocab
 
 
 def gathered_bytes(m: ModelSpec, compute_bytes: int = 2) -> int:
@@ -115,6 +133,8 @@ def tier_bytes(m: ModelSpec, w: Workload, ranks: int, place: Placement, sb: Stat
     for cls in ("master", "moments"):
         out[place.optimizer][cls] = states[cls]
     out["device"]["activations"] = activation_bytes(m, w)
+    if w.activations != "none":  # one micro-batch's at a time (each backward takes its own back)
+        out[w.activations]["activations"] = offloaded_activation_bytes(m, w)
     out["device"]["gathered"] = gathered_bytes(m, sb.params)
     if "nvme" in (place.params, place.optimizer):
         # staging: the lanes' working copies (about four units' shards, read-ahead included)

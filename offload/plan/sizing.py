@@ -73,6 +73,8 @@ def advice(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity, chosen: dict |
         if "device" in best["short"]:
             if not w.checkpointing:
                 tips.append("turn on activation checkpointing (--grad-checkpointing)")
+            if w.activations == "none":
+                tips.append("offload the activations (--activations cpu, or nvme)")
             if w.micro_batch > 1:
                 tips.append(f"a smaller micro-batch (--micro-batch {w.micro_batch // 2}) with more accumulation")
         if "nvme" in best["short"]:

@@ -11,6 +11,9 @@ Each resource's busy seconds per step (per rank; the disks and the CPU Adam are 
                 a step (optimizer on nvme)
   nvme write    the same states written back once a step, gradient shards every micro-batch
   cpu adam      the fused CPU AdamW over the node's shards (optimizer off the device)
+  activations   with Config.activations, the offloaded bytes (memory.offloaded_activation_bytes) leave over
+                pcie in each forward and come back in each backward; to nvme they are also written in the
+                forward and read in the backward
   collectives   all-gathers (forward and backward) and reduce-scatters over the ranks' interconnect
 nvme-homed states that fit in the host memory a rank has left (`resident_bytes`) are kept there and move no
 nvme bytes, as the runtime's residency plan keeps them (offload/planner/schedule.residency_plan): most traffic
@@ -19,7 +22,7 @@ gradients (written every micro-batch, read once), then master and moments (read 
 
 The step is not their sum, and not quite their maximum. The pipeline overlaps within a phase, but global-norm
 clipping needs every gradient before any update, and each unit's next gather waits for its update:
-    forward  = max(its compute, its pcie, its nvme reads, its all-gathers)
+    forward  = max(its compute, its pcie, its nvme reads + activation writes, its all-gathers)
     backward = max(its compute, its pcie, its nvme reads + writes, its collectives)
     update   = max(optimizer nvme reads + writes, cpu adam, parameter upload)
     step     = grad_accum x backward + (grad_accum - 1) x forward + first forward
@@ -37,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from .memory import Placement, StateBytes, RUNTIME, Workload
+from .memory import Placement, StateBytes, RUNTIME, Workload, offloaded_activation_bytes
 from .model_spec import ModelSpec
 
 
@@ -71,6 +74,9 @@ class Movement:
     nvme_upd_read: float  # once a step
     nvme_upd_write: float  # once a step
     adam: float  # once a step
+    act_pcie: float = 0.0  # offloaded activations, each way, per micro-batch (out in the forward, back in the backward)
+    act_nvme_write: float = 0.0  # per micro-batch, in the forward
+    act_nvme_read: float = 0.0  # per micro-batch, in the backward
 
     @property
     def update(self) -> float:
@@ -126,14 +132,16 @@ def phases(mv: Movement, grad_accum: int, update_in_backward: bool = False, c_fw
            c_bwd: float = 0.0, ag: float = 0.0, rs: float = 0.0) -> tuple[float, float, float]:
     """(forward, backward, step) seconds from a placement's movement, the compute of one forward and one
     backward and the collectives (all-gather, reduce-scatter) of one micro-batch (module docstring)."""
-    fwd = max(c_fwd, mv.pcie_fwd, mv.nvme_fwd, ag)
-    bwd = max(c_bwd, mv.pcie_bwd, mv.nvme_bwd_read + mv.nvme_bwd_write, ag + rs)
+    pcie_fwd, pcie_bwd = mv.pcie_fwd + mv.act_pcie, mv.pcie_bwd + mv.act_pcie
+    nvme_fwd, nvme_bwd = mv.nvme_fwd + mv.act_nvme_write, mv.nvme_bwd_read + mv.nvme_bwd_write + mv.act_nvme_read
+    fwd = max(c_fwd, pcie_fwd, nvme_fwd, ag)
+    bwd = max(c_bwd, pcie_bwd, nvme_bwd, ag + rs)
     nvme_upd = mv.nvme_upd_read + mv.nvme_upd_write
     if update_in_backward:
-        last = max(c_fwd + c_bwd, mv.pcie_fwd + mv.pcie_bwd + mv.pcie_upd,
-                   mv.nvme_fwd + mv.nvme_bwd_read + mv.nvme_bwd_write + nvme_upd, 2 * ag + rs, mv.adam)
+        last = max(c_fwd + c_bwd, pcie_fwd + pcie_bwd + mv.pcie_upd, nvme_fwd + nvme_bwd + nvme_upd, 2 * ag + rs,
+                   mv.adam)
         return fwd, bwd, (grad_accum - 1) * (fwd + bwd) + last
-    first = max(c_fwd, mv.pcie_fwd + mv.pcie_upd, mv.nvme_fwd + nvme_upd, ag, mv.adam)
+    first = max(c_fwd, pcie_fwd + mv.pcie_upd, nvme_fwd + nvme_upd, ag, mv.adam)
     return fwd, bwd, grad_accum * bwd + (grad_accum - 1) * fwd + first
 
 
@@ -188,6 +196,13 @@ def predict(m: ModelSpec, w: Workload, place: Placement, mc: Machine, sb: StateB
     compute = passes * fwd_flops / rate
     c_fwd, c_bwd = fwd_flops / rate, (passes - 1) * fwd_flops / rate
     mv = movement(shard, place, mc, sb, resident_bytes)
+    moved = offloaded_activation_bytes(m, w)  # activations, per micro-batch and rank
+    if moved:
+        mv = dataclasses.replace(mv, act_pcie=moved / mc.pcie_Bps,
+                                 act_nvme_write=mc.gpus_per_node * moved / mc.nvme_write_Bps
+                                 if w.activations == "nvme" else 0.0,
+                                 act_nvme_read=mc.gpus_per_node * moved / mc.nvme_read_Bps
+                                 if w.activations == "nvme" else 0.0)
 
     coll = (r - 1) / r if r > 1 else 0.0
     ag = coll * sb.params * m.params / mc.interconnect_Bps  # one all-gather of every unit
@@ -197,9 +212,9 @@ def predict(m: ModelSpec, w: Workload, place: Placement, mc: Machine, sb: StateB
     fwd, bwd, step = phases(mv, a, w.update_in_backward, c_fwd, c_bwd, ag, rs)
     resources = {
         "compute": a * compute,
-        "pcie": a * (mv.pcie_fwd + mv.pcie_bwd) + mv.pcie_upd,
-        "nvme read": a * (mv.nvme_fwd + mv.nvme_bwd_read) + mv.nvme_upd_read,
-        "nvme write": a * mv.nvme_bwd_write + mv.nvme_upd_write,
+        "pcie": a * (mv.pcie_fwd + mv.pcie_bwd + 2 * mv.act_pcie) + mv.pcie_upd,
+        "nvme read": a * (mv.nvme_fwd + mv.nvme_bwd_read + mv.act_nvme_read) + mv.nvme_upd_read,
+        "nvme write": a * (mv.nvme_bwd_write + mv.act_nvme_write) + mv.nvme_upd_write,
         "cpu adam": mv.adam,
         "collectives": a * (2 * ag + rs),
     }
