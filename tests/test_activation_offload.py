@@ -25,6 +25,9 @@ from offload.store.swap_file import page_bytes  # noqa: E402
 from offload.telemetry import Queue  # noqa: E402
 from offload.zero.activations import ActivationKey  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero_common import run_torchrun  # noqa: E402
+
 
 def llama(layers: int = 3) -> LlamaForCausalLM:
     torch.manual_seed(0)
@@ -231,12 +234,7 @@ def test_two_ranks_train_bitwise_as_without(tmp_path):
     """)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    script = tmp_path / "two_ranks.py"
-    script.write_text(code)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(script)], capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stderr[-4000:]
+    run_torchrun(code, tmp_path)
     lines = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
     assert all(" SAME True " in x for x in lines), lines
     assert all(int(x.split()[-1]) > 0 for x in lines), lines

@@ -5,7 +5,6 @@ the runtime holds; a resume from a mid-run checkpoint gives the uninterrupted lo
 under torchrun give the one-rank losses; settings it cannot honour are refused with their name."""
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -20,6 +19,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 
 import offload  # noqa: E402
 from offload.integrations.transformers import OFFLOAD_STATE, OffloadTrainer  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero_common import run_torchrun  # noqa: E402
 
 VOCAB, SEQ = 300, 32
 
@@ -181,12 +183,7 @@ def test_two_ranks_under_torchrun_give_the_one_rank_losses(tmp_path, reference):
             if os.environ["RANK"] == "0":
                 print("LOSSES", json.dumps(logged(trainer)), flush=True)
     """)
-    script = tmp_path / "two_ranks.py"
-    script.write_text(code)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(script)], capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stderr[-4000:]
+    out = run_torchrun(code, tmp_path)
     line = next(x for x in out.stdout.splitlines() if x.startswith("LOSSES "))
     assert json.loads(line[len("LOSSES "):]) == pytest.approx(reference[0], rel=1e-5)
 

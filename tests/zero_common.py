@@ -467,3 +467,19 @@ def small_config(**kw):
     kw.setdefault("device_budget", "64MiB")
     kw.setdefault("cpu_budget", "256MiB")
     return offload.Config(**kw)
+
+
+def run_torchrun(code: str, tmp_path, nproc: int = 2, timeout: float = 600):
+    """`code` as a script under `torchrun --standalone --nproc_per_node nproc` (one thread per rank); asserts it
+    exited 0 and returns the CompletedProcess (stdout, stderr as text)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "ranks.py"
+    script.write_text(code)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                          str(nproc), str(script)], capture_output=True, text=True, timeout=timeout,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out
