@@ -18,10 +18,12 @@ Budgets: a tensor moves only if the store has room for it beside what the runtim
 in the backward); else it stays where it is, counted in stats()["kept_bytes"]. Shards of the "activations" class
 are removed from the store as soon as they are back (their swap slots are reused the next step).
 
-Where the bytes are, per saved tensor (`_Ticket`): OUT (the lane is copying it into the store; the original is
-held by that work) -> STORED (the store holds it: cpu tier or swap file) -> BACK (the lane has copied it into a
-fresh compute-device tensor and removed the shard) -> the tensor belongs to autograd. A ticket whose handle
-autograd dropped unused (a forward without backward) is removed from the store by the lane.
+Where the bytes are, per saved tensor (`_Ticket`): OUT (the lane is copying it, piece by piece, into the store;
+the original is held by that work) -> STORED (the store holds its pieces: cpu tier or swap file; or, when the lane
+found no room after all, `kept`: the original itself) -> BACK (the lane has copied the pieces into a fresh
+compute-device tensor and removed their shards) -> the tensor belongs to autograd. A ticket whose handle autograd
+dropped unused (a forward without backward) has its shards removed by the lane. Counters (`stats`) are written
+by both threads, under the lock.
 """
 from __future__ import annotations
 
@@ -180,7 +182,8 @@ class ActivationOffloader:
         self._count += 1
         ticket = self._claim(index, t, nbytes)
         if ticket is None:
-            self.stats.kept_bytes += nbytes
+            with self._lock:  # (the lane counts too)
+                self.stats.kept_bytes += nbytes
             return t
         ready = record(self.device)  # the forward's kernels that wrote t, queued before this point
         ticket.out = self.lane.submit("activation out", self._copy_out, ticket, t, ready)
@@ -236,7 +239,8 @@ class ActivationOffloader:
                 for k in ticket.keys:
                     self.store.unregister(k)
                 ticket.kept = t
-                self.stats.kept_bytes += ticket.nbytes
+                with self._lock:
+                    self.stats.kept_bytes += ticket.nbytes
                 return
             try:
                 buf = lease.wait()
@@ -250,8 +254,9 @@ class ActivationOffloader:
                 released = lease.release()
             if self.home is Tier.NVME:
                 self._writes.append(released)
-        self.stats.moved_bytes += ticket.nbytes
-        self.stats.moved_tensors += 1
+        with self._lock:
+            self.stats.moved_bytes += ticket.nbytes
+            self.stats.moved_tensors += 1
 
     # ---- unpack: autograd asks for it back --------------------------------------------------------
     def _unpack(self, saved):
@@ -261,7 +266,8 @@ class ActivationOffloader:
             return saved.value
         ticket = saved.ticket
         if ticket.back is not None:
-            self.stats.read_ahead_hits += 1
+            with self._lock:
+                self.stats.read_ahead_hits += 1
         self._read_ahead(ticket.keys[0])
         fut = self._bring_back(saved)
         if not fut.done():
