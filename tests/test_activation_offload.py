@@ -188,6 +188,36 @@ def test_a_forward_without_backward_is_cleaned_up(tmp_path):
         assert rt.activations.in_store() == 0
 
 
+def no_saved_tensor_hooks_open() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+@pytest.mark.parametrize("how", ["built inside, wrapped by hand", "built inside, wrapped at first use",
+                                 "built outside", "a forward that raises"])
+def test_the_hooks_are_open_during_the_forward_only(tmp_path, how):
+    """Every forward of a wrapped model opens the saved-tensor hooks once and closes them: a model built inside
+    the block and wrapped by hand (as offload finetune does) opened them twice at its first forward and closed
+    them once, and every later forward in the process, with or without offload, packed into a closed store."""
+    cfg = offload.Config(params="cpu", optimizer="cpu", nvme_path=str(tmp_path), cpu_budget="64MiB",
+                         device_budget="64MiB", activations="nvme", activations_min_size="16KiB")
+    model = llama(2) if how == "built outside" else None
+    with offload.init(cfg) as rt:
+        if model is None:
+            model = llama(2)
+        if how != "built inside, wrapped at first use":
+            rt.wrap(model)
+        ids = batches(1)[0]
+        if how == "a forward that raises":
+            with pytest.raises(IndexError):
+                model(input_ids=ids + 10_000)  # past the vocabulary: the embedding raises inside the forward
+            assert no_saved_tensor_hooks_open()
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            assert no_saved_tensor_hooks_open()
+        assert rt.stats()["activations"]["moved_tensors"] > 0
+    assert no_saved_tensor_hooks_open()
+
+
 def test_the_store_removes_a_shard_and_reuses_its_room(tmp_path):
     from offload.store import LeaseMode, StoreConfig, TieredStore
 

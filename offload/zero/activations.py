@@ -352,7 +352,10 @@ class ActivationOffloader:
         self.lane.drain()
 
     def close(self) -> None:
-        """Finish the lane's work and stop it; shards still in the store go with the store."""
+        """Finish the lane's work and stop it; shards still in the store go with the store. Hooks still open (a
+        forward cut short where no post-hook ran) are closed: they would pack into a closed store."""
+        while self._depth:
+            self.exit()
         try:
             self.drain()
         finally:

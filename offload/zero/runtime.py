@@ -309,12 +309,14 @@ class Runtime:
     def _auto_wrap(self, module, args):
         if not self._pending:
             return None
+        wrapped_before = {id(m) for m in self.models}
         self.materialize_pending()
         unit = getattr(module, "_offload_unit_obj", None)
         if unit is not None and unit.state is UnitState.SHARDED:
             unit.unshard()  # its own pre-hook was registered too late for this call
-        if self.activations is not None and any(module is m for m in self.models):
-            self.activations.enter()  # likewise; the forward hook registered with it runs at this call's end
+        if (self.activations is not None and id(module) not in wrapped_before
+                and any(module is m for m in self.models)):
+            self.activations.enter()  # likewise (only a model wrapped just now); its forward hook runs at the end
         return None
 
     def materialize_pending(self) -> list[nn.Module]:
