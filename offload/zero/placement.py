@@ -69,13 +69,14 @@ def equal_chunk(shard_numel: int, chunk_numel: int) -> int:
 
 
 def fit_chunk(chunk_numel: int, shard_numels: list[int]) -> int:
-    """The chunk length, shortened so that the most common unit's shard (a repeated block) splits into equal
-    chunks of exactly it: most working copies then fill their staging slot (the largest chunk) to the byte,
-    and every other unit's equal chunks are no longer."""
+    """The chunk length, shortened so that the shard size holding the most elements in all (a repeated block's)
+    splits into equal chunks of exactly it: most working copies then fill their staging slot (the largest chunk)
+    to the byte, and every other unit's equal chunks are no longer. By elements, not by count: 16 LoRA adapters
+    of 2048 elements each outnumber 4 blocks of 850K, and cut to their size every block took 415 chunks."""
     counts = collections.Counter(n for n in shard_numels if n)
     if not counts:
         return chunk_numel
-    common = max(counts, key=lambda n: (counts[n], n))
+    common = max(counts, key=lambda n: (counts[n] * n, n))
     return min(chunk_numel, equal_chunk(common, chunk_numel))
 
 

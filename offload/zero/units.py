@@ -8,6 +8,11 @@ Policies (offload.Config):
   update would hold back the next forward.
 - unit_classes: every instance of the named classes (outermost wins, no nesting).
 - unit_min_bytes: post-order, every submodule whose not-yet-claimed parameters reach the threshold.
+Trainable islands (every policy): in a unit whose parameters are mostly frozen, each outermost submodule whose
+parameters all train is a unit of its own (LoRA's adapters inside a frozen block), so the frozen unit has no
+gradient, no optimizer state and is never written back, and only the islands train. Islands stay gathered (as
+units under persist_threshold do): adapters are small, and a gather of each per forward and backward costs more
+than it saves.
 Everything else belongs to the root unit (the wrapped model). A parameter reachable from two units (a
 weight shared between blocks, or between a block and the root) is owned by the root, so it is gathered
 for the whole forward and backward and every user sees the same storage.
@@ -26,6 +31,7 @@ class UnitSpec:
     name: str  # qualified module name ("" for the root)
     module: nn.Module
     params: list  # [(param, [(module, attr)], fqn)] owned by this unit, in first-seen order
+    island: bool = False  # a trainable island (module docstring): small, kept gathered
 
 
 def _matches(module: nn.Module, classes: tuple) -> bool:
@@ -124,11 +130,59 @@ def _large_leftovers(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> li
     return picked
 
 
+def _all_train(module: nn.Module) -> bool:
+    params = list(module.parameters())
+    return bool(params) and all(p.requires_grad for p in params)
+
+
+def trainable_islands(root: nn.Module, units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each outermost submodule, not a unit already nor a ModuleDict / ModuleList (never called
+    itself: PEFT calls `lora_A["default"]`), whose parameters all train and whose enclosing unit (the innermost
+    of `units` holding it, else the root) is mostly frozen."""
+    if all(p.requires_grad for p in root.parameters()):
+        return []
+    modules = dict(root.named_modules())
+    unit_names = {n for n, _ in units}
+
+    def enclosing(name: str) -> nn.Module:
+        best = ""
+        for n in unit_names:
+            if (name == n or name.startswith(n + ".")) and len(n) > len(best):
+                best = n
+        return modules[best] if best else root
+
+    def callable_island(module: nn.Module) -> bool:  # a container is never called: its hooks would never run
+        return _all_train(module) and not isinstance(module, (nn.ModuleDict, nn.ModuleList))
+
+    picked: list[tuple[str, nn.Module]] = []
+    for name, module in root.named_modules():
+        if module is root or name in unit_names or not callable_island(module):
+            continue
+        parent = name.rpartition(".")[0]
+        if callable_island(modules[parent] if parent else root) or any(name.startswith(n + ".") for n, _ in picked):
+            continue  # not the outermost such module
+        if _mostly_frozen(enclosing(name)):
+            picked.append((name, module))
+    return picked
+
+
+def _mostly_frozen(module: nn.Module) -> bool:
+    """At least as many frozen parameters as trainable ones under `module` (a block LoRA adapts; not a model
+    that freezes a small table or two, whose units stay as they are)."""
+    frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
+    return frozen > 0 and frozen >= sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
 def discover_units(root: nn.Module, cfg: Config) -> list[UnitSpec]:
     """Units with the parameters each owns; index 0 is the root unit."""
     blocks = choose_unit_modules(root, cfg)
+    islands = trainable_islands(root, blocks)
+    if islands:
+        order = {id(m): i for i, (_, m) in enumerate(root.named_modules())}
+        blocks = sorted(blocks + islands, key=lambda nm: order[id(nm[1])])
     block_prefixes = [(n, i + 1) for i, (n, _) in enumerate(blocks)]
-    specs = [UnitSpec("", root, [])] + [UnitSpec(n, m, []) for n, m in blocks]
+    island_ids = {id(m) for _, m in islands}
+    specs = [UnitSpec("", root, [])] + [UnitSpec(n, m, [], id(m) in island_ids) for n, m in blocks]
 
     def owner_of(module_name: str) -> int:
         best, best_len = 0, -1

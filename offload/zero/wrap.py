@@ -34,7 +34,7 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
     for k, s in enumerate(specs):
         layout = FlatLayout(s.params, rt.world_size)
         new.append(placement.UnitSize(len(rt.units) + k, s.name, type(s.module).__name__, layout,
-                                      s.name == "" or layout.padded_numel * width <= persist))
+                                      s.name == "" or s.island or layout.padded_numel * width <= persist))
     in_use = {t: rt.states.nbytes_in(t) for t in ("device", "cpu")}
     place = placement.plan(sizes + new, new, rt.params_tier, rt.optimizer_tier, rt.budgets, in_use,
                            rt.compute_dtype, cfg.bytes_of("chunk_size"), cfg.nvme_path, grads=cfg.grads,
@@ -78,7 +78,7 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
             if shards.tiers.grads is not shards.tiers.optimizer:
                 unit.register_grads()  # now, so the next wrap's placement sees their bytes in use
             _adopt(rt, unit, spec, ordinal)
-            if layout.padded_numel * width <= persist:
+            if spec.island or layout.padded_numel * width <= persist:
                 unit.unshard()
                 unit.persistent = True
     # Buffers are replicated, not sharded: moved to the compute device, and floating ones cast to the
