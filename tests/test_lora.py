@@ -60,6 +60,8 @@ def test_islands_are_the_adapters_not_their_containers():
     assert len(names) == 3 * 2 * 2  # 3 layers x (q, v) x (A, B)
     assert all(n.endswith((".lora_A.default", ".lora_B.default")) for n in names)  # the Linear PEFT calls
     assert trainable_islands(base_model(), []) == []  # nothing frozen: nothing to do
+    half = torch.nn.Sequential(torch.nn.Linear(64, 64).requires_grad_(False), torch.nn.Linear(64, 4))
+    assert trainable_islands(half, []) == []  # a block that freezes a part (16:1) keeps its units as they are
 
 
 @pytest.mark.parametrize("home", ["nvme", "cpu"])

@@ -8,7 +8,7 @@ Policies (offload.Config):
   update would hold back the next forward.
 - unit_classes: every instance of the named classes (outermost wins, no nesting).
 - unit_min_bytes: post-order, every submodule whose not-yet-claimed parameters reach the threshold.
-Trainable islands (every policy): in a unit whose parameters are mostly frozen, each outermost submodule whose
+Trainable islands (every policy): in a unit whose parameters are nearly all frozen, each outermost submodule whose
 parameters all train is a unit of its own (LoRA's adapters inside a frozen block), so the frozen unit has no
 gradient, no optimizer state and is never written back, and only the islands train. Islands stay gathered (as
 units under persist_threshold do): adapters are small, and a gather of each per forward and backward costs more
@@ -166,11 +166,16 @@ def trainable_islands(root: nn.Module, units: list[tuple[str, nn.Module]]) -> li
     return picked
 
 
+ISLAND_RATIO = 32  # islands only where the frozen parameters outnumber the trainable ones this many times
+
+
 def _mostly_frozen(module: nn.Module) -> bool:
-    """At least as many frozen parameters as trainable ones under `module` (a block LoRA adapts; not a model
-    that freezes a small table or two, whose units stay as they are)."""
+    """The frozen parameters under `module` outnumber the trainable ones ISLAND_RATIO times: a block LoRA adapts
+    (a 4096-wide layer with r=8 adapters: over 1000 times), where the states and write-backs the islands save
+    outweigh their units' own cost. A block that freezes half its weights, or a model that freezes a table,
+    keeps its units as they are."""
     frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
-    return frozen > 0 and frozen >= sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return frozen > 0 and frozen >= ISLAND_RATIO * sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
 def discover_units(root: nn.Module, cfg: Config) -> list[UnitSpec]:
