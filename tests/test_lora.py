@@ -38,9 +38,7 @@ def batch():
     return ids
 
 
-def train_in_memory():
-    model = with_lora(base_model())
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+def train_steps(model, opt, after_each=lambda: None) -> list[float]:
     ids, losses = batch(), []
     for _ in range(STEPS):
         loss = model(input_ids=ids, labels=ids).loss
@@ -48,7 +46,14 @@ def train_in_memory():
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return model, losses
+        after_each()
+    return losses
+
+
+def train_in_memory():
+    model = with_lora(base_model())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return model, train_steps(model, opt)
 
 
 def test_islands_are_the_adapters_not_their_containers():
@@ -78,15 +83,9 @@ def test_lora_over_an_offloaded_base_trains_as_peft_in_memory(tmp_path, home):
         assert {u.name.rsplit(".", 1)[-1] for u in rt.units if u.layout.trainable} == {"default"}  # only adapters
         assert len(frozen) == 4  # the root and the 3 blocks
         opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        ids, losses, written = batch(), [], []
-        for _ in range(STEPS):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            rt.quiesce()
-            written.append(rt.stats()["nvme_written_bytes"])
+        written = []
+        losses = train_steps(model, opt, lambda: (rt.quiesce(), written.append(rt.stats()["nvme_written_bytes"])))
+        ids = batch()
         held = rt.full_state_dict(model)
         model.save_pretrained(tmp_path / "adapter")  # PEFT's own save, through the wrapped state_dict
         logits = model(input_ids=ids).logits.detach()
