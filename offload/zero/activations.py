@@ -233,7 +233,7 @@ class ActivationOffloader:
         flat = t.view(-1)
         if t.is_cuda:
             wait(ready, self.device)  # the lane's stream: t's bytes are written by kernels queued before pack
-        for n, (key, (lo, hi)) in enumerate(zip(ticket.keys, ticket.bounds)):
+        for key, (lo, hi) in zip(ticket.keys, ticket.bounds):
             lease = self._lease_out(key)
             if lease is None:
                 for k in ticket.keys:
