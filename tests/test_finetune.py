@@ -124,6 +124,40 @@ def test_output_gives_the_runtimes_logits(tmp_path, tiny_model, text_file):
     assert r.losses[-1] < r.losses[0]
 
 
+def test_lora_run_writes_an_adapter_peft_loads_and_the_merged_model(tmp_path, tiny_model, text_file):
+    """--lora-r: PEFT's adapters over the streamed base; OUTPUT is the adapter (PeftModel.from_pretrained over the
+    base gives the trained runtime model's logits; so does OUTPUT/merged with transformers alone); only the
+    adapters train; the base's files are untouched."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+
+    captured = {}
+    ids = torch.arange(2 * 24).view(2, 24) % 300
+
+    def on_trained(rt, model):
+        with torch.no_grad():
+            captured["logits"] = model(input_ids=ids).logits.float()
+
+    base_bytes = (tiny_model / "model.safetensors").read_bytes()
+    cfg = FinetuneConfig(model=str(tiny_model), data=str(text_file), steps=3, seq_len=64, compute_dtype="fp32",
+                         output=str(tmp_path / "out"), cpu_budget="8MiB", save_every=2, lr=1e-2, lora_r=4,
+                         lora_targets="q_proj,v_proj,o_proj", lora_merge=True)
+    r = finetune(cfg, on_trained=on_trained)
+    # 2 layers x (q: 64->64, v: 64->32, o: 64->64) adapters of rank 4: A is 4 x in, B is out x 4
+    assert r.trainable_params == 2 * 4 * ((64 + 64) + (64 + 32) + (64 + 64)) and r.n_params > 30 * r.trainable_params
+    assert (r.output / "adapter_model.safetensors").is_file() and (r.output / "tokenizer.json").is_file()
+    assert (r.output / "checkpoint-2" / "adapter_config.json").is_file()  # --save-every: adapters too
+    assert not any(p.name.startswith(".partial") for p in r.output.iterdir())
+    assert (tiny_model / "model.safetensors").read_bytes() == base_bytes
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), r.output)
+    merged = AutoModelForCausalLM.from_pretrained(r.merged)
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, captured["logits"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(merged(input_ids=ids).logits, captured["logits"], rtol=1e-4, atol=1e-4)
+        base = AutoModelForCausalLM.from_pretrained(tiny_model)(input_ids=ids).logits
+    assert not torch.allclose(base, captured["logits"], atol=1e-3)  # the adapters did train
+
+
 @pytest.mark.parametrize("shard", [2 << 30, 100 << 10], ids=["one-file", "sharded"])
 def test_saved_weights_get_the_mode_of_the_other_files(tmp_path, tiny_model, shard):
     """safetensors creates its files 0600: the weights would be private while config.json and the tokenizer
@@ -295,6 +329,8 @@ def _fails(capsys, args, *needles):
     (["--seq-len", "0"], "--seq-len must be at least 1 (got 0)"),
     (["--lr", "-1"], "--lr must be positive (got -1.0)"),
     (["--weight-decay", "-3"], "--weight-decay must be 0 or more (got -3.0)"),
+    (["--lora-r", "8"], "--lora-r trains adapters over a pretrained base: give --model DIR"),
+    (["--lora-alpha", "16"], "--lora-alpha and --lora-merge go with --lora-r R"),
 ])
 def test_out_of_range_settings_are_one_line_not_a_traceback(capsys, args, says):
     """Raised by FinetuneConfig's own checks, which ran outside the CLI's error handling (a traceback, rc 1)."""
@@ -380,6 +416,9 @@ def test_model_directory_errors(tmp_path, capsys, tiny_model, text_file):
     # a sequence length above the model's maximum (128)
     _fails(capsys, ["--model", str(tiny_model), *data, "--seq-len", "256"], "--seq-len 256", "128",
            "max_position_embeddings")
+    # LoRA targets the model does not have: the flag, PEFT's words and the names it does have
+    _fails(capsys, ["--model", str(tiny_model), *data, "--lora-r", "4", "--lora-targets", "query,value"],
+           "--lora-targets query,value", "not found", "'q_proj'", "'down_proj'")
     assert not (tmp_path / "out").exists()
 
 

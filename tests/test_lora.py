@@ -3,8 +3,6 @@ blocks become units of their own, so the frozen blocks get no gradient, no optim
 back. Asserted: the adapters train as PEFT in memory does (fp32), the base's values are unchanged bit for bit and
 the base moves no nvme write, the adapter directory PEFT writes from the wrapped model loads in PEFT and gives
 the trained model's logits, and the Trainer integration trains a PEFT model as Trainer does."""
-import os
-import sys
 
 import pytest
 import torch
@@ -139,3 +137,94 @@ def test_the_trainer_trains_a_peft_model_as_trainer_does(tmp_path):
     def losses(t):
         return [h["loss"] for h in t.state.log_history if "loss" in h and "train_runtime" not in h]
     assert losses(trainer) == pytest.approx(losses(ref), rel=1e-5)
+
+
+# ---- PEFT applied to placeholders: a base streamed from its files, adapters initialized as PEFT does -------------
+def lora_config(**kw):
+    return LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], **kw)
+
+
+def test_a_peft_model_over_a_streamed_base_starts_as_the_base_and_trains_as_peft_in_memory(tmp_path):
+    """load_peft_model: the base streams from safetensors under PEFT's names, the adapters start as PEFT's own init
+    (B zero: the model's logits are the base's; A kaiming-uniform); trained, the adapters follow PEFT in memory
+    started from the same values; save_adapter writes what PeftModel.from_pretrained loads, merged_params what
+    PEFT's merge_and_unload gives."""
+    from offload.integrations.lora import load_peft_model, merged_params, save_adapter
+
+    base_model().save_pretrained(tmp_path / "base")
+    ids = batch()
+    with torch.no_grad():
+        base_logits = base_model()(input_ids=ids).logits
+    cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), cpu_budget="6MiB",
+                         device_budget="64MiB")
+    with offload.init(cfg) as rt:
+        model = load_peft_model(tmp_path / "base", lora_config())
+        start = dict(rt.iter_full_params(model, trainable_only=True))
+        assert len(start) == 3 * 2 * 2 and {n for n, p in model.named_parameters() if p.requires_grad} == set(start)
+        for name, value in start.items():
+            if ".lora_B." in name:
+                assert not value.any(), name  # PEFT's rule: a new adapter changes nothing
+            else:  # nn.Linear's kaiming_uniform(a=sqrt(5)): uniform within 1/sqrt(fan_in)
+                assert value.std() > 0.2 / 128 ** 0.5 and value.abs().max() <= 1 / 128 ** 0.5, name
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, base_logits, rtol=0, atol=1e-5)
+        opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = train_steps(model, opt)
+        trained = dict(rt.iter_full_params(model, trainable_only=True))
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        save_adapter(rt, model, tmp_path / "adapter")
+        merged = {n: v.clone() for n, v in merged_params(rt, model)}
+
+    ref = with_lora(base_model())
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.requires_grad:
+                p.copy_(start[name])
+    ref_losses = train_steps(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2))
+    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=1e-6)
+    ref_sd = ref.state_dict()
+    for name, value in trained.items():
+        torch.testing.assert_close(value, ref_sd[name], rtol=0, atol=1e-5)  # as the wrapped-model test above
+
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["README.md", "adapter_config.json",
+                                                                        "adapter_model.safetensors"]
+    loaded = PeftModel.from_pretrained(base_model(), tmp_path / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, logits, rtol=0, atol=1e-5)
+    unloaded = loaded.merge_and_unload().state_dict()
+    assert set(merged) == set(unloaded), (set(merged) ^ set(unloaded))
+    for name, value in merged.items():
+        torch.testing.assert_close(value, unloaded[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(init_lora_weights="pissa"), "init_lora_weights='pissa'"),
+    (dict(use_dora=True), "DoRA"),
+])
+def test_peft_inits_that_read_the_base_are_refused_on_placeholders(tmp_path, kw, says):
+    with offload.init(offload.Config(nvme_path=str(tmp_path), cpu_budget="16MiB", device_budget="64MiB")) as rt:
+        model = get_peft_model(LlamaForCausalLM(base_model().config), lora_config(**kw))  # placeholders
+        with pytest.raises(ValueError, match=says) as err:
+            rt.wrap(model)
+    assert "outside the block" in str(err.value)
+
+
+def test_adapters_added_after_the_model_is_sharded_are_refused_with_the_fix(tmp_path):
+    """get_peft_model on a sharded model (rt.wrap, or from_pretrained inside the block, shards it): the adapters are
+    no unit's; the next forward (or rt.wrap) says so, naming them and the order that works."""
+    base_model().save_pretrained(tmp_path / "base")
+    cfg = offload.Config(nvme_path=str(tmp_path), cpu_budget="16MiB", device_budget="64MiB")
+    with offload.init(cfg) as rt:
+        model = get_peft_model(LlamaForCausalLM.from_pretrained(tmp_path / "base"), lora_config())  # streamed: sharded
+        with pytest.raises(RuntimeError, match=r"does not manage \(base_model\.model\.model\.layers\.0\.self_attn"
+                                               r"\.q_proj\.lora_A\.default\.weight.*\(12 in all\)") as err:
+            model(input_ids=batch())
+        assert "load_peft_model" in str(err.value)
+        with pytest.raises(RuntimeError, match="does not manage"):
+            rt.wrap(model)
+    with offload.init(cfg) as rt:
+        rt.stop_capturing()  # modules built from now on are plain torch ones: PEFT's adapters are real tensors
+        plain = rt.wrap(base_model())
+        with pytest.raises(RuntimeError, match=r"does not manage .*get_peft_model"):
+            get_peft_model(plain, lora_config())(input_ids=batch())

@@ -22,6 +22,7 @@ from .job import FinetuneConfig, FinetuneResult
 def result_json(r: FinetuneResult) -> dict:
     out = dataclasses.asdict(r)
     out["output"] = str(r.output)
+    out["merged"] = None if r.merged is None else str(r.merged)
     return out
 
 
@@ -126,7 +127,9 @@ def run_finetune(args: argparse.Namespace) -> int:
         return 0
     timed = r.step_seconds[1:] or r.step_seconds
     step_s = statistics.median(timed)
-    print(f"\n{r.n_params / 1e6:.1f}M parameters, params on {r.params_tier}, optimizer on {r.optimizer_tier}, "
+    trains = (f" ({r.trainable_params / 1e6:.2f}M in LoRA adapters, the rest frozen)"
+              if r.trainable_params < r.n_params else "")
+    print(f"\n{r.n_params / 1e6:.1f}M parameters{trains}, params on {r.params_tier}, optimizer on {r.optimizer_tier}, "
           f"{r.world_size} rank(s); {len(r.losses)} steps of {r.tokens_per_step} tokens")
     print(f"train loss      {r.losses[0]:.4f} (step {r.first_step + 1}) -> {r.losses[-1]:.4f} "
           f"(step {r.first_step + len(r.losses)})")
@@ -146,7 +149,12 @@ def run_finetune(args: argparse.Namespace) -> int:
     for c in r.checkpoints[-1:]:
         print(f"checkpoint      {c['path']} ({format_size(c['bytes'])} in {c['seconds']:.2f} s; "
               f"{len(r.checkpoints)} saved, resume with --resume)")
-    print(f"saved to        {r.output}  (AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained)")
+    if args.lora_r:
+        print(f"saved to        {r.output}  (the adapter: PeftModel.from_pretrained(base, {str(r.output)!r}))")
+        if r.merged is not None:
+            print(f"merged into     {r.merged}  (AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained)")
+    else:
+        print(f"saved to        {r.output}  (AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained)")
     return 0
 
 
@@ -207,6 +215,15 @@ def add_finetune_parser(sub) -> None:
                    help="where the tensors the forward saves for the backward wait (with --grad-checkpointing: each "
                         "block's input): on the compute device (none, the default), the cpu tier or the swap "
                         "directory (offload.Config.activations)")
+    p.add_argument("--lora-r", type=int, default=d.lora_r,
+                   help="train LoRA adapters of this rank over the frozen base (PEFT), instead of every weight; "
+                        "OUTPUT then holds the adapter (PeftModel.from_pretrained(base, OUTPUT) loads it)")
+    p.add_argument("--lora-alpha", type=float, help="LoRA's scale numerator, scaling = alpha / r (default 2 x --lora-r)")
+    p.add_argument("--lora-targets", default=d.lora_targets,
+                   help="comma-separated names of the Linear layers the adapters wrap")
+    p.add_argument("--lora-dropout", type=float, default=d.lora_dropout, help="dropout on the adapters' input")
+    p.add_argument("--lora-merge", action="store_true",
+                   help="also write the base with the adapters merged into its weights, to OUTPUT/merged")
     p.add_argument("--config", dest="offload_config",
                    help="an offload Config JSON or a DeepSpeed JSON (zero_optimization); flags override it")
     p.add_argument("--save-every", type=int, default=d.save_every,

@@ -29,11 +29,11 @@ class ModelDirError(InputError):
     """A model directory that cannot be loaded; the message names the path and the fix."""
 
 
-def _alias_names(model: nn.Module) -> dict[int, list[str]]:
-    """id(parameter) -> every qualified name it has (tied weights have several)."""
+def _alias_names(model: nn.Module, rename=None) -> dict[int, list[str]]:
+    """id(parameter) -> every qualified name it has (tied weights have several), each through `rename`."""
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
+        names.setdefault(id(p), []).append(rename(name) if rename is not None else name)
     return names
 
 
@@ -85,13 +85,17 @@ class HFModelDir:
 
         return AutoConfig.from_pretrained(str(self.path))
 
-    def check(self, model: nn.Module) -> list[str]:
+    def check(self, model: nn.Module, rename=None, skip: frozenset = frozenset()) -> list[str]:
         """Raise (naming file, tensor and shapes) unless every parameter of `model` is in the files with its
-        shape; return the names in the files that the model does not use (ignored, as transformers does)."""
+        shape; return the names in the files that the model does not use (ignored, as transformers does).
+        rename maps the model's names to the files' (a PEFT model's to its base's); parameters in `skip` (ids) are
+        not in the files (new adapters)."""
         errors, used = [], set()
-        params = dict(model.named_parameters(remove_duplicate=False))
-        for names in _alias_names(model).values():
-            p = params[names[0]]
+        params = {id(p): p for p in model.parameters()}
+        for pid, names in _alias_names(model, rename).items():
+            if pid in skip:
+                continue
+            p = params[pid]
             hit = next((n for n in names if n in self.entries), None)
             if hit is None:
                 errors.append(f"{names[0]} is missing")
@@ -106,13 +110,16 @@ class HFModelDir:
                                 "weights and config.json must come from the same model")
         return sorted(set(self.entries) - used)
 
-    def weights(self, model: nn.Module):
-        """A callable (name, meta parameter) -> fp32 host tensor, for rt.wrap(model, weights=...)."""
+    def weights(self, model: nn.Module, rename=None, initialize: frozenset = frozenset()):
+        """A callable (name, meta parameter) -> fp32 host tensor, for rt.wrap(model, weights=...); rename as in
+        check; None for the parameters in `initialize` (ids), which the runtime initializes."""
         from safetensors import safe_open
 
-        aliases = _alias_names(model)
+        aliases = _alias_names(model, rename)
 
-        def read(name: str, meta: torch.Tensor) -> torch.Tensor:
+        def read(name: str, meta: torch.Tensor) -> torch.Tensor | None:
+            if id(meta) in initialize:
+                return None
             hit = next(n for n in aliases.get(id(meta), [name]) if n in self.entries)
             f, _ = self.entries[hit]
             # opened per tensor: the mapping (and the page cache it pins in this process's RSS) goes with it
@@ -130,13 +137,14 @@ def _persistent_buffers(model: nn.Module):
 
 
 def save_pretrained(rt, model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
-                    max_shard_bytes: int = 2 << 30, dtype: torch.dtype = torch.float32) -> Path:
+                    max_shard_bytes: int = 2 << 30, dtype: torch.dtype = torch.float32, params=None) -> Path:
     """Write `model` (wrapped by `rt`) as a Hugging Face directory `out_dir`. Collective: every rank takes
-    part in the gathers (one unit at a time); rank 0 writes. Returns the directory."""
+    part in the gathers (one unit at a time); rank 0 writes. params: (name, value) pairs to write instead of
+    the model's own (a LoRA model's merged base: offload.integrations.lora.merged_params). Returns the directory."""
 
     def tensors():
         last = None
-        for name, value in rt.iter_full_params(model):  # one unit gathered at a time (all ranks)
+        for name, value in params if params is not None else rt.iter_full_params(model):  # a unit at a time
             if value is not last:  # a tied weight comes once per name, the same tensor: stored once, under its
                 yield name, value.to(dtype)  # first name (as transformers does)
             last = value

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ..config import Config, deepspeed_fields, parse_size
 from .batches import IGNORE, Sampler, TokenBlocks, build_blocks, split_heldout
 from .hf_model_dir import HFModelDir, save_pretrained
+from ..integrations.lora import base_weights, merged_params, save_adapter
 from . import preflight
 from .corpus import DataError, read_data_file, stdlib_corpus
 from ..errors import InputError
@@ -68,6 +69,11 @@ class FinetuneConfig:
     update_in_backward: bool | None = None  # Config.update_in_backward (opt-in; default off)
     activations: str | None = None  # Config.activations: none, cpu or nvme (default none)
     grad_checkpointing: bool = False
+    lora_r: int = 0  # LoRA rank: train PEFT adapters over the frozen base (0: a full fine-tune)
+    lora_alpha: float | None = None  # LoRA's scale numerator (scaling = alpha / r); None: 2 x lora_r
+    lora_targets: str = "q_proj,v_proj"  # comma-separated module names the adapters wrap
+    lora_dropout: float = 0.0
+    lora_merge: bool = False  # also write the base with the adapters merged, to OUTPUT/merged
     offload_config: str | None = None  # an offload Config JSON or a DeepSpeed JSON; the flags above override
     save_every: int = 0  # also save to OUTPUT/checkpoint-STEP every this many steps (0: only at the end)
     checkpoint_every: int = 0  # a resumable checkpoint (rt.save_checkpoint) every this many steps (0: none)
@@ -101,6 +107,18 @@ class FinetuneConfig:
         for name in ("save_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise InputError(f"--{name.replace('_', '-')} must be 0 (never) or more (got {getattr(self, name)})")
+        if self.lora_r < 0:
+            raise InputError(f"--lora-r must be 0 (a full fine-tune) or more (got {self.lora_r})")
+        if not self.lora_r and (self.lora_alpha is not None or self.lora_merge):
+            raise InputError("--lora-alpha and --lora-merge go with --lora-r R (the adapters' rank); without it the "
+                             "run is a full fine-tune")
+        if self.lora_r and self.model is None:
+            raise InputError("--lora-r trains adapters over a pretrained base: give --model DIR (the built-in model is "
+                             "randomly initialized and not saved, so its adapters would have no base to load on)")
+        if not 0 <= self.lora_dropout < 1:
+            raise InputError(f"--lora-dropout must be in [0, 1) (got {self.lora_dropout})")
+        if self.lora_r and not [t for t in self.lora_targets.split(",") if t.strip()]:
+            raise InputError("--lora-targets names no module; give module names such as q_proj,v_proj")
         try:
             parse_size(self.max_shard_size, "--max-shard-size")
         except ValueError as exc:
@@ -125,6 +143,8 @@ class FinetuneResult:
     optimizer_tier: str
     world_size: int
     ignored_weights: list[str] = dataclasses.field(default_factory=list)
+    trainable_params: int = 0  # all of n_params in a full fine-tune; the adapters' with --lora-r
+    merged: Path | None = None  # --lora-merge: the base with the adapters merged
     checkpoints: list[dict] = dataclasses.field(default_factory=list)  # {"path", "bytes", "seconds"} per save
 
 
@@ -164,6 +184,35 @@ def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
         return Config(**{"seed": cfg.seed, **from_file, **chosen})
     except (TypeError, ValueError) as exc:
         raise InputError(f"the runtime settings: {as_flags(str(exc))}") from None
+
+
+def _lora_alpha(cfg: FinetuneConfig) -> float:
+    return cfg.lora_alpha if cfg.lora_alpha is not None else 2.0 * cfg.lora_r
+
+
+def _with_lora(model, cfg: FinetuneConfig):
+    """PEFT's LoRA adapters over `model` (placeholders inside the runtime's block), from the --lora-* flags."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    config = LoraConfig(r=cfg.lora_r, lora_alpha=_lora_alpha(cfg), lora_dropout=cfg.lora_dropout,
+                        target_modules=targets, task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:  # PEFT: "Target modules {...} not found in the base model"
+        linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise InputError(f"--lora-targets {cfg.lora_targets}: {exc}; this model's Linear layers are named {linears}") \
+            from None
+
+
+def _save(rt, model, cfg: FinetuneConfig, out: Path, tokenizer) -> Path:
+    """The fine-tuned model (a full fine-tune) or its adapters (--lora-r), with the tokenizer, into `out`."""
+    if not cfg.lora_r:
+        return save_pretrained(rt, model, out, tokenizer, parse_size(cfg.max_shard_size, "--max-shard-size"))
+    save_adapter(rt, model, out)
+    if rt.rank == 0 and tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
 
 
 def _load_examples(cfg: FinetuneConfig):
@@ -326,8 +375,10 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
     try:
         with offload.init(rcfg) as rt:
             model = AutoModelForCausalLM.from_config(inputs.hf_config)  # meta placeholders: nothing allocated yet
+            if cfg.lora_r:  # on the placeholders, so the adapters are units of their own when the model shards
+                model = _with_lora(model, cfg)
             if model_dir is not None:
-                rt.wrap(model, weights=model_dir.weights(model))
+                rt.wrap(model, weights=base_weights(model_dir, model) if cfg.lora_r else model_dir.weights(model))
             else:
                 rt.wrap(model)
             if cfg.grad_checkpointing:
@@ -337,13 +388,16 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                 else:
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
                 model.config.use_cache = False
-            opt = offload.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            trained = [p for p in model.parameters() if p.requires_grad]
+            opt = offload.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
             sampler = Sampler(len(train), cfg.micro_batch, cfg.grad_accum, rt.world_size, cfg.seed)
             steps = cfg.steps or (math.ceil(cfg.epochs * len(train) / sampler.global_batch) if cfg.epochs else 150)
             warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, steps // 20)
             sched = get_cosine_with_min_lr_schedule_with_warmup(opt, warmup, steps, min_lr_rate=cfg.min_lr_ratio)
             run_key = {"seq_len": cfg.seq_len, "global_micro_batch": cfg.micro_batch * rt.world_size,
                        "grad_accum": cfg.grad_accum, "seed": cfg.seed, "steps": steps, "train_blocks": len(train)}
+            if cfg.lora_r:  # another adapter is another run (its states would not fit)
+                run_key["lora"] = [cfg.lora_r, _lora_alpha(cfg), cfg.lora_targets, cfg.lora_dropout]
             start = _resume(rt, cfg, sched, run_key) if cfg.resume is not None else 0
             ckpt_dir = Path(cfg.checkpoint_dir or Path(cfg.output) / "checkpoints")
             load_s = time.perf_counter() - t_load
@@ -379,8 +433,7 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                 if progress is not None:
                     progress(step + 1, steps, loss, last)
                 if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < steps:
-                    save_pretrained(rt, model, Path(cfg.output) / f"checkpoint-{step + 1}", tokenizer,
-                                    parse_size(cfg.max_shard_size, "--max-shard-size"))
+                    _save(rt, model, cfg, Path(cfg.output) / f"checkpoint-{step + 1}", tokenizer)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                     saved = rt.save_checkpoint(ckpt_dir, extra={"next_step": step + 1, "run": run_key},
                                                lr_scheduler=sched, keep_last=cfg.keep_checkpoints,
@@ -391,7 +444,12 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                 eval_after = evaluate(rt, model, heldout, cfg.micro_batch)
             if on_trained is not None:
                 on_trained(rt, model)
-            out = save_pretrained(rt, model, cfg.output, tokenizer, parse_size(cfg.max_shard_size, "--max-shard-size"))
+            out = _save(rt, model, cfg, Path(cfg.output), tokenizer)
+            merged = None
+            if cfg.lora_merge:
+                merged = save_pretrained(rt, model.get_base_model(), out / "merged", tokenizer,
+                                         parse_size(cfg.max_shard_size, "--max-shard-size"),
+                                         params=merged_params(rt, model))
             stats = rt.stats()
             world = rt.world_size
     except (MemoryError, OSError, ValueError) as exc:
@@ -408,4 +466,5 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                      "host->device": stats["host_to_device_bytes"], "device->host": stats["device_to_host_bytes"],
                      "all-gather": stats["allgather_bytes"], "reduce-scatter": stats["reduce_scatter_bytes"]},
         params_tier=stats["params_tier"], optimizer_tier=stats["optimizer_tier"], world_size=world,
-        ignored_weights=inputs.ignored, checkpoints=checkpoints)
+        ignored_weights=inputs.ignored, checkpoints=checkpoints, trainable_params=sum(p.numel() for p in trained),
+        merged=merged)

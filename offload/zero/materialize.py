@@ -16,7 +16,11 @@ units are materialized one at a time: real tensors for the unit's parameters, in
      (custom modules; costs their parameters' bytes while the block is open),
 each module after the modules inside it (post-order, as eager __init__ and HF's `model.apply(_init_weights)`
 finish a parent after its children: nn.MultiheadAttention zeroes its out_proj's bias after out_proj's own
-init),
+init), and then
+  4. PEFT's LoRA layers, whose own init (`reset_lora_parameters`: B zero, so a new adapter changes nothing)
+     ran on placeholders when `get_peft_model` injected them: it runs again for the adapters in the unit,
+     with the `init_lora_weights` of the model's `peft_config` (those that read the base weights, PiSSA,
+     OLoRA, LoftQ and the like, and DoRA's magnitudes, are refused: the base is placeholders there),
 seeded with `config.seed + unit index` in a forked RNG: every rank computes the same values (so each can
 keep its own shard) and the user's RNG streams, the CPU's and the compute GPU's, are untouched. On a GPU a
 unit is initialized there when the device has room for it (4x its fp32 bytes free), by the GPU's generator:
@@ -164,12 +168,13 @@ def init_device(compute: torch.device, largest_unit_numel: int, group) -> torch.
     return compute if least.item() > 4 * 4 * largest_unit_numel else torch.device("cpu")
 
 
-def materialize_unit(root: nn.Module, params: list, seed: int,
-                     device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
+def materialize_unit(root: nn.Module, params: list, seed: int, device: torch.device = torch.device("cpu"),
+                     lora_layers: dict | None = None) -> list[torch.Tensor]:
     """Real, initialized values (host, fp32 or the parameter's dtype) for a unit's parameters.
 
     params: [(meta parameter, [(module, attr)], fqn)]. The modules temporarily hold real parameters while
-    their init runs; the caller replaces them with placeholders right after.
+    their init runs; the caller replaces them with placeholders right after. lora_layers: `lora_layers(root)`,
+    computed once per model by the caller (rule 4).
     """
     real: dict[int, torch.Tensor] = {}
     owners: dict[int, nn.Module] = {}  # first module holding each parameter initializes it
@@ -204,6 +209,8 @@ def materialize_unit(root: nn.Module, params: list, seed: int,
                     _init_module(root, module, hf_init)
                     for pid, value in keep.items():
                         real[pid].data.copy_(value)
+                for layer, adapter in _adapters_among(modules, lora_layers or {}):
+                    _init_lora(root, layer, adapter, modules)
         for p, refs, fqn in params:
             staged = getattr(p, _STAGED_ATTR, None)
             owner = owners[id(p)]
@@ -245,3 +252,72 @@ def _init_module(root: nn.Module, module: nn.Module, hf_init) -> None:
     init = _init_method(module)
     if init is not None:
         init()
+
+
+# PEFT's LoRA initializations that need only the adapter's own shape (the rest read the base layer's weights)
+_LORA_INITS = (True, False, "gaussian")
+
+
+def lora_layers(root: nn.Module) -> dict[int, tuple[nn.Module, str]]:
+    """id(module) -> (PEFT LoRA layer, adapter name) for every module holding an adapter's tensors: lora_A/lora_B's
+    Linears and the embedding adapters' ParameterDicts (duck-typed: PEFT is not imported). Empty without LoRA."""
+    found: dict[int, tuple[nn.Module, str]] = {}
+    for layer in root.modules():
+        if callable(getattr(layer, "reset_lora_parameters", None)):
+            for holder, adapter in _adapter_holders(layer):
+                found[id(holder)] = (layer, adapter)
+    return found
+
+
+def _adapter_holders(layer: nn.Module, only: str | None = None):
+    """(module holding the tensors, adapter name) for each adapter of a LoRA layer (or only `only`)."""
+    for table in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+        holder = getattr(layer, table, None)
+        if holder is None:
+            continue
+        for adapter in list(holder.keys()):
+            if only is None or adapter == only:
+                yield (holder[adapter] if isinstance(holder, nn.ModuleDict) else holder), adapter
+
+
+def _adapters_among(modules: list[nn.Module], layers: dict[int, tuple[nn.Module, str]]):
+    seen, out = set(), []
+    for m in modules:
+        hit = layers.get(id(m))
+        if hit is not None and (id(hit[0]), hit[1]) not in seen:
+            seen.add((id(hit[0]), hit[1]))
+            out.append(hit)
+    return out
+
+
+def _init_lora(root: nn.Module, layer: nn.Module, adapter: str, modules: list[nn.Module]) -> None:
+    """Rule 4: PEFT's own init of `adapter` in `layer`, writing only this unit's tensors: the adapter's other
+    tensors (in units of their own: gathered already, or still placeholders) are meta while it runs, so PEFT's
+    writes to them are no-ops; each is initialized when its own unit is."""
+    config = getattr(root, "peft_config", {}).get(adapter)
+    init = getattr(config, "init_lora_weights", True)
+    if getattr(layer, "use_dora", {}).get(adapter, False):
+        raise ValueError(f"offload: LoRA adapter {adapter!r} uses DoRA (use_dora=True), whose magnitudes are computed "
+                         "from the base weights, which are placeholders inside offload.init; apply PEFT to a model "
+                         "built outside the block and rt.wrap(model), or train without DoRA")
+    if init not in _LORA_INITS:
+        raise ValueError(f"offload: LoraConfig(init_lora_weights={init!r}) computes the adapters from the base "
+                         "weights, which are placeholders inside offload.init; use init_lora_weights=True (PEFT's "
+                         "default) or \"gaussian\", or apply PEFT to a model built outside the block and "
+                         "rt.wrap(model)")
+    mine = {id(m) for m in modules}
+    hidden = [(holder, name, t) for holder, a in _adapter_holders(layer, adapter) if id(holder) not in mine
+              for name, t in holder._parameters.items()
+              if t is not None and (name == a or not isinstance(holder, nn.ParameterDict))]  # a dict holds them all
+    for holder, name, t in hidden:
+        holder._parameters[name] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+    try:
+        if init is False:  # PEFT keeps the Linears' own init then
+            for holder, _ in _adapter_holders(layer, adapter):
+                if id(holder) in mine and callable(getattr(holder, "reset_parameters", None)):
+                    holder.reset_parameters()
+        else:
+            layer.reset_lora_parameters(adapter, init)
+    finally:
+        for holder, name, t in hidden:
+            holder._parameters[name] = t

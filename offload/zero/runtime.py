@@ -57,7 +57,7 @@ from .state_store import UnitStateStore, prepare_swap_dir
 from .step_stats import StepStats
 from .unit import ShardedUnit
 from .watchdog import Watchdog
-from .wrap import shard_model
+from .wrap import refuse_unmanaged, shard_model
 
 _ACTIVE: list["Runtime"] = []
 
@@ -339,6 +339,7 @@ class Runtime:
         offload.finetune.hf_model_dir.SafetensorsWeights)."""
         self._check_open("rt.wrap")
         if getattr(model, "_offload_runtime", None) is self:
+            refuse_unmanaged(model)  # e.g. PEFT's adapters added to a sharded model
             if weights is not None:
                 raise RuntimeError("rt.wrap(model, weights=...): the model is already sharded; pass weights on "
                                    "the first wrap, before its first forward or offload.AdamW(model.parameters())")
@@ -544,9 +545,10 @@ class Runtime:
             return load_checkpoint(self, root, _as_list(lr_scheduler))
 
     # ---- inspection -------------------------------------------------------------------------
-    def iter_full_params(self, model: nn.Module | None = None):
+    def iter_full_params(self, model: nn.Module | None = None, trainable_only: bool = False):
         """(qualified name, fp32 host tensor) for every parameter of `model` (default: every wrapped model),
-        unit by unit: saving a large model holds one unit at a time. Collective: call on every rank."""
+        unit by unit: saving a large model holds one unit at a time. trainable_only: the units that train (LoRA's
+        adapters, without gathering the frozen base). Collective: call on every rank."""
         self._check_open("rt.iter_full_params")
         self.materialize_pending()  # a model built in the block and not used yet: its parameters are meta so far
         self.quiesce()  # every queued update is in the values read below
@@ -560,7 +562,7 @@ class Runtime:
                     names.setdefault((id(mod), attr), []).append(f"{mod_name}.{attr}" if mod_name else attr)
             inside = {id(x) for x in m.modules()}
             for unit in self.units:
-                if id(unit.module) not in inside:
+                if id(unit.module) not in inside or (trainable_only and not unit.layout.trainable):
                     continue
                 full = gather_full(self, unit)
                 for slot in unit.layout.slots:

@@ -12,7 +12,7 @@ import torch.nn as nn
 from ..config import parse_size
 from . import comm, hooks, placement
 from .layout import FlatLayout
-from .materialize import init_device, is_meta_model, materialize_unit
+from .materialize import init_device, is_meta_model, lora_layers, materialize_unit
 from .shards import StateKind, UnitShards
 from .torch_patches import patch_model
 from .unit import ShardedUnit
@@ -23,7 +23,8 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
     """Shard `model` into units in place. Models built inside the block are materialized unit by unit; an
     existing model keeps its values (rank 0's, broadcast). `weights`, a callable (qualified name, meta
     parameter) -> host tensor, gives every parameter's value instead (each rank reads its own copy, unit by
-    unit: a model streamed from safetensors never exists whole in memory)."""
+    unit: a model streamed from safetensors never exists whole in memory); where it returns None (a parameter the
+    files do not hold: PEFT's new adapters) the parameter is initialized as a model built in the block is."""
     cfg = rt.config
     specs = [s for s in discover_units(model, cfg) if s.params]
     persist = parse_size(cfg.persist_threshold, "persist_threshold")
@@ -49,6 +50,7 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
     where = torch.device("cpu")
     if meta and weights is None:  # one decision for all units, the same on every rank (collective)
         where = init_device(rt.device, max((s.layout.numel for s in new), default=0), rt.group)
+    adapters = lora_layers(model) if meta else {}
     model_tag = f"model{len(rt.models)}:" if rt.models else ""  # unit ids stay unique across models
     base = len(rt.units)
     ordinal = {id(p): i + rt._ordinal_base for i, p in enumerate(model.parameters())}
@@ -58,8 +60,13 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
             index, layout = base + k, size.layout
             if weights is not None:
                 values = [weights(fqn, p) for p, _, fqn in spec.params]
+                fresh = [k for k, v in enumerate(values) if v is None]
+                if fresh:  # not in the files: initialized as if built in the block (same seed on every rank)
+                    made = materialize_unit(model, [spec.params[k] for k in fresh], cfg.seed + index, where, adapters)
+                    for k, v in zip(fresh, made):
+                        values[k] = v
             elif meta:
-                values = materialize_unit(model, spec.params, cfg.seed + index, where)
+                values = materialize_unit(model, spec.params, cfg.seed + index, where, adapters)
             else:
                 values = [p.detach() for p, _, _ in spec.params]
             full = layout.flatten(values, torch.float32)
@@ -93,6 +100,7 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
             mod_name, _, attr = name.rpartition(".")
             model.get_submodule(mod_name)._buffers[attr] = buf.to(rt.device, dtype)
     patch_model(model, rt)
+    rt._hooks.append(model.register_forward_pre_hook(lambda module, _: refuse_unmanaged(module), prepend=True))
     model._offload_runtime = rt
     rt.models.append(model)
     rt.attach_activation_offload(model)
@@ -130,3 +138,22 @@ def _adopt(rt, unit: ShardedUnit, spec, ordinal: dict) -> None:
     rt.units.append(unit)
     rt.schedule.units[unit.uid] = unit
     hooks.install(unit, rt.schedule)
+
+
+def refuse_unmanaged(model: nn.Module) -> None:
+    """Raise, naming them and the fix, if `model` holds parameters no unit manages: modules added after it was
+    wrapped (PEFT's get_peft_model on a wrapped model) would train outside the runtime, or not at all."""
+    def managed(p) -> bool:  # a unit's placeholder, or (gathered) its view
+        return hasattr(p, "_offload_unit") or hasattr(p, "_offload_placeholder")
+
+    if all(managed(p) for p in model.parameters()):
+        return
+    names = [n for n, p in model.named_parameters() if not managed(p)]
+    shown = ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+    raise RuntimeError(
+        f"offload: the model has parameters the runtime does not manage ({shown}): they were added after the model "
+        "was sharded (PEFT's get_peft_model on a model that rt.wrap, a first forward or from_pretrained inside "
+        "offload.init had sharded already). Add adapters before the model is sharded: inside the block "
+        "`model = offload.integrations.lora.load_peft_model(DIR, LoraConfig(...))` streams DIR's weights under "
+        "the adapters, or `get_peft_model(AutoModelForCausalLM.from_config(config), lora_config)` then rt.wrap(model); "
+        "outside the block, get_peft_model on the loaded model, then rt.wrap(model) or OffloadTrainer(model=...)")
