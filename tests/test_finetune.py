@@ -251,9 +251,11 @@ def test_streaming_load_peak_rss(tmp_path):
 
 
 # ---- ranks -------------------------------------------------------------------------------------
-def test_torchrun_two_ranks_same_losses(tmp_path, tiny_model, text_file):
+@pytest.mark.parametrize("lora", [[], ["--lora-r", "4", "--lora-targets", "q_proj,v_proj,o_proj"]],
+                         ids=["full", "lora"])
+def test_torchrun_two_ranks_same_losses(tmp_path, tiny_model, text_file, lora):
     common = ["--model", str(tiny_model), "--data", str(text_file), "--steps", "3", "--seq-len", "64",
-              "--compute-dtype", "fp32", "--cpu-budget", "8MiB", "--eval-blocks", "4"]
+              "--compute-dtype", "fp32", "--cpu-budget", "8MiB", "--eval-blocks", "4", *lora]
     assert main(["finetune", *common, "--micro-batch", "4", "--output", str(tmp_path / "one"),
                  "--json", str(tmp_path / "one.json")]) == 0
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -469,3 +471,23 @@ def test_resume_goes_on_exactly_and_exports(tmp_path, tiny_model, text_file):
         assert n == m and torch.equal(p, q), n
     with pytest.raises(ValueError, match=r"--resume .*seq_len 64 -> 32"):
         finetune(FinetuneConfig(**{**common, "seq_len": 32}, output=str(tmp_path / "c"), resume=str(ckpts)))
+
+
+def test_a_lora_run_resumes_exactly(tmp_path, tiny_model, text_file):
+    """The adapters' states checkpoint and resume bit for bit (the frozen base has none); other LoRA settings are
+    another run."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    common = dict(model=str(tiny_model), data=str(text_file), steps=4, seq_len=64, compute_dtype="fp32",
+                  cpu_budget="8MiB", eval_blocks=4, lora_r=4, lr=1e-2)
+    a = finetune(FinetuneConfig(**common, output=str(tmp_path / "a"), checkpoint_every=2))
+    ckpts = tmp_path / "a" / "checkpoints"
+    b = finetune(FinetuneConfig(**common, output=str(tmp_path / "b"), resume=str(ckpts / "step-2")))
+    assert b.first_step == 2 and b.losses == a.losses[2:]  # bit for bit
+    trained_a, trained_b = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in "ab")
+    assert trained_a.keys() == trained_b.keys() and all(torch.equal(trained_a[k], trained_b[k]) for k in trained_a)
+    with pytest.raises(ValueError, match=r"--resume .*lora \[4, 8.0, 'q_proj,v_proj', 0.0\] -> \[4, 16.0"):
+        finetune(FinetuneConfig(**common, lora_alpha=16, output=str(tmp_path / "c"), resume=str(ckpts)))
+    with pytest.raises(ValueError, match=r"--resume .*does not fit this model"):  # other shapes: the manifest says
+        finetune(FinetuneConfig(**{**common, "lora_r": 8}, output=str(tmp_path / "d"), resume=str(ckpts)))

@@ -187,7 +187,7 @@ def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
 
 
 def _lora_alpha(cfg: FinetuneConfig) -> float:
-    return cfg.lora_alpha if cfg.lora_alpha is not None else 2.0 * cfg.lora_r
+    return float(cfg.lora_alpha) if cfg.lora_alpha is not None else 2.0 * cfg.lora_r
 
 
 def _with_lora(model, cfg: FinetuneConfig):
@@ -252,7 +252,8 @@ def _resume(rt, cfg: FinetuneConfig, sched, run_key: dict) -> int:
                          f"{saved.get('steps')}")
     if differ:
         raise InputError(f"--resume {cfg.resume}: the run differs from the checkpoint's ({', '.join(differ)}); resume "
-                         "with the same data, --seq-len, --micro-batch x ranks, --grad-accum, --seed and --steps")
+                         "with the same data, --seq-len, --micro-batch x ranks, --grad-accum, --seed, --steps and "
+                         "--lora-* settings")
     return int(extra["next_step"])
 
 
