@@ -133,6 +133,12 @@ def test_the_trainer_trains_a_peft_model_as_trainer_does(tmp_path):
         trainer.train()
         trained = [u for u in trainer.offload_runtime.units if u.layout.trainable]
         assert trained and all(u.name.endswith(".default") for u in trained)
+        trainer.save_model(tmp_path / "saved")  # as Trainer does for a PEFT model: the adapter directory
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "saved").iterdir()}
+    loaded = PeftModel.from_pretrained(base_model(), tmp_path / "saved")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=batch()).logits, ref.model(input_ids=batch()).logits,
+                                   rtol=0, atol=1e-4)
 
     def losses(t):
         return [h["loss"] for h in t.state.log_history if "loss" in h and "train_runtime" not in h]
@@ -228,3 +234,33 @@ def test_adapters_added_after_the_model_is_sharded_are_refused_with_the_fix(tmp_
         plain = rt.wrap(base_model())
         with pytest.raises(RuntimeError, match=r"does not manage .*get_peft_model"):
             get_peft_model(plain, lora_config())(input_ids=batch())
+
+
+def test_the_trainer_takes_a_peft_model_streamed_inside_the_block(tmp_path):
+    """The big-model path: the base never in memory whole (load_peft_model inside offload.init), OffloadTrainer
+    using the runtime open around it; it trains the adapters, and save_model writes the adapter directory."""
+    from transformers import TrainingArguments
+
+    from offload.integrations.lora import load_peft_model
+    from offload.integrations.transformers import OffloadTrainer
+
+    base_model().save_pretrained(tmp_path / "base")
+    data = [{"input_ids": ids, "labels": ids} for ids in batch().repeat(4, 1)]
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=6, per_device_train_batch_size=4,
+                             learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[],
+                             use_cpu=not torch.cuda.is_available(), seed=0, dataloader_num_workers=0)
+    cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), cpu_budget="6MiB",
+                         device_budget="64MiB")
+    with offload.init(cfg) as rt:
+        model = load_peft_model(tmp_path / "base", lora_config())
+        trainer = OffloadTrainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        assert trainer.offload_runtime is rt
+        trainer.save_model(tmp_path / "saved")
+        with torch.no_grad():
+            logits = model(input_ids=batch()).logits
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    assert len(losses) == 6 and losses[-1] < losses[0]  # the same batch again and again: it must fall
+    loaded = PeftModel.from_pretrained(base_model(), tmp_path / "saved")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=batch()).logits, logits, rtol=0, atol=1e-5)

@@ -34,6 +34,11 @@ def base_name(name: str) -> str:
     return _PEFT_WRAPPERS.sub("", name)
 
 
+def is_peft_model(model: nn.Module) -> bool:
+    """A PEFT PeftModel (duck-typed, so callers need not import peft)."""
+    return callable(getattr(type(model), "get_base_model", None)) and hasattr(model, "peft_config")
+
+
 def _check_config(peft_config) -> None:
     kind = str(getattr(peft_config, "peft_type", ""))
     if not kind.endswith("LORA"):

@@ -189,12 +189,19 @@ class OffloadTrainer(Trainer):
     # ---- saving and resuming ---------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The model as a Hugging Face directory (config, consolidated safetensors of the fp32 master weights,
-        the tokenizer): collective, every rank gathers, rank 0 writes."""
+        the tokenizer), or for a PEFT model its adapter directory, as Trainer writes it: collective, every rank
+        gathers, rank 0 writes."""
         from offload.finetune.hf_model_dir import save_pretrained
+        from offload.integrations.lora import is_peft_model, save_adapter
 
         output_dir = output_dir or self.args.output_dir
         tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
-        save_pretrained(self.offload_runtime, self.model, output_dir, tokenizer)
+        if is_peft_model(self.model):  # the adapters only, gathering nothing of the frozen base
+            save_adapter(self.offload_runtime, self.model, output_dir)
+            if tokenizer is not None and self.args.should_save:
+                tokenizer.save_pretrained(output_dir)
+        else:
+            save_pretrained(self.offload_runtime, self.model, output_dir, tokenizer)
         if self.args.should_save:
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
