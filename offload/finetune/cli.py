@@ -218,7 +218,8 @@ def add_finetune_parser(sub) -> None:
     p.add_argument("--lora-r", type=int, default=d.lora_r,
                    help="train LoRA adapters of this rank over the frozen base (PEFT), instead of every weight; "
                         "OUTPUT then holds the adapter (PeftModel.from_pretrained(base, OUTPUT) loads it)")
-    p.add_argument("--lora-alpha", type=float, help="LoRA's scale numerator, scaling = alpha / r (default 2 x --lora-r)")
+    p.add_argument("--lora-alpha", type=float,
+                   help="LoRA's scale numerator, scaling = alpha / r (default 2 x --lora-r)")
     p.add_argument("--lora-targets", default=d.lora_targets,
                    help="comma-separated names of the Linear layers the adapters wrap")
     p.add_argument("--lora-dropout", type=float, default=d.lora_dropout, help="dropout on the adapters' input")

@@ -76,8 +76,8 @@ def load_peft_model(path: str | os.PathLike, peft_config, model_class=None, adap
 
 
 def base_weights(model_dir, model: nn.Module):
-    """rt.wrap's `weights` for a PEFT model over the base in `model_dir` (an HFModelDir): the base's tensors under their PEFT names;
-    None for the adapters (what trains), which the runtime initializes."""
+    """rt.wrap's `weights` for a PEFT model over the base in `model_dir` (an HFModelDir): the base's tensors under
+    their PEFT names; None for the adapters (what trains), which the runtime initializes."""
     adapters = frozenset(id(p) for p in model.parameters() if p.requires_grad)
     return model_dir.weights(model, rename=base_name, initialize=adapters)
 
@@ -85,7 +85,7 @@ def base_weights(model_dir, model: nn.Module):
 def save_adapter(rt, model: nn.Module, out_dir: str | os.PathLike) -> Path:
     """Write the adapters of PeftModel `model` (wrapped by `rt`) as PEFT's directory (adapter_config.json +
     adapter_model.safetensors), gathering only the units that train. Collective: every rank calls it; rank 0
-    writes, into a temporary directory first, so an interrupted save leaves the previous adapter whole."""
+    writes, into a temporary directory first, then moves each file over its old one (never a half-written file)."""
     names = {name for name, p in model.named_parameters() if p.requires_grad}
     trained = {n: v for n, v in rt.iter_full_params(model, trainable_only=True) if n in names}
     out = Path(out_dir)
