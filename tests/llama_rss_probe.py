@@ -1,0 +1,63 @@
+"""Host memory of a transformers Llama trained with params and optimizer on nvme, step by step (run as a subprocess
+by test_zero_memory.py, so the peak covers only this run). argv: swap dir, cpu budget, device budget, steps.
+Prints one JSON line: the resident set after the warm-up (rss0), and per step the peak so far and the resident
+set at its end."""
+import json
+import sys
+
+import psutil
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import offload
+from offload.zero.host_memory import peak_rss_bytes
+
+VOCAB, SEQ, BATCH = 8000, 256, 2
+
+
+def llama(hidden: int, layers: int) -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                                        num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                                        num_key_value_heads=hidden // 128, tie_word_embeddings=False))
+
+
+def main():
+    nvme_dir, cpu_budget, device_budget, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    torch.set_num_threads(1)
+    # warm-up: the lazily loaded machinery any torch program pays (kernels, autograd, the fused AdamW)
+    warm = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                        num_attention_heads=1, num_key_value_heads=1))
+    ids = torch.randint(0, 64, (2, 16))
+    warm(input_ids=ids, labels=ids).loss.backward()
+    offload.AdamW(warm.parameters()).step()
+    del warm
+    rss0 = psutil.Process().memory_info().rss
+    try:  # restart the peak (VmHWM) at the baseline; without it, the peak since exec is still a valid bound
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path=nvme_dir, cpu_budget=cpu_budget,
+                         device_budget=device_budget, compute_dtype="bf16")
+    per_step = []
+    with offload.init(cfg) as rt:
+        model = llama(384, 8)
+        opt = offload.AdamW(model.parameters(), lr=1e-4)
+        n = sum(p.numel() for p in model.parameters())
+        g = torch.Generator().manual_seed(0)
+        for _ in range(steps):
+            ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            rt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+            per_step.append({"peak": peak_rss_bytes(), "rss": psutil.Process().memory_info().rss,
+                             "loss": loss.item()})
+        stats = rt.stats()
+    print(json.dumps({"rss0": rss0, "params": n, "steps": per_step, "nvme_read": stats["nvme_read_bytes"],
+                      "budgets": stats["budgets"], "memory": stats["memory"]}))
+
+
+if __name__ == "__main__":
+    main()
