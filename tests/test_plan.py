@@ -249,3 +249,28 @@ def test_plan_with_activations_offloaded_fits_a_longer_sequence(capsys):
     assert "fits: placement" in out and "activations offloaded to nvme" in out
     row = next(line for line in out.splitlines() if line.strip().startswith("activations"))
     assert row.split()[-2:] == ["154.00", "GiB"]  # 77 layers' inputs x 128K x 8192 x 2 bytes
+
+
+def test_the_longest_sequence_that_fits_and_with_activations_offloaded(capsys):
+    """offload plan says how long a sequence the placement holds: the longest multiple of 1024 tokens that fits
+    (one more step does not), longer with the activations offloaded (the 70B on one 8x80 GiB node: on the device
+    about 38K tokens, to the cpu 65K, to nvme 135K, where the logits and one layer's recompute are what stay)."""
+    from offload.plan.sizing import SEQ_STEP, capacity, longest_sequences, shortfall
+
+    m, mc = PRESETS["llama-70b"], Machine(gpus_per_node=8)
+    cap = capacity(80 << 30, 1 << 40, None)
+    w = Workload(micro_batch=1, seq_len=4096)
+    place = Placement("cpu", "nvme")  # what the command picks as the closest at 128K (below)
+    longest = longest_sequences(m, w, mc, cap, place)
+    assert 32 * 1024 < longest["none"] < longest["cpu"] < longest["nvme"] < 256 * 1024, longest
+    for where, n in longest.items():
+        def fits(seq):
+            wider = Workload(micro_batch=1, seq_len=seq, activations=where)
+            return not shortfall(tier_bytes(m, wider, mc.ranks, place), cap, 8)
+        assert n % SEQ_STEP == 0 and fits(n) and not fits(n + SEQ_STEP), (where, n)
+    assert main(["plan", "--model", "llama-70b", "--gpus", "8", "--gpu-mem", "80GiB", "--cpu-mem", "1TiB",
+                 "--seq-len", "131072"]) == 0
+    out = capsys.readouterr().out
+    assert (f"longest sequence that fits params=cpu, optimizer=nvme (micro-batch and the rest as above): "
+            f"{longest['none']} tokens with the activations on the device, {longest['cpu']} offloaded to cpu, "
+            f"{longest['nvme']} to nvme") in out

@@ -16,7 +16,7 @@ import sys
 from ..config import format_size, parse_size
 from .memory import Workload
 from .model_spec import PRESETS, model_from
-from .sizing import DEVICES, advice, capacity, choose, evaluate
+from .sizing import DEVICES, SEQ_MAX, advice, capacity, choose, evaluate, longest_sequences
 from .step_time import Machine, bench_figures
 
 
@@ -96,9 +96,13 @@ def plan_from_args(args: argparse.Namespace) -> dict:
                    parse_size(args.nvme_size, "--nvme-size") if args.nvme_size else None)
     options = evaluate(m, w, mc, cap)
     chosen = choose(options)
+    # for the placement chosen (or, when none fits, the closest): how long a sequence fits, activations where
+    closest = chosen or min(options, key=lambda o: sum(o["short"].values()))
     return {"model": dataclasses.asdict(m) | {"params": m.params}, "workload": dataclasses.asdict(w),
             "machine": dataclasses.asdict(mc), "capacity": dataclasses.asdict(cap), "options": options,
-            "chosen": chosen, "advice": advice(m, w, mc, cap, chosen)}
+            "chosen": chosen, "advice": advice(m, w, mc, cap, chosen),
+            "longest_seq": {"placement": str(closest["placement"]),
+                            "tokens": longest_sequences(m, w, mc, cap, closest["placement"])}}
 
 
 def _count_of(n: int, noun: str) -> str:
@@ -125,6 +129,7 @@ def _print(plan: dict) -> None:
         print("does NOT fit any placement:")
         for tip in plan["advice"]:
             print(f"  - {tip}")
+        _print_longest(plan["longest_seq"])
         return
     print(f"fits: placement {c['placement']}")
     print(f"  {'per rank':<14}" + "".join(f"{t:>12}" for t in ("device", "cpu", "nvme")))
@@ -143,6 +148,17 @@ def _print(plan: dict) -> None:
                                                        for o in others))
     for tip in plan["advice"]:
         print(f"  - {tip}")
+    _print_longest(plan["longest_seq"])
+
+
+def _print_longest(longest: dict) -> None:
+    def tokens(n: int) -> str:
+        return "none" if n == 0 else (f"{n} or more" if n >= SEQ_MAX else str(n))
+
+    t = longest["tokens"]
+    print(f"longest sequence that fits {longest['placement']} (micro-batch and the rest as above): "
+          f"{tokens(t['none'])} tokens with the activations on the device, {tokens(t['cpu'])} offloaded to cpu, "
+          f"{tokens(t['nvme'])} to nvme")
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

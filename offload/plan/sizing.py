@@ -58,6 +58,33 @@ def evaluate(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity) -> list[dict
     return out
 
 
+SEQ_STEP, SEQ_MAX = 1024, 1 << 20  # the longest sequence is searched in these steps, up to this many tokens
+
+
+def longest_sequence(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity, placement) -> int:
+    """The longest sequence (a multiple of SEQ_STEP, at most SEQ_MAX tokens) at which `placement` fits with w's other
+    settings; 0 when not even SEQ_STEP does. The activations grow with the sequence and the states do not, so
+    fitting is monotone in it: a bisection."""
+    def fits(steps: int) -> bool:
+        wider = dataclasses.replace(w, seq_len=steps * SEQ_STEP)
+        return not shortfall(tier_bytes(m, wider, mc.ranks, placement), cap, mc.gpus_per_node)
+
+    lo, hi = 0, SEQ_MAX // SEQ_STEP
+    if fits(hi):
+        return SEQ_MAX
+    while hi - lo > 1:  # fits(lo) (or lo == 0), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * SEQ_STEP
+
+
+def longest_sequences(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity, placement) -> dict[str, int]:
+    """{Config.activations: the longest sequence that fits `placement`} with the activations on the device and
+    offloaded to each tier."""
+    return {where: longest_sequence(m, dataclasses.replace(w, activations=where), mc, cap, placement)
+            for where in ("none", "cpu", "nvme")}
+
+
 def choose(options: list[dict]) -> dict | None:
     fitting = [o for o in options if not o["short"]]
     return min(fitting, key=lambda o: o["prediction"]["step_s"]) if fitting else None
