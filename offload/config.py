@@ -14,7 +14,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
-from .store.sizes import format_bytes
 from .store.sizes import parse_size as _parse_size
 
 TIERS = ("device", "cpu", "nvme", "auto")
@@ -45,11 +44,6 @@ def parse_duration(value: str | int | float, field: str) -> float:
     if not seconds > 0:
         raise ValueError(f"offload.Config.{field}: {value!r} must be positive")
     return seconds
-
-
-def format_size(nbytes: int | float) -> str:
-    """Human-readable size with binary units (for messages)."""
-    return format_bytes(nbytes)
 
 
 @dataclasses.dataclass

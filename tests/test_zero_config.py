@@ -5,7 +5,8 @@ import warnings
 import pytest
 import torch
 
-from offload.config import Config, format_size, parse_size
+from offload.config import Config, parse_size
+from offload.store.sizes import format_bytes
 
 
 def test_parse_size_units():
@@ -14,7 +15,7 @@ def test_parse_size_units():
     assert parse_size("512 MiB") == 512 * 1024**2
     assert parse_size("4096") == 4096
     assert parse_size(123) == 123
-    assert format_size(3 * 1024**3) == "3.00 GiB"
+    assert format_bytes(3 * 1024**3) == "3.00 GiB"
     for bad in ("12 parsecs", "GiB", "-1", True):
         with pytest.raises(ValueError, match="device_budget"):
             parse_size(bad, "device_budget")

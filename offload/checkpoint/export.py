@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import format_size, parse_size
+from ..config import parse_size
+from ..store.sizes import format_bytes
 from .files import CheckpointError, open_private, safe_member
 from .hf_writer import write_hf_weights
 from .manifest import rank_file, verified
@@ -68,7 +69,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print(f"offload export: error: {exc}", file=sys.stderr)
         return 2
     size = sum(p.stat().st_size for p in Path(out).glob("*.safetensors"))
-    print(f"exported {args.checkpoint} -> {out} ({format_size(size)} of {args.dtype} weights, "
+    print(f"exported {args.checkpoint} -> {out} ({format_bytes(size)} of {args.dtype} weights, "
           f"{time.perf_counter() - t0:.1f} s)")
     return 0
 

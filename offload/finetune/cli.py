@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from ..cli import debugging
-from ..config import format_size
+from ..store.sizes import format_bytes
 from ..errors import InputError
 from .job import FinetuneConfig, FinetuneResult
 
@@ -139,15 +139,15 @@ def run_finetune(args: argparse.Namespace) -> int:
     if r.step_split:
         parts = [f"{k} {v:.3f} s" for k, v in sorted(r.step_split.items(), key=lambda kv: -kv[1]) if v >= 5e-4]
         print("  per step      " + ", ".join(parts))
-    print(f"peak host RSS   {format_size(r.peak_rss_bytes)}")
+    print(f"peak host RSS   {format_bytes(r.peak_rss_bytes)}")
     moved = {k: v for k, v in r.bytes_moved.items() if v and (r.world_size > 1 or k not in ("all-gather", "reduce-scatter"))}
     print("bytes moved" + (" (rank 0)" if r.world_size > 1 else "") + ":  " +
-          ", ".join(f"{k} {format_size(v)}" for k, v in moved.items()))
+          ", ".join(f"{k} {format_bytes(v)}" for k, v in moved.items()))
     if r.ignored_weights:
         print(f"ignored {len(r.ignored_weights)} tensor(s) in the weights that the model does not use: "
               f"{r.ignored_weights[:5]}")
     for c in r.checkpoints[-1:]:
-        print(f"checkpoint      {c['path']} ({format_size(c['bytes'])} in {c['seconds']:.2f} s; "
+        print(f"checkpoint      {c['path']} ({format_bytes(c['bytes'])} in {c['seconds']:.2f} s; "
               f"{len(r.checkpoints)} saved, resume with --resume)")
     if args.lora_r:
         print(f"saved to        {r.output}  (the adapter: PeftModel.from_pretrained(base, {str(r.output)!r}))")

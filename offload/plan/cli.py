@@ -13,7 +13,8 @@ import dataclasses
 import json
 import sys
 
-from ..config import format_size, parse_size
+from ..config import parse_size
+from ..store.sizes import format_bytes
 from .memory import Workload
 from .model_spec import PRESETS, model_from
 from .sizing import DEVICES, SEQ_MAX, advice, capacity, choose, evaluate, longest_sequences
@@ -110,7 +111,7 @@ def _count_of(n: int, noun: str) -> str:
 
 
 def _gib(x: float) -> str:
-    return format_size(int(x))
+    return format_bytes(int(x))
 
 
 def _print(plan: dict) -> None:

@@ -23,9 +23,6 @@ class CostTable:
     def read_s(self, nbytes: int) -> float:
         return nbytes / self.nvme_read_Bps
 
-    def write_s(self, nbytes: int) -> float:
-        return nbytes / self.nvme_write_Bps
-
     def measured(self, link_bytes: dict, link_busy_s: dict, min_bytes: int = 1 << 20) -> "CostTable":
         """A copy with each link's bandwidth replaced by bytes / busy seconds where enough was moved."""
         def rate(link: str, old: float) -> float:

@@ -21,7 +21,14 @@ import torch
 from ..device import retire
 from .residency import Tier
 
-__all__ = ["Lease", "LeaseMode"]
+__all__ = ["Lease", "LeaseMode", "resolved"]
+
+
+def resolved(value=None) -> cf.Future:
+    """A future that is already done with `value` (work with nothing to wait for)."""
+    f: cf.Future = cf.Future()
+    f.set_result(value)
+    return f
 
 
 class LeaseMode(enum.Enum):

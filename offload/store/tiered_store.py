@@ -69,7 +69,7 @@ from .. import inject
 from ..telemetry import Queue
 from .arena import ArenaBusyError, ArenaFullError, PinnedArena
 from .budget import DeviceTier, resolve_budget
-from .lease import Lease, LeaseMode
+from .lease import Lease, LeaseMode, resolved
 from .links import Link, LinkMeter
 from .residency import TRANSITIONS, Residency, Tier
 from .sizes import format_bytes
@@ -257,7 +257,7 @@ class TieredStore:
             if stg is None:
                 with self._lock:
                     self._shards[name] = s
-                return self._done(None)
+                return resolved()
             s.residency, s.cpu_block, s.target = R.CPU, stg, Tier.CPU
             with self._lock:
                 self._shards[name] = s
@@ -282,7 +282,7 @@ class TieredStore:
         s.home_block = blk
         with self._lock:
             self._shards[name] = s
-        return self._done(None)
+        return resolved()
 
     def set_staging_slot(self, nbytes: int) -> None:
         """Every short-lived cpu buffer from now on takes `nbytes` (rounded up to a page): the largest such
@@ -528,11 +528,6 @@ class TieredStore:
                 b.free()
             raise
         return new
-
-    def _done(self, value) -> cf.Future:
-        f: cf.Future = cf.Future()
-        f.set_result(value)
-        return f
 
     def _chain(self, s: _Shard, make: Callable, new: dict):
         """Queues a move as the shard's next; returns (future, kick), and the caller calls kick() once it

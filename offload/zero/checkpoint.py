@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..checkpoint.files import (CheckpointError, TensorFileWriter, atomic_write_text, check_owned_dir, fsync_dir,
                                 make_private_dir, open_private, safe_member, sha256_of)
 from ..checkpoint.manifest import FORMAT, LATEST, MANIFEST, VerifiedFiles, rank_file, read_manifest, resolve
-from ..config import format_size
+from ..store.sizes import format_bytes
 from .. import inject
 from ..store import LeaseMode, Tier
 from ..telemetry import Queue
@@ -209,7 +209,7 @@ def save_checkpoint(rt, root, extra: dict | None = None, lr_schedulers=(), keep_
 
 def _free(root: Path) -> str:
     try:
-        return format_size(shutil.disk_usage(root).free)
+        return format_bytes(shutil.disk_usage(root).free)
     except OSError:
         return "unknown bytes"
 

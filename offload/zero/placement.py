@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import format_size
+from ..store.sizes import format_bytes
 from ..plan.memory import Placement as TierPair
 from ..plan.sizing import DEVICES
 from ..plan.step_time import Machine, bench_figures, movement_step_s
@@ -173,8 +173,8 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
         if full > budgets["device"]:
             raise MemoryError(
                 f"offload.Config.device_budget: unit {s.index} ({s.name or '<root>'}, {s.module_type}) needs "
-                f"{format_size(full)} ({full} bytes) gathered on the device, more than device_budget "
-                f"{format_size(budgets['device'])}; raise device_budget or cut smaller units "
+                f"{format_bytes(full)} ({full} bytes) gathered on the device, more than device_budget "
+                f"{format_bytes(budgets['device'])}; raise device_budget or cut smaller units "
                 "(offload.Config.unit_classes / unit_min_bytes)"
             )
     chunk_numel = fit_chunk(chunk_numel_for(budgets["cpu"], chunk_setting), [s.layout.shard_numel for s in sizes])
@@ -228,10 +228,10 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
     if cpu_need + working > cpu_free:
         raise MemoryError(
             f"offload.Config.cpu_budget: with params={params!r} and optimizer={optimizer!r} this rank needs "
-            f"{format_size(cpu_need + working)} ({cpu_need + working} bytes) of host memory: "
-            f"{format_size(cpu_need)} of cpu-homed states and {format_size(working)} that the background work "
+            f"{format_bytes(cpu_need + working)} ({cpu_need + working} bytes) of host memory: "
+            f"{format_bytes(cpu_need)} of cpu-homed states and {format_bytes(working)} that the background work "
             "holds at once for nvme-homed ones (the largest unit's param chunks being gathered, one chunk of every "
-            f"state being stepped, one gradient chunk being reduced), but only {format_size(cpu_free)} "
+            f"state being stepped, one gradient chunk being reduced), but only {format_bytes(cpu_free)} "
             f"({cpu_free} bytes) of cpu_budget is free; raise cpu_budget"
             + "".join(f", set {name}='nvme'" for name, tier in (("params", params), ("optimizer", optimizer))
                       if tier != "nvme")
@@ -241,8 +241,8 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
     if nvme_need:
         if budgets["nvme"] is not None and nvme_need > budgets["nvme"]:
             raise OSError(
-                f"offload.Config.nvme_budget: the model's nvme-homed states need {format_size(nvme_need)} "
-                f"({nvme_need} bytes) on this rank but nvme_budget is {format_size(budgets['nvme'])} "
+                f"offload.Config.nvme_budget: the model's nvme-homed states need {format_bytes(nvme_need)} "
+                f"({nvme_need} bytes) on this rank but nvme_budget is {format_bytes(budgets['nvme'])} "
                 f"({budgets['nvme']} bytes) (when 'auto': 90% of nvme_path's free space, split among this node's "
                 "ranks); free space on the drive, point nvme_path at a larger one, or give nvme_budget (up to the "
                 "free space)"
@@ -251,10 +251,10 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
     if params == "device" and param_bytes + gathered > device_free:
         # device-homed shards and the gathered units share the device: both must fit device_budget
         raise MemoryError(
-            f"offload.Config.device_budget: params='device' keeps {format_size(param_bytes)} ({param_bytes} bytes) "
-            f"of parameter shards on the device and gathering units needs up to {format_size(gathered)} "
+            f"offload.Config.device_budget: params='device' keeps {format_bytes(param_bytes)} ({param_bytes} bytes) "
+            f"of parameter shards on the device and gathering units needs up to {format_bytes(gathered)} "
             f"({gathered} bytes) more (root + persistent units + the largest unit), but only "
-            f"{format_size(device_free)} ({device_free} bytes) of device_budget is left; raise device_budget or set "
+            f"{format_bytes(device_free)} ({device_free} bytes) of device_budget is left; raise device_budget or set "
             "params='cpu' / 'nvme'"
         )
     device_left = device_free - (param_bytes if params == "device" else 0) - (opt_bytes if optimizer == "device" else 0)
@@ -280,13 +280,13 @@ def grads_tier(setting: str, optimizer: str, grad_bytes: int, device_room: int, 
         return setting
     if setting == "device" and grad_bytes > device_room:
         raise MemoryError(
-            f"offload.Config.grads='device': the gradient shards need {format_size(grad_bytes)} ({grad_bytes} bytes) "
-            f"of device_budget but only {format_size(max(device_room, 0))} is left beside the gathered units; "
+            f"offload.Config.grads='device': the gradient shards need {format_bytes(grad_bytes)} ({grad_bytes} bytes) "
+            f"of device_budget but only {format_bytes(max(device_room, 0))} is left beside the gathered units; "
             "raise device_budget or set grads='auto'")
     if setting == "cpu" and grad_bytes > cpu_room:
         raise MemoryError(
-            f"offload.Config.grads='cpu': the gradient shards need {format_size(grad_bytes)} ({grad_bytes} bytes) "
-            f"of cpu_budget but only {format_size(max(cpu_room, 0))} is left; raise cpu_budget or set grads='auto'")
+            f"offload.Config.grads='cpu': the gradient shards need {format_bytes(grad_bytes)} ({grad_bytes} bytes) "
+            f"of cpu_budget but only {format_bytes(max(cpu_room, 0))} is left; raise cpu_budget or set grads='auto'")
     return setting
 
 
@@ -300,7 +300,7 @@ def _nvme_free(path: str) -> int:
 def _nvme_or_fail(what: str, nbytes: int, nvme_path: str | None) -> str:
     if not nvme_path:
         raise MemoryError(
-            f"offload.Config.{what}='auto': {format_size(nbytes)} of {what} states fit neither device_budget "
+            f"offload.Config.{what}='auto': {format_bytes(nbytes)} of {what} states fit neither device_budget "
             "nor cpu_budget and no nvme_path is set; raise a budget or give nvme_path"
         )
     return "nvme"

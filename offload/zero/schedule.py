@@ -263,8 +263,7 @@ class Schedule:
         for unit in units:
             self._use(Use(Phase.STEP, unit.uid), issue=False)  # after_step issues: the updates exist then
         trace = self._recorder.finish()
-        self._step_matched = self._matched and self.plan is not None and len(trace) == len(self.plan.trace)
-        if not self._step_matched:
+        if not (self._matched and self.plan is not None and len(trace) == len(self.plan.trace)):
             self._replan(trace)
         self._recorder = TraceRecorder()
         self._cursor, self._following, self._matched = -1, self.plan is not None, True

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from ..config import format_size
+from ..store.sizes import format_bytes
 from ..device import retire
 from ..dir_lock import DirLock, make_locked_dir, remove_stale
 from ..store import LeaseMode, StoreConfig, Tier, TieredStore, nvme_budget_bytes
-from ..store.lease import Lease
+from ..store.lease import Lease, resolved
 from .shards import ShardKey, ShardSpec
 
 ALLOC_TIMEOUT_S = 120.0  # a buffer that cannot be had in this long is a planning error: raise, never hang
@@ -41,12 +41,6 @@ SWAP_LOCK = "offload swap"  # what a run directory's lock says it is for (only s
 class Use(enum.Enum):
     COMPUTE = "compute"
     HOST = "host"
-
-
-def _done(value=None) -> cf.Future:
-    f: cf.Future = cf.Future()
-    f.set_result(value)
-    return f
 
 
 class ResidentLease:
@@ -81,7 +75,7 @@ class ResidentLease:
                 self._tensor.copy_(self._copy)  # blocking: the host copy is the truth once released
             retire(self._copy)  # read on the holder's stream
             self._copy = None
-            self._released = _done()
+            self._released = resolved()
         return self._released
 
 
@@ -180,7 +174,7 @@ class UnitStateStore:
             fut = self.store.register(spec.key, spec.numel, spec.dtype, home=spec.home, tier_class=spec.tier_class,
                                       init=init)
         except MemoryError as exc:
-            raise MemoryError(f"offload: shard {spec.key} ({format_size(spec.nbytes)}) does not fit its "
+            raise MemoryError(f"offload: shard {spec.key} ({format_bytes(spec.nbytes)}) does not fit its "
                               f"{spec.home.value} tier: {exc}") from exc
         self._registered.add(spec.key)
         return fut
@@ -294,6 +288,6 @@ def check_nvme_path(path: str | os.PathLike, need_bytes: int | None, what: str) 
         free = shutil.disk_usage(p).free
         if free < need_bytes:
             raise OSError(
-                f"offload.Config.nvme_path: {p} has {format_size(free)} ({free} bytes) free but {what} needs "
-                f"{format_size(need_bytes)} ({need_bytes} bytes); free space or choose a larger drive"
+                f"offload.Config.nvme_path: {p} has {format_bytes(free)} ({free} bytes) free but {what} needs "
+                f"{format_bytes(need_bytes)} ({need_bytes} bytes); free space or choose a larger drive"
             )

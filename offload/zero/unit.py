@@ -21,7 +21,6 @@ import concurrent.futures as cf
 import torch
 import torch.nn as nn
 
-from ..config import format_size
 from ..device import record, retire, sync
 from ..device import wait as stream_wait
 from ..store import LeaseMode, Tier
@@ -401,9 +400,6 @@ class ShardedUnit:
         """The training thread reads this unit's gradient chunks next: every reduce must be over."""
         wait(self.grads, self.ctx.meter, Queue.REDUCE)
 
-    def wait_update(self) -> None:
-        wait(self.update, self.ctx.meter, Queue.OPTIMIZER)
-
     def zero_grad(self, slots=None, set_to_none: bool = True) -> None:
         """Clear the gradients of `slots` (slot indices; None: all). set_to_none (torch's default) makes them
         "no gradient": not stepped until a backward reaches them again. set_to_none=False keeps them as zero
@@ -457,6 +453,3 @@ class ShardedUnit:
             lease = self.ctx.states.lease(self.shards.spec(kind, c), Use.HOST, LeaseMode.OVERWRITE)
             lease.wait().copy_(values[c.lo:c.hi])
             lease.release().result()  # the caller reads or gathers the unit next
-
-    def describe(self) -> str:
-        return f"{self.label}: {self.layout.numel} params, {format_size(self.nbytes_full)} gathered"
