@@ -1,7 +1,12 @@
 """Host memory of a transformers Llama trained with params and optimizer on nvme, step by step (run as a subprocess
-by test_zero_memory.py, so the peak covers only this run). argv: swap dir, cpu budget, device budget, steps.
-Prints one JSON line: the resident set after the warm-up (rss0), and per step the peak so far and the resident
-set at its end."""
+by test_zero_memory.py, so the peak covers only this run). argv: swap dir, cpu budget, device budget, steps, and
+optionally a JSON object of more offload.Config fields and glibc's mmap threshold in bytes (a diagnostic: which
+allocations stay in the heap). Prints one JSON line: the resident set after the warm-up (rss0), and per step the
+peak so far and the resident set at its end.
+
+    OFFLOAD_MALLOC_TUNE=fast python tests/llama_rss_probe.py /tmp/swap 64MiB 32MiB 5 '{"pipeline": false}'
+"""
+import ctypes
 import json
 import sys
 
@@ -23,6 +28,8 @@ def llama(hidden: int, layers: int) -> LlamaForCausalLM:
 
 def main():
     nvme_dir, cpu_budget, device_budget, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    more = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+    mmap_threshold = int(sys.argv[6]) if len(sys.argv) > 6 else None
     torch.set_num_threads(1)
     # warm-up: the lazily loaded machinery any torch program pays (kernels, autograd, the fused AdamW)
     warm = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -38,9 +45,11 @@ def main():
     except OSError:
         pass
     cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path=nvme_dir, cpu_budget=cpu_budget,
-                         device_budget=device_budget, compute_dtype="bf16")
+                         device_budget=device_budget, compute_dtype="bf16", **more)
     per_step = []
     with offload.init(cfg) as rt:
+        if mmap_threshold is not None:  # after the runtime set its own (offload.zero.host_memory.tune_malloc)
+            ctypes.CDLL("libc.so.6").mallopt(-3, mmap_threshold)  # M_MMAP_THRESHOLD
         model = llama(384, 8)
         opt = offload.AdamW(model.parameters(), lr=1e-4)
         n = sum(p.numel() for p in model.parameters())
