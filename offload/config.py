@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
+from .bench.figures import bench_figures
 from .store.sizes import parse_size as _parse_size
 
 TIERS = ("device", "cpu", "nvme", "auto")
@@ -158,8 +159,6 @@ class Config:
         if self.nvme_budget is not None:
             parse_size(self.nvme_budget, "nvme_budget")
         if self.machine is not None:
-            from .plan.step_time import bench_figures
-
             bench_figures(self.machine, "offload.Config.machine")  # unreadable: say so now, not at wrap
         parse_size(self.persist_threshold, "persist_threshold")
         if isinstance(self.unit_classes, (str, type)):

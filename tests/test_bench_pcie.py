@@ -44,7 +44,7 @@ def test_summary_keeps_the_keys_its_readers_use(tmp_path, monkeypatch, capsys):
     the planner takes the pinned H2D at the largest size, one GPU alone; the table prints the aggregate and
     each GPU's figure."""
     from offload.bench import cli
-    from offload.plan.step_time import bench_figures
+    from offload.bench.figures import bench_figures
 
     size, rounds = 256 << 20, 5
     rows = [{"gpu": g, "pinned": pinned, "bytes": b, "h2d_GBps": (25.0 if pinned else 9.0) + g + b / size,

@@ -272,7 +272,7 @@ def test_bench_nvme_on_two_paths_streams_both_at_once(tmp_path, capsys):
     assert striped["read_striped_gbps"] > 0 and striped["write_striped_gbps"] > 0
     assert "striped read:" in text
     assert not list(a.iterdir()) and not list(b.iterdir())  # test files removed
-    from offload.plan.step_time import bench_figures
+    from offload.bench.figures import bench_figures
 
     assert bench_figures(str(tmp_path / "n.json"), "--bench-json")["nvme_read_Bps"] == striped["read_striped_gbps"] * 1e9
 

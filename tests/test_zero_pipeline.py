@@ -263,11 +263,14 @@ def test_every_step_reports_its_split_and_logs_a_line(tmp_path, caplog):
     assert last["wall_s"] > 0 and 0 <= last["compute_s"] <= last["wall_s"]
     assert sum(last["wait_s"].values()) <= last["wall_s"] + 1e-3
     assert set(last["lane_busy_s"]) <= {"gather", "reduce", "optimizer"} and last["lane_busy_s"]["optimizer"] > 0
-    for link in ("nvme->cpu", "cpu->nvme"):
-        assert last["links"][link]["bytes"] > 0 and last["links"][link]["GBps"] > 0
+    assert last["links"]["nvme->cpu"]["bytes"] > 0  # the forward's gathers read paged params every step
+    assert all(link["bytes"] > 0 and link["GBps"] > 0 for link in last["links"].values())
     assert last["occupancy"]["cpu"]["peak_bytes"] <= last["occupancy"]["cpu"]["capacity"]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("offload step")]
     assert len(lines) == 3 and "compute" in lines[-1] and "nvme->cpu" in lines[-1]
+    # the updates' write-behinds land in whichever step's window the optimizer lane reaches them (a slow
+    # machine moves them across the boundary: once, the third step's window had none)
+    assert any("cpu->nvme" in line for line in lines)
 
 
 def test_chrome_trace_has_a_row_per_lane(tmp_path):

@@ -235,7 +235,7 @@ def _cmd_nvme(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="measure this machine (writes JSON the planner reads)")
+    bench = subparsers.add_parser("bench", help="measure this machine (writes JSON that offload plan reads)")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
 

@@ -18,7 +18,8 @@ from ..store.sizes import format_bytes
 from .memory import Workload
 from .model_spec import PRESETS, model_from
 from .sizing import DEVICES, SEQ_MAX, advice, capacity, choose, evaluate, longest_sequences
-from .step_time import Machine, bench_figures
+from ..bench.figures import bench_figures
+from .step_time import Machine
 
 
 def parse_rate(text: str, flag: str) -> float:

@@ -16,7 +16,7 @@ Each resource's busy seconds per step (per rank; the disks and the CPU Adam are 
                 forward and read in the backward
   collectives   all-gathers (forward and backward) and reduce-scatters over the ranks' interconnect
 nvme-homed states that fit in the host memory a rank has left (`resident_bytes`) are kept there and move no
-nvme bytes, as the runtime's residency plan keeps them (offload/planner/schedule.residency_plan): most traffic
+nvme bytes, as the runtime's residency plan keeps them (offload/prefetch/schedule.residency_plan): most traffic
 saved per byte first, which is the parameters (read twice per micro-batch, written once a step), then the
 gradients (written every micro-batch, read once), then master and moments (read and written once a step).
 
@@ -38,7 +38,6 @@ spreads over the last backward and the next first forward:
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from .memory import Placement, StateBytes, RUNTIME, Workload, offloaded_activation_bytes
 from .model_spec import ModelSpec
@@ -150,37 +149,6 @@ def movement_step_s(shard_params: float, place: Placement, mc: Machine, grad_acc
     """The step a placement's data movement alone would take (compute and collectives free): what the
     runtime's "auto" tiers compare (offload.zero.placement), in the update mode the run uses."""
     return phases(movement(shard_params, place, mc), grad_accum, update_in_backward)[2]
-
-
-def bench_figures(path: str, setting: str) -> dict:
-    """Machine fields an `offload bench --json` file gives: nvme read/write (the striped aggregate when several
-    drives were measured), pinned PCIe, the fused CPU AdamW's rate. `setting` names the flag or field that gave
-    the path, for the error."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{setting} {path}: cannot read it as an offload bench JSON ({exc}); run "
-                         "`offload bench all --json FILE` and give that file") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{setting} {path}: not an offload bench JSON (a JSON object with nvme / pcie / adam)")
-    out = {}
-    nv = data.get("nvme", {})
-    if "read_gbps" in nv:
-        out["nvme_read_Bps"] = nv["read_gbps"] * 1e9
-    if "write_gbps" in nv:
-        out["nvme_write_Bps"] = nv["write_gbps"] * 1e9
-    striped = nv.get("striped")
-    if striped:  # several drives measured at once: the node's aggregate is what the states are spread over
-        out["nvme_read_Bps"] = striped["read_striped_gbps"] * 1e9
-        out["nvme_write_Bps"] = striped["write_striped_gbps"] * 1e9
-    pcie = data.get("pcie", {})
-    if pcie.get("h2d_pinned_gbps"):
-        out["pcie_Bps"] = pcie["h2d_pinned_gbps"] * 1e9
-    adam = data.get("adam", {})
-    if adam.get("offload_params_per_s"):
-        out["adam_params_per_s"] = adam["offload_params_per_s"]
-    return out
 
 
 def predict(m: ModelSpec, w: Workload, place: Placement, mc: Machine, sb: StateBytes = RUNTIME,

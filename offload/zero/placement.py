@@ -26,7 +26,8 @@ import torch
 from ..store.sizes import format_bytes
 from ..plan.memory import Placement as TierPair
 from ..plan.sizing import DEVICES
-from ..plan.step_time import Machine, bench_figures, movement_step_s
+from ..bench.figures import bench_figures
+from ..plan.step_time import Machine, movement_step_s
 from ..store import Tier
 from ..store.swap_file import page_bytes
 from .layout import FlatLayout

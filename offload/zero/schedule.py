@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import planner
-from ..planner import Phase, Trace, Use
-from ..planner.schedule import Read
-from ..planner.trace import TraceRecorder
+from .. import prefetch as planner
+from ..prefetch import Phase, Trace, Use
+from ..prefetch.schedule import Read
+from ..prefetch.trace import TraceRecorder
 from ..store import LeaseMode, Tier
 from ..store.swap_file import page_bytes
 from ..telemetry import span

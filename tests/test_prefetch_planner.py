@@ -1,13 +1,13 @@
-"""The planner's pure functions (offload/planner): traces, the cost table, residency, prefetch timing, gather
+"""The planner's pure functions (offload/prefetch): traces, the cost table, residency, prefetch timing, gather
 ahead, reshard after forward, the optimizer's unit order. No store, no I/O, no modules."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload.planner import (CostTable, Phase, ShardCost, StateClass, Trace, Use, gather_ahead, plan_prefetch,
+from offload.prefetch import (CostTable, Phase, ShardCost, StateClass, Trace, Use, gather_ahead, plan_prefetch,
                              reshard_after_forward, residency_plan, step_order, traffic_per_step)
-from offload.planner.schedule import Read
-from offload.planner.trace import TraceRecorder
+from offload.prefetch.schedule import Read
+from offload.prefetch.trace import TraceRecorder
 
 F, B, S = Phase.FORWARD, Phase.BACKWARD, Phase.STEP
 

@@ -1,4 +1,5 @@
-"""The planner: pure functions of an execution trace, budgets and a cost table.
+"""The prefetch planner: pure functions of an execution trace, budgets and a cost table (the runtime's read-ahead
+and residency; `offload plan`, which sizes a run before it starts, is offload/plan/).
 
     trace.py     Phase, Use, Trace: the order of unit uses in one training step, and time between them
     cost.py      CostTable: bandwidths and per-use compute time, measured
