@@ -46,6 +46,27 @@ def test_model_zero_grad_clears_runtime_gradients():
     assert _worst(got, ref) < 1e-5
 
 
+def test_two_forwards_then_two_backwards_accumulate_as_torch():
+    """Two graphs built before either backward (two forwards, then two backwards: the second backward starts
+    from IDLE, a move of the training state the runtime allows) accumulate as plain PyTorch does."""
+    torch.manual_seed(0)
+    base = TinyTransformer()
+    ref = copy.deepcopy(base)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(copy.deepcopy(base))
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        for m, o in ((ref, ropt), (model, opt)):
+            for s in range(2):
+                first, second = compute_loss(m, _ids(2 * s), "tiny"), compute_loss(m, _ids(2 * s + 1), "tiny")
+                first.backward()
+                second.backward()
+                o.step()
+                o.zero_grad()
+        got = rt.full_state_dict()
+    assert _worst(got, ref) < 1e-5
+
+
 def test_submodule_zero_grad_clears_only_its_parameters():
     torch.manual_seed(0)
     base = TinyTransformer()

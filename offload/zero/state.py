@@ -1,7 +1,7 @@
 """The runtime's two state machines, and the only legal moves of a unit.
 
 `ShardedUnit._transition` is the single writer of `unit.state` and checks the move against `ALLOWED`;
-`Schedule._enter` is the single writer of the training state.
+`Schedule._enter` is the single writer of the training state and checks the move against `TRAINING_MOVES`.
 """
 from __future__ import annotations
 
@@ -50,3 +50,13 @@ class TrainingState(enum.Enum):
     BACKWARD = "backward"
     """The backward pass: units are gathered again in reverse, freed after, and their gradients reduced on the
     reduce lane. Ends when autograd's final callback runs."""
+
+
+TRAINING_MOVES = {
+    (TrainingState.IDLE, TrainingState.FORWARD),  # a forward with autograd on starts
+    (TrainingState.FORWARD, TrainingState.BACKWARD),  # its backward reaches a unit
+    (TrainingState.BACKWARD, TrainingState.IDLE),  # autograd's final callback (or the next forward, after a
+    # backward that raised before its callback ran)
+    (TrainingState.IDLE, TrainingState.BACKWARD),  # a second graph's backward: two forwards, then two backwards
+    (TrainingState.IDLE, TrainingState.IDLE),  # a backward whose units were already closed ends
+}
