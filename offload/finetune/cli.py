@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ..cli import debugging
+from ..store.links import Link
 from ..store.sizes import format_bytes
 from ..errors import InputError
 from .job import FinetuneConfig, FinetuneResult
@@ -39,7 +40,7 @@ def _progress_bar(enabled: bool, tokens_per_step: int):
             bar = tqdm(total=total, initial=step - 1, desc="finetune", unit="step", dynamic_ncols=True)
         links = last.get("links", {})
         wall = last.get("wall_s") or 0.0
-        rates = {"R": links.get("nvme->cpu", {}).get("bytes", 0), "W": links.get("cpu->nvme", {}).get("bytes", 0)}
+        rates = {"R": links.get(Link.NVME_TO_CPU.value, {}).get("bytes", 0), "W": links.get(Link.CPU_TO_NVME.value, {}).get("bytes", 0)}
         post = {"loss": f"{loss:.3f}"}
         if wall > 0:
             post["tok/s"] = f"{tokens_per_step / wall:.0f}"

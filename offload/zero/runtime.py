@@ -41,6 +41,7 @@ import torch.nn as nn
 from ..config import Config, parse_duration
 from ..device import Streams, bind_thread, compute_device
 from ..store import Tier, check_fits_machine, ranks_on_this_node, resolve_budget
+from ..store.links import Link
 from ..telemetry import Lane, Meter, Queue
 from . import comm, placement
 from .activations import ActivationOffloader
@@ -603,10 +604,10 @@ class Runtime:
         s = self.states.stats()
         c = self.ctx.counters
         return {
-            "nvme_read_bytes": s["moved"]["nvme->cpu"],
-            "nvme_written_bytes": s["moved"]["cpu->nvme"],
-            "host_to_device_bytes": s["moved"]["cpu->device"],
-            "device_to_host_bytes": s["moved"]["device->cpu"],
+            "nvme_read_bytes": s["moved"][Link.NVME_TO_CPU.value],
+            "nvme_written_bytes": s["moved"][Link.CPU_TO_NVME.value],
+            "host_to_device_bytes": s["moved"][Link.CPU_TO_DEVICE.value],
+            "device_to_host_bytes": s["moved"][Link.DEVICE_TO_CPU.value],
             "allgather_bytes": c.allgather_bytes,
             "reduce_scatter_bytes": c.reduce_scatter_bytes,
             "peak_resident_bytes": {t: s[t]["peak_bytes"] for t in ("device", "cpu", "nvme")},
