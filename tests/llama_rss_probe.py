@@ -44,8 +44,8 @@ def main():
             f.write("5")
     except OSError:
         pass
-    cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path=nvme_dir, cpu_budget=cpu_budget,
-                         device_budget=device_budget, compute_dtype="bf16", **more)
+    cfg = offload.Config(**{**dict(params="nvme", optimizer="nvme", nvme_path=nvme_dir, cpu_budget=cpu_budget,
+                                   device_budget=device_budget, compute_dtype="bf16"), **more})
     per_step = []
     with offload.init(cfg) as rt:
         if mmap_threshold is not None:  # after the runtime set its own (offload.zero.host_memory.tune_malloc)
