@@ -22,6 +22,10 @@ medians. Contenders:
   offload    from_pretrained in memory, get_peft_model, then offload.init(Config(params="nvme", optimizer="nvme",
              cpu_budget=--cpu-budget 512MiB, device_budget=--device-budget 1GiB)) and rt.wrap(model): the README's
              LoRA recipe; offload.AdamW, rt.clip_grad_norm_; every step ends with rt.quiesce() inside its time.
+  offload-stream  the same, but the base never whole in memory: inside offload.init,
+             offload.integrations.lora.load_peft_model(DIR, LoraConfig) streams the safetensors under the adapters
+             (their initial values come from the runtime's seeded init, not torch.manual_seed: the first loss is
+             the same, later ones differ slightly).
   deepspeed  (--deepspeed) PEFT + DeepSpeed ZeRO-3, offload_param and offload_optimizer on nvme (bench_offload_step's
              deepspeed_config, fp32, buffer_count --ds-buffer-count 32, buffer_size = the embedding's elements):
              HfDeepSpeedConfig kept alive so from_pretrained loads inside zero.Init, get_peft_model, then
@@ -136,7 +140,7 @@ def main() -> None:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_offload_step as bso  # noqa: E402  (spawn, interleaved rounds, peak RSS, DeepSpeed's nvme config)
 
-BASE_CONTENDERS = ("offload", "deepspeed", "deepspeed-noreuse", "deepspeed-noprefetch", "memory")
+BASE_CONTENDERS = ("offload", "offload-stream", "deepspeed", "deepspeed-noreuse", "deepspeed-noprefetch", "memory")
 SCRIPT = os.path.abspath(__file__)
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 KEEP_ALIVE: list = []  # transformers finds the DeepSpeed config through a weak reference
@@ -241,6 +245,18 @@ def run_base(name: str, s: LoraSettings) -> dict:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
         out["ds_config"] = ds_config
         n_frozen = sum(getattr(q, "ds_numel", q.numel()) for q in model.parameters() if not q.requires_grad)
+    elif name == "offload-stream":  # the base streamed from its files under PEFT's adapters: never whole in memory
+        from offload.integrations.lora import load_peft_model
+
+        cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path=s.nvme_dir, cpu_budget=s.cpu_budget,
+                             device_budget=s.device_budget, seed=s.seed, compute_dtype="fp32")
+        ctx = offload.init(cfg)
+        rt = ctx.__enter__()
+        model = load_peft_model(s.model_dir, lora_config(s))
+        trainable = [q for q in model.parameters() if q.requires_grad]
+        n_frozen = sum(q.numel() for q in model.parameters() if not q.requires_grad)
+        opt = offload.AdamW(trainable, lr=s.lr, weight_decay=s.weight_decay)
+        out["units"], out["trainable_units"] = len(rt.units), sum(u.layout.trainable for u in rt.units)
     else:
         model = AutoModelForCausalLM.from_pretrained(s.model_dir)  # in memory (PEFT goes on before the wrap)
         torch.manual_seed(s.seed + 7)
