@@ -168,24 +168,6 @@ class LoraSettings(bso.Settings):
     ds_buffer_count: int = 32
 
 
-def reset_peak_rss() -> bool:
-    """VmHWM := current RSS (echo 5 > /proc/self/clear_refs); False where not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def base_config(s: LoraSettings):
     return LlamaConfig(vocab_size=s.vocab, hidden_size=s.dim, intermediate_size=s.ff, num_hidden_layers=s.layers,
                        num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
@@ -278,7 +260,7 @@ def run_base(name: str, s: LoraSettings) -> dict:
 
     gc.collect()
     out.update(load_s=time.perf_counter() - t_load, peak_rss_load_bytes=bso.peak_rss_bytes(),
-               rss_after_load_bytes=rss_bytes(), peak_rss_reset=reset_peak_rss())
+               rss_after_load_bytes=bso.rss_bytes(), peak_rss_reset=bso.reset_peak_rss())
 
     def step(i: int) -> float:
         ids = base_batch(s, i)

@@ -175,6 +175,26 @@ def peak_rss_bytes() -> int:
     return 0
 
 
+def reset_peak_rss() -> bool:
+    """VmHWM := current RSS (Linux >= 4.0: echo 5 > /proc/self/clear_refs), so a later peak covers what follows
+    only. False where it is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (VmRSS)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def proc_io() -> dict:
     """Bytes this process made the block layer read / write (/proc/self/io), an independent check."""
     out = {}

@@ -101,24 +101,6 @@ class TrainerSettings(bso.Settings):
 
 # ---- helpers (children) ------------------------------------------------------------------------------
 
-def reset_peak_rss() -> bool:
-    """VmHWM := current RSS (Linux >= 4.0: echo 5 > /proc/self/clear_refs). False where it is not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def llama_config(s: TrainerSettings):
     from transformers import LlamaConfig
 
@@ -264,8 +246,8 @@ def run_contender(name: str, s: TrainerSettings) -> dict:
     if name.startswith("offload"):
         rt = trainer.offload_runtime
     load_s = time.perf_counter() - t_load
-    result.update(load_s=load_s, peak_rss_load_bytes=bso.peak_rss_bytes(), rss_after_load_bytes=rss_bytes())
-    result["peak_rss_reset"] = reset_peak_rss()
+    result.update(load_s=load_s, peak_rss_load_bytes=bso.peak_rss_bytes(), rss_after_load_bytes=bso.rss_bytes())
+    result["peak_rss_reset"] = bso.reset_peak_rss()
     try:
         t0 = time.perf_counter()
         metrics = trainer.train().metrics
