@@ -60,11 +60,11 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
             index, layout = base + k, size.layout
             if weights is not None:
                 values = [weights(fqn, p) for p, _, fqn in spec.params]
-                fresh = [k for k, v in enumerate(values) if v is None]
+                fresh = [i for i, v in enumerate(values) if v is None]
                 if fresh:  # not in the files: initialized as if built in the block (same seed on every rank)
-                    made = materialize_unit(model, [spec.params[k] for k in fresh], cfg.seed + index, where, adapters)
-                    for k, v in zip(fresh, made):
-                        values[k] = v
+                    made = materialize_unit(model, [spec.params[i] for i in fresh], cfg.seed + index, where, adapters)
+                    for i, v in zip(fresh, made):
+                        values[i] = v
             elif meta:
                 values = materialize_unit(model, spec.params, cfg.seed + index, where, adapters)
             else:
