@@ -72,6 +72,28 @@ def test_home_buffers_count_as_held_for_good(tmp_path):
             st.fetch("big", "cpu")  # a 20 KiB working copy > the 16 KiB left
 
 
+def test_held_says_what_each_tier_holds(tmp_path):
+    """held()[tier]: the blocks of shards homed in the tier and the working copies of shards homed below,
+    by tier class, the copies a move is using, and the rest of the tier's bytes in use (staging no shard holds):
+    together exactly what the tier counts as in use."""
+    with TieredStore(StoreConfig(device_budget="1MiB", cpu_budget="1MiB", nvme_budget="4MiB",
+                                 nvme_path=str(tmp_path / "s"), alloc_timeout=30)) as st:
+        st.register("home", 4000, torch.float32, home="cpu", tier_class="params").result()  # 16000 -> 16 KiB
+        st.register("paged", 3000, torch.float32, home="nvme", tier_class="optim").result()
+        st.register("dev", 1000, torch.float32, home="device", tier_class="grads").result()
+        held = st.held()["cpu"]
+        assert held["homes"] == {"params": 16384} and held["copies"] == {} and held["moving"] == 0
+        assert st.held()["device"]["homes"] == {"grads": 4096}
+        st.fetch("paged", "cpu").result()  # a working copy (12000 -> 12 KiB) of an nvme-homed shard
+        held = st.held()["cpu"]
+        assert held["copies"] == {"optim": 12288} and held["moving"] == 0
+        assert sum(held["homes"].values()) + sum(held["copies"].values()) + held["other"] \
+            == st.stats()["cpu"]["bytes_in_use"] == 16384 + 12288
+        st.release("paged").result()
+        assert st.held()["cpu"]["copies"] == {}  # written back, the copy given up
+        assert st.stats()["cpu"]["bytes_in_use"] == 16384
+
+
 def test_fetch_blocks_until_a_release_and_times_out(tmp_path):
     with TieredStore(StoreConfig(device_budget="64KiB", cpu_budget="64KiB", nvme_budget="1MiB",
                                  nvme_path=str(tmp_path / "s"))) as st:

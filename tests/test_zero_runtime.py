@@ -504,6 +504,7 @@ def test_stats_say_where_host_memory_is(tmp_path):
     with offload.init(_cfg(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), cpu_budget="64MiB")) as rt:
         rt.wrap(model)
         _train(model, rt, steps=2)
+        rt.quiesce()
         before = rt.stats()["memory"]
         extra = torch.ones(64 << 20)  # 256 MiB, every page written
         during = rt.stats()["memory"]
@@ -512,6 +513,9 @@ def test_stats_say_where_host_memory_is(tmp_path):
     assert before["rss_at_open_bytes"] > 0 and before["host_budget_tiers"] == ("cpu", "device")
     assert 0 < before["budgets_peak_bytes"]["cpu"] <= 64 << 20
     assert before["budgets_in_use_bytes"]["nvme"] > 0
+    cpu = before["held"]["cpu"]  # what the cpu tier holds: the nvme-homed states kept resident, by class
+    assert cpu["homes"] == {} and set(cpu["copies"]) <= {"params", "optim", "grads"} and cpu["copies"]
+    assert sum(cpu["copies"].values()) + cpu["other"] == before["budgets_in_use_bytes"]["cpu"] and cpu["moving"] == 0
     grew = during["outside_budgets_bytes"] - before["outside_budgets_bytes"]
     assert (256 - 16) << 20 <= grew <= (256 + 16) << 20, grew
     assert after["outside_budgets_bytes"] < during["outside_budgets_bytes"] - (200 << 20)  # given back (mmap'd)

@@ -10,6 +10,7 @@
         store.release("layer0.master")                     # Future[None]: drop the working copy
         lease = store.lease("layer0.master", "cpu", LeaseMode.UPDATE)  # the same as one claim (lease.py)
         store.stats()                                      # bytes in use / peak per tier, bytes moved
+        store.held()                                       # what the cpu and device tiers hold, by class
 
 Shard names are strings or small frozen records (any hashable; str() of it appears in messages).
 
@@ -411,7 +412,7 @@ class TieredStore:
                 raise f.exception()
 
     def stats(self) -> dict:
-        """Bytes in use / peak / capacity per tier and bytes moved per direction."""
+        """Bytes in use / peak / capacity per tier and bytes moved per direction (cheap: no walk over shards)."""
         links = self._links.snapshot()
         with self._lock:
             inflight = len(self._inflight)
@@ -427,6 +428,40 @@ class TieredStore:
             "shards": len(self._shards),
             "in_flight": inflight,
         }
+
+    def held(self) -> dict:
+        """{tier: {"homes": {tier_class: bytes}, "copies": {tier_class: bytes}, "moving": bytes, "other": bytes}}
+        of the cpu and device tiers: the blocks of shards whose home is there, the working copies there of shards
+        homed below it (resident, or staged for a move), of those copies the bytes a move is using now, and the
+        rest of the tier's bytes in use (staging slots and buffers no shard holds). Bytes as the tiers count them
+        (a block's span). Walks every shard under the store's lock: for reports, not for hot paths."""
+        with self._lock:
+            out = self._held()
+        for tier, pool in (("cpu", self._arena), ("device", self._dev)):
+            attached = sum(out[tier]["homes"].values()) + sum(out[tier]["copies"].values())
+            out[tier]["other"] = max(0, pool.bytes_in_use - attached)
+        return out
+
+    def _held(self) -> dict:
+        out = {t: {"homes": {}, "copies": {}, "moving": 0} for t in ("cpu", "device")}
+
+        def add(tier: str, kind: str, cls: str, blk, moving: bool = False) -> None:
+            if blk is not None:
+                taken = getattr(blk, "span", 0) or blk.reserved
+                out[tier][kind][cls] = out[tier][kind].get(cls, 0) + taken
+                out[tier]["moving"] += taken if moving else 0
+
+        for sh in self._shards.values():
+            moving = sh.residency not in (R.NVME, R.CPU, R.DEVICE)  # reading, writing, or between cpu and device
+            if sh.home is Tier.CPU:
+                add("cpu", "homes", sh.tier_class, sh.home_block)
+            elif sh.home is Tier.DEVICE:
+                add("device", "homes", sh.tier_class, sh.home_block)
+            else:
+                add("cpu", "copies", sh.tier_class, sh.cpu_block, moving)
+            if sh.home is not Tier.DEVICE:
+                add("device", "copies", sh.tier_class, sh.dev_block, moving)
+        return out
 
     @property
     def closed(self) -> bool:

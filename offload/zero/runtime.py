@@ -628,9 +628,11 @@ class Runtime:
 
     def _memory(self, store_stats: dict) -> dict:
         """Where this process's host memory is: the resident set now and at open, what each budget holds now and
-        at its peak, the gathered units, and outside_budgets_bytes = RSS growth since open not explained by the
-        host budgets even at their peak (the cpu tier; on a machine without a GPU the device tier too, a region
-        of host memory): full gradients and their casts, reduce buffers, activations, allocator caches."""
+        at its peak, what it holds them for (`held`: per tier, shards homed there and working copies of shards
+        homed below, by state class, the copies a move is using, and `other`: staging no shard holds), the
+        gathered units, and outside_budgets_bytes = RSS growth since open not explained by the host budgets even
+        at their peak (the cpu tier; on a machine without a GPU the device tier too, a region of host memory):
+        full gradients and their casts, reduce buffers, activations, allocator caches."""
         host_tiers = ("cpu",) if self.device.type == "cuda" else ("cpu", "device")
         rss = rss_bytes()
         explained = sum(store_stats[t]["peak_bytes"] for t in host_tiers)
@@ -639,6 +641,7 @@ class Runtime:
             "rss_at_open_bytes": self._rss_at_open,
             "budgets_in_use_bytes": {t: store_stats[t]["bytes_in_use"] for t in ("device", "cpu", "nvme")},
             "budgets_peak_bytes": {t: store_stats[t]["peak_bytes"] for t in ("device", "cpu", "nvme")},
+            "held": self.states.store.held(),
             "host_budget_tiers": host_tiers,
             "gathered_bytes": self.gathered_bytes,
             "outside_budgets_bytes": max(0, rss - self._rss_at_open - explained),
