@@ -166,6 +166,8 @@ def lm_loss(model, ids, targets):
 
 
 # ---- child helpers ---------------------------------------------------------------------------
+# (the RSS ones as offload.zero.host_memory has them, written out so that the torch and DeepSpeed children
+# never import offload: their memory figures must not include it)
 
 def peak_rss_bytes() -> int:
     with open("/proc/self/status") as f:

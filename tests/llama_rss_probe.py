@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import offload
-from offload.zero.host_memory import peak_rss_bytes
+from offload.zero.host_memory import peak_rss_bytes, reset_peak_rss
 
 VOCAB, SEQ, BATCH = 8000, 256, 2
 
@@ -39,11 +39,7 @@ def main():
     offload.AdamW(warm.parameters()).step()
     del warm
     rss0 = psutil.Process().memory_info().rss
-    try:  # restart the peak (VmHWM) at the baseline; without it, the peak since exec is still a valid bound
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    reset_peak_rss()  # the peak from the baseline on
     cfg = offload.Config(**{**dict(params="nvme", optimizer="nvme", nvme_path=nvme_dir, cpu_budget=cpu_budget,
                                    device_budget=device_budget, compute_dtype="bf16"), **more})
     per_step = []

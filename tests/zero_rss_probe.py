@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import offload
 from tiny_gpt import build_model, make_batch
-from offload.zero.host_memory import peak_rss_bytes
+from offload.zero.host_memory import peak_rss_bytes, reset_peak_rss
 
 
 def main():
@@ -28,11 +28,7 @@ def main():
     offload.AdamW(warm.parameters()).step()
     del warm
     rss0 = psutil.Process().memory_info().rss
-    try:  # restart the peak (VmHWM) at the baseline; without it, the peak since exec is still a valid bound
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    reset_peak_rss()  # the peak from the baseline on
     cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path=nvme_dir, cpu_budget=cpu_budget,
                          device_budget=device_budget)
     with offload.init(cfg) as rt:
