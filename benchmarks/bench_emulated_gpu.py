@@ -78,7 +78,8 @@ import bench_offload_step as bso  # noqa: E402  (Settings, timing, children, rou
 
 CONTENDERS = ("offload", "offload-inbwd", "offload-sync", "torch", "deepspeed")
 PLAN_CONTENDERS = ("offload-pcpu", "offload-cpu")
-OFFLOAD = ("offload", "offload-inbwd", "offload-sync") + PLAN_CONTENDERS
+OPT_IN = ("offload-8bit",)  # offload.AdamW8bit: run when named in --contenders
+OFFLOAD = ("offload", "offload-inbwd", "offload-sync") + PLAN_CONTENDERS + OPT_IN
 DISTRIBUTED = OFFLOAD + ("deepspeed",)
 SCRIPT = os.path.abspath(__file__)
 # every row of the summary table has these (a failed contender: "rounds_ok", "rounds_failed" and "error")
@@ -292,6 +293,8 @@ def offload_config(name: str, s: EmuSettings) -> dict:
         cfg["update_in_backward"] = True
     elif name == "offload-sync":
         cfg["pipeline"] = False
+    elif name == "offload-8bit":
+        cfg["optimizer_states"] = "adamw8bit"
     elif name == "offload-pcpu":
         cfg["params"] = "cpu"
     elif name == "offload-cpu":
@@ -315,7 +318,8 @@ def run_offload(s: EmuSettings, name: str) -> dict:
     ON_COMPUTE["fn"] = lambda n, t0, t1: telemetry.record(n, telemetry.Lane.MAIN, t0, t1)
     with offload.init(cfg) as rt:
         model = build_model(s)  # built inside: materialized and sharded unit by unit
-        opt = offload.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
+        optimizer = offload.AdamW8bit if name == "offload-8bit" else offload.AdamW
+        opt = optimizer(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
         n_params = sum(p.numel() for p in model.parameters())
         splits = []
 
@@ -667,9 +671,9 @@ def main(argv=None) -> int:
     if args.report:
         return report(args.report)
     contenders, plan_extra = _names(args.contenders), _names(args.plan_contenders)
-    unknown = [c for c in contenders + plan_extra if c not in CONTENDERS + PLAN_CONTENDERS]
+    unknown = [c for c in contenders + plan_extra if c not in CONTENDERS + PLAN_CONTENDERS + OPT_IN]
     if unknown:
-        raise SystemExit(f"unknown contender(s) {unknown}; choose from {CONTENDERS + PLAN_CONTENDERS}")
+        raise SystemExit(f"unknown contender(s) {unknown}; choose from {CONTENDERS + PLAN_CONTENDERS + OPT_IN}")
     base = EmuSettings(layers=args.layers, dim=args.dim, ff=args.ff, seq=args.seq, batch=args.batch,
                        world_size=args.world_size, warmup=args.warmup, steps=args.steps, threads=args.threads,
                        seed=args.seed, cpu_budget=args.cpu_budget, device_budget=args.device_budget,

@@ -21,6 +21,8 @@ interleaved rounds, round r in an order rotated by r, and gets one JSON line bac
   offload-inbwd the same with update_in_backward=True (opt-in, not a default: each unit's update runs in the
                 backward, clipped by the previous step's coefficient; offload/zero/backward_updates.py).
                 Not in the default list: --contenders torch,offload,offload-inbwd,offload-sync,deepspeed.
+  offload-8bit  the same with offload.AdamW8bit (8-bit block-quantized moments, Config.optimizer_states=
+                "adamw8bit"): half the optimizer's bytes on the disk. Opt-in, like offload-inbwd.
   deepspeed     DeepSpeed ZeRO-3, offload_param and offload_optimizer on nvme, bf16, gradient_clipping
                 1.0, "AdamW" (DeepSpeed's CPU Adam), model built inside deepspeed.zero.Init, gloo backend.
 Timing: `--warmup` steps, then `--steps` timed steps; s/step of a round = the timed steps' wall time /
@@ -81,8 +83,8 @@ import tempfile
 import time
 
 CONTENDERS = ("torch", "offload", "offload-sync", "deepspeed")
-OPT_IN = ("offload-inbwd",)  # run when named in --contenders
-DISTRIBUTED = ("offload", "offload-sync", "offload-inbwd", "deepspeed")  # run under torchrun with --world-size 2
+OPT_IN = ("offload-inbwd", "offload-8bit")  # run when named in --contenders
+DISTRIBUTED = ("offload", "offload-sync", "offload-inbwd", "offload-8bit", "deepspeed")  # run under torchrun with --world-size 2
 RESULT_KEY = "bench_offload_step"  # marks the child's JSON line among DeepSpeed's log lines
 GiB = 1 << 30
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -384,7 +386,7 @@ def run_torch(s: Settings) -> dict:
     return out
 
 
-def run_offload(s: Settings, pipeline: bool, update_in_backward: bool = False) -> dict:
+def run_offload(s: Settings, pipeline: bool, update_in_backward: bool = False, family: str = "adamw") -> dict:
     """offload.init with params and optimizer states on nvme; the model is built (and sharded) inside."""
     import offload
     import offload.telemetry
@@ -396,10 +398,11 @@ def run_offload(s: Settings, pipeline: bool, update_in_backward: bool = False) -
         dist.init_process_group("gloo")  # ours, so the per-rank stats can be gathered after the block
     cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path=s.nvme_dir, cpu_budget="384MiB",
                          device_budget="256MiB", compute_dtype="bf16", pipeline=pipeline, seed=s.seed,
-                         update_in_backward=update_in_backward)
+                         update_in_backward=update_in_backward, optimizer_states=family)
     with offload.init(cfg) as rt:
         model = model_from(s)  # forward runs in bf16 under the runtime: no autocast
-        opt = offload.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
+        optimizer = {"adamw": offload.AdamW, "adamw8bit": offload.AdamW8bit}[family]
+        opt = optimizer(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
         n_params = sum(p.numel() for p in model.parameters())
 
         def step(i):
@@ -616,6 +619,7 @@ CHILDREN = {
     "offload": lambda s: run_offload(s, pipeline=True),
     "offload-sync": lambda s: run_offload(s, pipeline=False),
     "offload-inbwd": lambda s: run_offload(s, pipeline=True, update_in_backward=True),
+    "offload-8bit": lambda s: run_offload(s, pipeline=True, family="adamw8bit"),
     "deepspeed": run_deepspeed,
     "probe-nvme": probe_nvme,
     "probe-adam": probe_adam,
@@ -756,7 +760,7 @@ def compute_bound(runs: dict, probes: dict, table: dict) -> dict | None:
     terms = {"compute_s": float(np.median(compute)), "adam_s": adam["adam_s"],
              "read_GBps": nvme["read_Bps"] / 1e9, "write_GBps": nvme["write_Bps"] / 1e9}
     per = {}
-    for name in ("offload", "offload-sync", "offload-inbwd"):
+    for name in ("offload", "offload-sync", "offload-inbwd", "offload-8bit"):
         row = table.get(name, {})
         if "nvme_read_bytes_per_step" not in row:
             continue

@@ -5,6 +5,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "offload C++ kernels: fused CPU AdamW, copy/cast, async NVMe engine";
   offload::register_runtime(m);
   offload::register_adam(m);
+  offload::register_adam8bit(m);
   offload::register_copy(m);
   offload::register_aio(m);
 }

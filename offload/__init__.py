@@ -4,6 +4,8 @@ __version__ = "0.1.0"
 # Public names resolve lazily: `import offload` (the CLI's --version) must not pay for importing torch.
 _LAZY = {
     "AdamW": ("offload.optim", "AdamW"),
+    "AdamW8bit": ("offload.optim.adamw8bit", "AdamW8bit"),
+    "Lion": ("offload.optim.lion", "Lion"),
     "Config": ("offload.config", "Config"),
     "init": ("offload.zero.runtime", "init"),
     "Runtime": ("offload.zero.runtime", "Runtime"),

@@ -109,6 +109,10 @@ class Config:
       ["activations"]["kept_bytes"]). See offload/zero/activations.py.
     activations_min_size: the smallest saved tensor that moves ("1MiB"): smaller ones cost more in copies than
       they free.
+    optimizer_states: the optimizer family the placement sizes the optimizer's states for: "adamw" (default,
+      fp32 moments, 8 bytes per parameter besides the master), "adamw8bit" (offload.AdamW8bit, about 2) or
+      "lion" (offload.Lion, 4). An optimizer that stores less than this is accepted (the placement was
+      generous); one that stores more is refused, naming this setting.
     """
 
     params: str = "auto"
@@ -133,6 +137,7 @@ class Config:
     update_in_backward: bool = False
     activations: str = "none"
     activations_min_size: str | int = "1MiB"
+    optimizer_states: str = "adamw"
     # Keys of an imported DeepSpeed config that have no effect here (filled by from_deepspeed).
     deepspeed_ignored: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
@@ -141,6 +146,9 @@ class Config:
             tier = getattr(self, name)
             if tier not in TIERS:
                 raise ValueError(f"offload.Config.{name}: unknown tier {tier!r}; choose one of {TIERS}")
+        from .optim.schema import by_name
+
+        by_name(self.optimizer_states, "offload.Config.optimizer_states")  # unknown: say so now, with the names
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(
                 f"offload.Config.compute_dtype: {self.compute_dtype!r} is not supported; "

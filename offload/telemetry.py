@@ -3,7 +3,7 @@
     meter = Meter()
     with meter.waiting(Queue.GATHER):           # the training thread blocks on a queue: charged to it
         handle.wait()
-    with span("adam:layers.0", Lane.OPTIMIZER):  # torch.profiler label + a trace event on that lane
+    with span("adamw:layers.0", Lane.OPTIMIZER):  # torch.profiler label + a trace event on that lane
         kernel(...)
     meter.busy(Lane.OPTIMIZER, seconds)          # background work done on a lane
     snap = meter.snapshot()                      # cumulative seconds per queue / lane; diff two for a step

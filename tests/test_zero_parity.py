@@ -64,6 +64,7 @@ def grid(world):
               Case(world=world, accum=4, no_sync=False, params="nvme", optimizer="nvme", update_in_backward=True)]
     cases += [Case(world=world, params="nvme", optimizer="nvme", grads="nvme", delay=f"{queue}=0.005", snapshot_every=10,
                    cpu_budget="128KiB", update_in_backward=True) for queue in ("nvme_read", "optimizer", "reduce")]
+    cases += family_cases(world, clip)
     cases += [Case(world=world, params="nvme", optimizer="nvme", flow="skip"),
               Case(world=world, params="nvme", optimizer="nvme", flow="eval"),
               Case(world=world, params="nvme", optimizer="nvme", flow="accum", accum=3, no_sync=False)]
@@ -71,6 +72,27 @@ def grid(world):
 
 
 QUEUES_SLOWED = ("nvme_read", "nvme_write", "optimizer", "gather", "reduce", "copy")
+
+
+def family_cases(world, clip):
+    """The other optimizer families (offload.AdamW8bit, offload.Lion): states on nvme, accumulation, bf16, the
+    backward's updates, and the queues their states go through slowed."""
+    out = [Case(world=world, family=f, params="nvme", optimizer="nvme") for f in ("lion", "adamw8bit")]
+    out += [Case(world=world, family="adamw8bit", accum=4, params="nvme", optimizer="nvme", grads="nvme"),
+            Case(world=world, family="adamw8bit", dtype="bf16", params="nvme", optimizer="nvme", clip=clip),
+            Case(world=world, family="lion", dtype="bf16", accum=4, params="cpu", optimizer="nvme", clip=clip),
+            Case(world=world, family="adamw8bit", params="nvme", optimizer="nvme", update_in_backward=True)]
+    out += [Case(world=world, family="adamw8bit", params="nvme", optimizer="nvme", grads="nvme", delay=f"{q}=0.005",
+                 snapshot_every=10, clip=None, cpu_budget="128KiB") for q in ("nvme_read", "nvme_write", "optimizer")]
+    return out
+
+
+# AdamW8bit against the in-memory offload.AdamW8bit: the runtime quantizes in blocks anchored at each chunk of the
+# flat shard, the in-memory optimizer at each parameter, so the moments round differently (each within 6.3% of
+# its value, test_adam8bit_kernel.py) and the runs drift apart by that much, not by a runtime bug's
+# orders of magnitude; where the blocks coincide the two are equal bit for bit (test_optimizer_families.py).
+# Measured on this grid: loss 1.1e-2, parameters 6.5e-2, norms 3.3e-2 at worst.
+QUANTIZED_TOL = {"loss": 3e-2, "param": 1e-1, "norm": 6e-2}
 
 
 def delay_cases(world):
@@ -98,10 +120,11 @@ def check(result, case):
         assert result["plans_made"] == 1, result
     assert result["peak_cpu"] <= result["cpu_budget"] and result["peak_device"] <= result["device_budget"], result
     tol = (1e-5 if case.world == 1 else 2e-5) if case.dtype == "fp32" else 1e-4
+    tols = QUANTIZED_TOL if case.family == "adamw8bit" else {"loss": tol, "param": tol, "norm": tol}
     assert result["steps"] == case.steps >= 10
-    assert result["loss_err"] <= tol, result
-    assert result["param_err"] <= tol, result
-    assert result["norm_err"] <= tol, result
+    assert result["loss_err"] <= tols["loss"], result
+    assert result["param_err"] <= tols["param"], result
+    assert result["norm_err"] <= tols["norm"], result
     assert result["moved"] > 1e-3, result  # training really changed the parameters
     assert result["peak_gathered"] <= result["gathered_bound"], result
     # where the gradients live: as asked, or for "auto" the device budget (256MiB, given) when the optimizer

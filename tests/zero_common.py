@@ -148,6 +148,7 @@ class Case:
     flow: str = ""
     update_in_backward: bool = False  # Config.update_in_backward (offload_run only)
     reduce_dtype: str = "fp32"  # Config.reduce_dtype: "bf16" sums each rank's gradient rounded to bf16
+    family: str = "adamw"  # the optimizer: adamw, adamw8bit or lion (offload's class; Config.optimizer_states)
 
     @property
     def name(self) -> str:
@@ -159,7 +160,17 @@ class Case:
                 f"{'-flow_' + self.flow if self.flow else ''}"
                 f"{'-update_in_backward' if self.update_in_backward else ''}"
                 f"{'-reduce_' + self.reduce_dtype if self.reduce_dtype != 'fp32' else ''}"
+                f"{'-' + self.family if self.family != 'adamw' else ''}"
                 f"{'-slow_' + self.delay.replace('=', '') if self.delay else ''}")
+
+
+def optimizer_class(case: Case, reference: bool = False):
+    """The case's offload optimizer class; for the fp32 reference of AdamW, torch's own."""
+    import offload
+
+    if case.family == "adamw":
+        return torch.optim.AdamW if reference and case.dtype == "fp32" else offload.AdamW
+    return {"adamw8bit": offload.AdamW8bit, "lion": offload.Lion}[case.family]
 
 
 def _rank_world():
@@ -211,7 +222,7 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor, device: torc
         raise ValueError("control-flow cases run the fp32 tiny model")
     if case.dtype == "fp32":
         model = model.to(device)
-        opt = torch.optim.AdamW(param_groups(model.named_parameters()), lr=case.lr)
+        opt = optimizer_class(case, reference=True)(param_groups(model.named_parameters()), lr=case.lr)
         for s in range(case.steps):
             A, skip, evaluate = _step_flow(case, s)
             if evaluate:
@@ -237,7 +248,7 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor, device: torc
     # over 10 steps Adam grows such flips far past any tolerance that would still catch a runtime bug.
     import offload
 
-    opt = offload.AdamW(param_groups(list(master.items())), lr=case.lr)
+    opt = optimizer_class(case)(param_groups(list(master.items())), lr=case.lr)
     trainable = [n for n, p in named if p.requires_grad]
     A = case.accum
     for s in range(case.steps):
@@ -291,13 +302,14 @@ def offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str,
     cfg = offload.Config(params=case.params, optimizer=case.optimizer, grads=case.grads, compute_dtype=case.dtype,
                          nvme_path=nvme_dir if "nvme" in (case.params, case.optimizer, case.grads) else None,
                          device_budget="256MiB", cpu_budget=case.cpu_budget, pipeline=pipeline,
-                         update_in_backward=case.update_in_backward, reduce_dtype=case.reduce_dtype)
+                         update_in_backward=case.update_in_backward, reduce_dtype=case.reduce_dtype,
+                         optimizer_states=case.family)
     losses, snaps, norms = [], {}, []
     mine = slice(rank * MICRO, (rank + 1) * MICRO)
     with offload.init(cfg) as rt:
         data = data.to(rt.device)
         rt.wrap(model)
-        opt = offload.AdamW(param_groups(model.named_parameters()), lr=case.lr)
+        opt = optimizer_class(case)(param_groups(model.named_parameters()), lr=case.lr)
         for s in range(case.steps):
             A, skip, evaluate = _step_flow(case, s)
             if evaluate:

@@ -7,6 +7,7 @@
 namespace offload {
 void register_runtime(pybind11::module_& m);  // common/runtime_bindings.cpp: threads, ISA
 void register_adam(pybind11::module_& m);     // adam/
+void register_adam8bit(pybind11::module_& m); // adam/adam8bit_bindings.cpp: AdamW with 8-bit moments
 void register_copy(pybind11::module_& m);     // copy/
 void register_aio(pybind11::module_& m);      // aio/
 }  // namespace offload

@@ -193,6 +193,9 @@ def add_finetune_parser(sub) -> None:
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio,
                    help="the cosine ends at the peak learning rate times this")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW's decoupled weight decay")
+    p.add_argument("--optim", choices=("adamw", "adamw8bit", "lion"), default=d.optim,
+                   help="the optimizer: adamw (fp32 moments, the default), adamw8bit (8-bit block-quantized moments: "
+                        "half the optimizer's bytes, lossy) or lion (one fp32 moment; wants a 3-10x smaller --lr)")
     p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm,
                    help="gradients clipped to this global L2 norm each step")
     p.add_argument("--params", choices=("device", "cpu", "nvme", "auto"), help="parameter tier (default nvme)")

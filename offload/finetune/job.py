@@ -58,6 +58,7 @@ class FinetuneConfig:
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
+    optim: str = "adamw"  # the optimizer family: adamw, adamw8bit (8-bit moments) or lion
     # Runtime settings: None takes the --config file's value if it sets one, else the default named here.
     params: str | None = None  # tier of the parameters: device, cpu, nvme or auto (default nvme)
     optimizer: str | None = None  # tier of the fp32 master and AdamW moments (default nvme)
@@ -99,6 +100,8 @@ class FinetuneConfig:
             raise InputError(f"--lr must be positive (got {self.lr})")
         if not self.weight_decay >= 0:
             raise InputError(f"--weight-decay must be 0 or more (got {self.weight_decay})")
+        if self.optim not in OPTIMIZERS:
+            raise InputError(f"--optim {self.optim!r}: choose one of {', '.join(OPTIMIZERS)}")
         if self.eval_blocks < 1:
             raise InputError(f"--eval-blocks must be at least 1 (got {self.eval_blocks})")
         if self.keep_checkpoints < 1:
@@ -148,6 +151,10 @@ class FinetuneResult:
     checkpoints: list[dict] = dataclasses.field(default_factory=list)  # {"path", "bytes", "seconds"} per save
 
 
+# --optim: the offload optimizer of each family (offload.optim.schema), as `offload plan --optimizer-states` names them
+OPTIMIZERS = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "lion": "Lion"}
+
+
 def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
     """The runtime's Config: each field from the flag if given, else the --config file if it sets it, else
     the fine-tune's default."""
@@ -181,7 +188,7 @@ def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
     if cfg.nvme_budget is not None:
         chosen["nvme_budget"] = cfg.nvme_budget
     try:
-        return Config(**{"seed": cfg.seed, **from_file, **chosen})
+        return Config(**{"seed": cfg.seed, **from_file, **chosen, "optimizer_states": cfg.optim})
     except (TypeError, ValueError) as exc:
         raise InputError(f"the runtime settings: {as_flags(str(exc))}") from None
 
@@ -390,12 +397,12 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
                 model.config.use_cache = False
             trained = [p for p in model.parameters() if p.requires_grad]
-            opt = offload.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
+            opt = getattr(offload, OPTIMIZERS[cfg.optim])(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
             sampler = Sampler(len(train), cfg.micro_batch, cfg.grad_accum, rt.world_size, cfg.seed)
             steps = cfg.steps or (math.ceil(cfg.epochs * len(train) / sampler.global_batch) if cfg.epochs else 150)
             warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, steps // 20)
             sched = get_cosine_with_min_lr_schedule_with_warmup(opt, warmup, steps, min_lr_rate=cfg.min_lr_ratio)
-            run_key = {"seq_len": cfg.seq_len, "global_micro_batch": cfg.micro_batch * rt.world_size,
+            run_key = {"seq_len": cfg.seq_len, "global_micro_batch": cfg.micro_batch * rt.world_size, "optim": cfg.optim,
                        "grad_accum": cfg.grad_accum, "seed": cfg.seed, "steps": steps, "train_blocks": len(train)}
             if cfg.lora_r:  # another adapter is another run (its states would not fit)
                 run_key["lora"] = [cfg.lora_r, _lora_alpha(cfg), cfg.lora_targets, cfg.lora_dropout]

@@ -58,22 +58,22 @@ def check_budgets(cfg: Config, world: int) -> None:
 
 def swap_bytes_per_rank(cfg: Config, n_params: int, n_tensors: int, world: int) -> int:
     """An upper bound of the swap space one rank's nvme-homed states take, as the store lays them out: this
-    rank's share of every parameter at the bytes its states keep (placement.py: the compute-dtype parameter;
-    optimizer_fp32_states of fp32), plus each unit's padding and page rounding (at most one alignment quantum
+    rank's share of every parameter at the bytes its states keep (placement.py: the compute-dtype parameter; the
+    optimizer family's states, the fp32 gradient and the fp32 master unless the parameter is it), plus each unit's padding and page rounding (at most one alignment quantum
     a unit and one page a chunk, chunks being at least half a MiB; every unit holds at least one tensor)."""
     from ..store.swap_file import SLOT_ALIGN
     from ..zero.layout import ALIGN
-    from ..zero.placement import optimizer_fp32_states
+    from ..optim.schema import by_name
 
     compute = cfg.torch_compute_dtype.itemsize
     kinds = []  # bytes per element of each nvme-homed state
     if cfg.params == "nvme":
         kinds.append(compute)
     if cfg.optimizer == "nvme":
-        kinds += [4] * optimizer_fp32_states(compute)
+        kinds += [s.bytes_per_element for s in by_name(cfg.optimizer_states).states] + [4] + ([4] if compute != 4 else [])
     numel = math.ceil(n_params / world)
     chunks = math.ceil(numel * 4 / (512 << 10)) + n_tensors
-    return sum(k * (numel + n_tensors * ALIGN) + chunks * SLOT_ALIGN for k in kinds)
+    return math.ceil(sum(k * (numel + n_tensors * ALIGN) + chunks * SLOT_ALIGN for k in kinds))
 
 
 def check_swap_room(cfg: Config, n_params: int, n_tensors: int, world: int, budget_setting: str) -> None:

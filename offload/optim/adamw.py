@@ -18,18 +18,12 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..ops.adam import adamw_step_
+from .base import ShardDispatch
+from .schema import Schema, StoredState, register
 
-__all__ = ["AdamW", "step_flat", "register_sharded"]
+__all__ = ["AdamW", "ADAMW", "step_flat"]
 
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
-# Parameters owned by an offload runtime are stepped where their states live, by a subclass the runtime
-# registers here when it is imported (offload.zero.optimizer): [(wants(params) -> bool, subclass)].
-_SHARDED: list = []
-
-
-def register_sharded(wants, cls) -> None:
-    """AdamW(params) builds `cls` (a subclass) when wants(params) is true."""
-    _SHARDED.append((wants, cls))
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -58,6 +52,16 @@ def step_flat(
     )
 
 
+def _adamw_chunk(master, grad, states, out, lo, hi, hyper, step, grad_scale) -> None:
+    step_flat(master[lo:hi], grad[lo:hi], states["exp_avg"][lo:hi], states["exp_avg_sq"][lo:hi],
+              None if out is None else out[lo:hi], hyper, step, grad_scale)
+
+
+# fp32 moments, a value per element: 8 bytes per parameter besides the master
+ADAMW = register(Schema("adamw", (StoredState("exp_avg", torch.float32), StoredState("exp_avg_sq", torch.float32)),
+                        _adamw_chunk))
+
+
 def _check_hyper(lr, betas, eps, weight_decay, moments_dtype) -> None:
     lr_value = float(lr)
     if not 0.0 <= lr_value:
@@ -74,7 +78,7 @@ def _check_hyper(lr, betas, eps, weight_decay, moments_dtype) -> None:
         )
 
 
-class AdamW(torch.optim.Optimizer):
+class AdamW(ShardDispatch, torch.optim.Optimizer):
     """AdamW (decoupled weight decay) on CPU tensors with the fused offload kernel.
 
     Same arguments and defaults as torch.optim.AdamW (lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
@@ -83,18 +87,7 @@ class AdamW(torch.optim.Optimizer):
     dtype of both moments per param group.
     """
 
-    def __new__(cls, params=None, *args, **kwargs):
-        # Parameters owned by an offload runtime (the placeholders of sharded units, or a model built inside
-        # `offload.init` and not used yet) are stepped shard by shard where their states live: such an
-        # AdamW is an offload.zero.ShardedAdamW (a subclass). The params iterable is read once here and
-        # handed to __init__ through `_offload_params`.
-        if cls is not AdamW or params is None:
-            return super().__new__(cls)
-        params = list(params)
-        chosen = next((sub for wants, sub in _SHARDED if wants(params)), cls)
-        inst = super().__new__(chosen)
-        inst._offload_params = params
-        return inst
+    schema = ADAMW  # what the runtime's sharded variant stores (fp32 moments)
 
     def __init__(
         self,

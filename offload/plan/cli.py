@@ -15,11 +15,14 @@ import sys
 
 from ..config import parse_size
 from ..store.sizes import format_bytes
-from .memory import Workload
+from .memory import Workload, state_bytes
 from .model_spec import PRESETS, model_from
 from .sizing import DEVICES, SEQ_MAX, advice, capacity, choose, evaluate, longest_sequences
 from ..bench.figures import bench_figures
 from .step_time import Machine
+
+# the built-in optimizer families (offload.optim.schema.names(); spelled out: building the parser imports no torch)
+OPTIMIZER_STATES = ("adamw", "adamw8bit", "lion")
 
 
 def parse_rate(text: str, flag: str) -> float:
@@ -93,7 +96,8 @@ def plan_from_args(args: argparse.Namespace) -> dict:
     mc = Machine(gpus_per_node=args.gpus, nodes=args.nodes, mfu=args.mfu, **figures)
     w = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len if args.seq_len is not None else min(m.max_seq, 4096),
                  grad_accum=args.grad_accum, checkpointing=not args.no_checkpointing,
-                 update_in_backward=args.update_in_backward, activations=args.activations)
+                 update_in_backward=args.update_in_backward, activations=args.activations,
+                 optimizer_states=args.optimizer_states)
     cap = capacity(parse_size(args.gpu_mem or dev["memory"], "--gpu-mem"), parse_size(args.cpu_mem, "--cpu-mem"),
                    parse_size(args.nvme_size, "--nvme-size") if args.nvme_size else None)
     options = evaluate(m, w, mc, cap)
@@ -123,9 +127,10 @@ def _print(plan: dict) -> None:
           f"{mc['gpus_per_node']}); micro-batch {w['micro_batch']} x seq {w['seq_len']}, accumulation "
           f"{w['grad_accum']}, activation checkpointing {'on' if w['checkpointing'] else 'off'}"
           + (f", activations offloaded to {w['activations']}" if w['activations'] != "none" else ""))
-    states = m["params"] * 18
-    print(f"model states: {_gib(states)} in all (18 bytes/param: bf16 param, fp32 grad, master, 2 moments), "
-          f"{_gib(states / ranks)} per rank")
+    sb = state_bytes(Workload(optimizer_states=w["optimizer_states"]))
+    states = m["params"] * sb.total
+    print(f"model states: {_gib(states)} in all ({sb.total:.4g} bytes/param: bf16 param, fp32 grad, master, "
+          f"{w['optimizer_states']} states {sb.moments:.4g}), {_gib(states / ranks)} per rank")
     c = plan["chosen"]
     if c is None:
         print("does NOT fit any placement:")
@@ -208,5 +213,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--activations", choices=("none", "cpu", "nvme"), default="none",
                    help="model Config.activations: the saved activations wait in host memory or on nvme instead of "
                         "the GPU (default none)")
+    p.add_argument("--optimizer-states", choices=OPTIMIZER_STATES, default="adamw",
+                   help="the optimizer family's states: adamw (fp32 moments, 8 bytes/param), adamw8bit (8-bit "
+                        "moments, about 2), lion (one fp32 moment, 4); default adamw")
     p.add_argument("--json", help="write the whole plan as JSON")
     p.set_defaults(func=_cmd_plan)

@@ -33,7 +33,7 @@ class StateBytes:
     params: int = 2
     grads: int = 4  # this runtime: fp32 gradient shards (the ZeRO paper: 2)
     master: int = 4
-    moments: int = 8
+    moments: float = 8  # the optimizer family's own states: AdamW 8, AdamW8bit about 2.03, Lion 4
 
     @property
     def total(self) -> int:
@@ -66,6 +66,14 @@ class Workload:
     checkpointing: bool = True
     update_in_backward: bool = False  # Config.update_in_backward: the update runs under the last backward
     activations: str = "none"  # Config.activations: where saved activations wait (none: on the device)
+    optimizer_states: str = "adamw"  # Config.optimizer_states: the optimizer family (its schema's bytes)
+
+
+def state_bytes(w: Workload) -> StateBytes:
+    """This runtime's bytes per parameter of each class with the workload's optimizer family (its schema)."""
+    from ..optim.schema import by_name
+
+    return StateBytes(moments=by_name(w.optimizer_states, "--optimizer-states").bytes_per_element)
 
 
 ACTIVATION_WINDOW = 3  # layers' saved tensors on the device while offloaded: the current one and two read ahead
@@ -123,9 +131,11 @@ def per_rank_state_bytes(m: ModelSpec, ranks: int, sb: StateBytes = RUNTIME) -> 
     return {"params": sb.params * n, "grads": sb.grads * n, "master": sb.master * n, "moments": sb.moments * n}
 
 
-def tier_bytes(m: ModelSpec, w: Workload, ranks: int, place: Placement, sb: StateBytes = RUNTIME) -> dict:
+def tier_bytes(m: ModelSpec, w: Workload, ranks: int, place: Placement, sb: StateBytes | None = None) -> dict:
     """{tier: {class: bytes per rank}} for a placement: states where it puts them, activations and the
-    gathered working set on the device, a host staging buffer for nvme-homed states."""
+    gathered working set on the device, a host staging buffer for nvme-homed states. sb: default the
+    workload's optimizer family's (state_bytes)."""
+    sb = sb or state_bytes(w)
     states = per_rank_state_bytes(m, ranks, sb)
     out = {"device": {}, "cpu": {}, "nvme": {}}
     out[place.params]["params"] = states["params"]

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .memory import Placement, StateBytes, RUNTIME, Workload, offloaded_activation_bytes
+from .memory import Placement, StateBytes, RUNTIME, Workload, offloaded_activation_bytes, state_bytes
 from .model_spec import ModelSpec
 
 
@@ -151,10 +151,12 @@ def movement_step_s(shard_params: float, place: Placement, mc: Machine, grad_acc
     return phases(movement(shard_params, place, mc), grad_accum, update_in_backward)[2]
 
 
-def predict(m: ModelSpec, w: Workload, place: Placement, mc: Machine, sb: StateBytes = RUNTIME,
+def predict(m: ModelSpec, w: Workload, place: Placement, mc: Machine, sb: StateBytes | None = None,
             resident_bytes: float = 0.0) -> dict:
     """{"resources": busy seconds per resource per step, "phases": seconds, "step_s", "bottleneck",
-    "tokens_per_s"} (module docstring); `resident_bytes`: host memory per rank that keeps nvme-homed states."""
+    "tokens_per_s"} (module docstring); `resident_bytes`: host memory per rank that keeps nvme-homed states;
+    sb: default the workload's optimizer family's (memory.state_bytes)."""
+    sb = sb or state_bytes(w)
     r = mc.ranks
     shard = m.params / r  # parameters per rank
     tokens = w.micro_batch * w.seq_len  # per rank per micro-batch

@@ -44,7 +44,7 @@ class BackwardUpdates:
 
     def __init__(self, enabled: bool, queue, optimizers):
         self.enabled = enabled
-        self._queue = queue  # (unit, runs, grad_scale) -> None: queue one unit's update on the optimizer lane
+        self._queue = queue  # (unit, runs, grad_scale, schema) -> None: queue one unit's update on the optimizer lane
         self._optimizers = optimizers  # () -> the live offload optimizers of the runtime
         self._previous_coef: float | None = None  # the last finished step's clip coefficient (None: no step yet)
         self._single_reduce = False  # the last finished step reduced every unit at most once
@@ -90,7 +90,7 @@ class BackwardUpdates:
         opt = optimizers[0]
         runs = opt.backward_runs(unit) if opt.holds_all_of(unit) else None
         if runs:
-            self._queue(unit, runs, self._previous_coef)
+            self._queue(unit, runs, self._previous_coef, opt.schema)
             self.issued[id(unit)] = Issued(unit, tuple(runs))
 
     def on_clip(self, coefficient: float) -> None:

@@ -5,8 +5,9 @@
                                         optimizer hyper-parameters and per-parameter step counts, LR
                                         schedulers, python/numpy RNG per rank, the user's `extra`, and the
                                         size and sha256 of every file
-    ROOT/step-120/rank-00000-of-00002.safetensors   this rank's fp32 master and Adam moments of every unit
-                                        (its shard of the flat layout) and its torch RNG states
+    ROOT/step-120/rank-00000-of-00002.safetensors   this rank's fp32 master and optimizer states of every
+                                        unit (its shard of the flat layout; each state as its family's per-element
+                                        fp32 view: AdamW8bit's moments dequantized) and its torch RNG states
 
 A checkpoint taken in the middle of a gradient accumulation also holds the gradient shards summed so far
 (gradients accumulated under no_sync are reduced first) and which parameters got one; the user's loop
@@ -41,11 +42,12 @@ from ..store.sizes import format_bytes
 from .. import inject
 from ..store import LeaseMode, Tier
 from ..telemetry import Queue
+from . import optim_states
+from ..optim.schema import by_name as schema_by_name
 from .shards import StateKind
 from .state import UnitState
 from .state_store import Use
 
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _param_key(p) -> str:
@@ -159,7 +161,8 @@ def save_checkpoint(rt, root, extra: dict | None = None, lr_schedulers=(), keep_
              for opt in rt.live_optimizers()]
     status = {"file": name, "rng": rng_json, "steps": steps,
               "used": {u.uid: u.used.tolist() for u in rt.units if u.has_grad},
-              "moments": [u.uid for u in rt.units if u.shards.moments_registered]}
+              "moments": [u.uid for u in rt.units if u.shards.moments_registered],
+              "schemas": {u.uid: u.shards.schema.name for u in rt.units if u.shards.moments_registered}}
     try:
         check_owned_dir(tmp, "checkpoint directory")
         status.update(_write_rank_file(rt, tmp / name, rng_tensors))
@@ -226,24 +229,31 @@ def _clean_partial(root: Path) -> None:
 
 def _write_rank_file(rt, path: Path, rng_tensors: dict[str, torch.Tensor]) -> dict:
     writer = TensorFileWriter(path, metadata={"format": FORMAT})
-    plan = []
+    plan = []  # (unit, label, the stored state read as is, or None: the family's view `label`, unpacked)
     for unit in rt.units:
-        kinds = [unit.shards.master_kind()] + ([StateKind.EXP_AVG, StateKind.EXP_AVG_SQ]
-                                               if unit.shards.moments_registered else [])
+        schema = unit.shards.schema
+        items = [("master", unit.shards.master_kind())]
+        for view in schema.logical if schema else ():
+            items.append((view.name, schema.state(view.name) if view.identity else None))
         if unit.has_grad:  # in the middle of a gradient accumulation: the partial sum goes too
-            kinds.append(StateKind.GRAD)
-        for kind in kinds:
-            label = "master" if kind is unit.shards.master_kind() else kind.value
+            items.append(("grad", StateKind.GRAD))
+        for label, kind in items:
             # on a page: its chunks (8 KiB multiples but the last) can share their swap slots' blocks
             writer.add(f"{unit.uid}/{label}", torch.float32, unit.shards.shard_numel, aligned=True)
-            plan.append((unit, kind))
+            plan.append((unit, label, kind))
     for key, t in rng_tensors.items():
         writer.add(key, t.dtype, t.numel())
     writer.open()
     from_nvme = from_host = 0
     resident = rt.states.resident_keys()  # the runtime is quiet: residency does not change during the save
     try:
-        for unit, kind in plan:
+        for unit, label, kind in plan:
+            if kind is None:  # a quantized state: its fp32 view, one chunk in memory at a time
+                for c in unit.shards.chunks:
+                    writer.write(optim_states.read_view_chunk(unit, label, c))
+                    inject.pause(Queue.CHECKPOINT)
+                from_host += unit.shards.shard_numel * 4
+                continue
             for c in unit.shards.chunks:  # one chunk in memory at a time
                 spec = unit.shards.spec(kind, c)
                 slot = rt.states.swap_location(spec) if spec.home is Tier.NVME and spec.key not in resident else None
@@ -309,6 +319,9 @@ def _manifest(rt, tag: str, statuses: list[dict], extra: dict, lr_schedulers) ->
         "placement": {"params": rt.params_tier, "optimizer": rt.optimizer_tier, "grads": rt.grads_tier},
         "units": [{"uid": u.uid, "numel": u.layout.numel, "padded_numel": u.layout.padded_numel,
                    "moments": any(u.uid in st["moments"] for st in statuses), "grad": u.has_grad,
+                   # the optimizer family whose states were saved (checkpoints before it: AdamW's)
+                   "optimizer_states": next((st["schemas"][u.uid] for st in statuses if u.uid in st["schemas"]),
+                                            None),
                    # which parameters got a gradient so far (any rank), for an accumulation in progress
                    "used": [any(s["used"].get(u.uid, [False] * len(u.layout.slots))[i] for s in statuses)
                             for i in range(len(u.layout.slots))],
@@ -354,7 +367,26 @@ def _check_units(rt, manifest: dict, path: Path) -> dict:
     if errors:
         raise CheckpointError(f"{path}: the checkpoint does not fit this model: " + "; ".join(errors[:6]) +
                               ". Build the same model (same config) before load_checkpoint")
+    _check_families(rt, saved, path)
     return saved
+
+
+def _check_families(rt, saved: dict, path: Path) -> None:
+    """The optimizer family that saved each unit's states is the one stepping it now (its states mean nothing to
+    another: AdamW8bit's codes are not AdamW's moments, Lion has one state)."""
+    family = {}
+    for opt in rt.live_optimizers():
+        for unit, _ in opt._unit_plan():
+            family.setdefault(id(unit), opt.schema)
+    for unit in rt.units:
+        entry = saved[unit.uid]
+        now = family.get(id(unit)) or unit.shards.schema
+        then = entry.get("optimizer_states") or "adamw"
+        if entry["moments"] and now is not None and now.name != then:
+            raise CheckpointError(
+                f"{path}: unit {unit.uid or '<root>'!r} has optimizer states of family {then!r} in the checkpoint, "
+                f"and this run steps it with {now.name!r}; load it with the optimizer class that saved it, or "
+                "load the weights only (offload export / the model's state dict) and start the optimizer fresh")
 
 
 def _old_ranks_needed(rt, manifest: dict) -> list[int]:
@@ -454,7 +486,9 @@ def _load_unit(rt, unit, entry: dict, handles: dict, keys: dict, old_world: int)
     """This rank's new shard of each of the unit's states, assembled from the old ranks' ranges."""
     old_shard = entry["padded_numel"] // old_world
     lo, hi = unit.layout.shard_bounds(rt.rank)
-    labels = ["master"] + (list(_MOMENTS) if entry["moments"] else []) + (["grad"] if entry.get("grad") else [])
+    saved_schema = schema_by_name(entry.get("optimizer_states") or "adamw", "checkpoint optimizer_states")
+    views = [v.name for v in saved_schema.logical] if entry["moments"] else []
+    labels = ["master"] + views + (["grad"] if entry.get("grad") else [])
     for label in labels:
         buf = torch.zeros(unit.shards.shard_numel, dtype=torch.float32)
         for r, h in handles.items():  # the old ranks whose shards overlap this rank's new one
@@ -470,12 +504,10 @@ def _load_unit(rt, unit, entry: dict, handles: dict, keys: dict, old_world: int)
             unit.register_grads()
             unit.write_shard(StateKind.GRAD, buf)
         else:
-            rt.register_moments(unit)
-            unit.write_shard(StateKind.EXP_AVG if label == "exp_avg" else StateKind.EXP_AVG_SQ, buf)
-    if not entry["moments"] and unit.shards.moments_registered:  # never stepped when saved: fresh moments
-        zeros = torch.zeros(unit.shards.shard_numel, dtype=torch.float32)
-        unit.write_shard(StateKind.EXP_AVG, zeros)
-        unit.write_shard(StateKind.EXP_AVG_SQ, zeros)
+            optim_states.register(unit, saved_schema)
+            optim_states.write_view(unit, label, buf)
+    if not entry["moments"] and unit.shards.moments_registered:  # never stepped when saved: fresh states
+        optim_states.reset(unit)
     # the accumulation state: a saved partial gradient is added to by the next backward
     unit.has_grad, unit.local_grad, unit.grad_norms = bool(entry.get("grad")), None, None
     unit.used.copy_(torch.tensor(entry.get("used", [False] * len(unit.layout.slots)), dtype=torch.bool))

@@ -1,12 +1,14 @@
-"""AdamW over the runtime's shards: each rank steps its own shard of every unit where the states live.
+"""Optimizers over the runtime's shards: each rank steps its own shard of every unit where the states live.
 
-`offload.AdamW(params)` becomes this class when the params belong to an offload runtime (the dispatch is
-registered with offload.optim at import; the optim package does not import the runtime).
+`offload.AdamW(params)` (and AdamW8bit, Lion) becomes its sharded subclass here when the params belong to an
+offload runtime (the dispatch is registered with offload.optim at import; the optim package does not import
+the runtime). What the family stores and how a chunk is updated is its schema (offload/optim/schema.py):
+nothing below knows Adam.
 
-step() decides what to update, as torch.optim.AdamW would (param groups, per-parameter step counts,
-parameters that got no gradient are not stepped, the clip coefficient is the kernel's grad_scale) and
-hands it to the optimizer pipeline (optimizer_pipeline.py), which runs the fused kernel chunk by chunk on
-the optimizer lane. When compute is bf16 the kernel writes the new bf16 param chunk in the same pass.
+step() decides what to update, as torch.optim would (param groups, per-parameter step counts, parameters that
+got no gradient are not stepped, the clip coefficient is the kernel's grad_scale) and hands it to the
+optimizer pipeline (optimizer_pipeline.py), which runs the family's step chunk by chunk on the optimizer lane.
+When compute is bf16 the step writes the new bf16 param chunk in the same pass.
 """
 from __future__ import annotations
 
@@ -14,9 +16,12 @@ import weakref
 
 import torch
 
-from ..optim.adamw import AdamW, _check_hyper, register_sharded
+from ..optim.adamw import AdamW, _check_hyper
+from ..optim.adamw8bit import AdamW8bit
+from ..optim.base import SchemaOptimizer, register_sharded
+from ..optim.lion import Lion
+from . import optim_states
 from .optimizer_pipeline import Run
-from .shards import StateKind
 
 
 def _placeholders(params):
@@ -53,25 +58,20 @@ def wants_sharded(params) -> bool:
     return current() is not None and any(isinstance(p, torch.Tensor) and p.device.type == "meta" for p in flat)
 
 
-_HYPER = ("lr", "betas", "eps", "weight_decay", "maximize")
+def _hyper(group: dict) -> dict:
+    """The values of a param group an update uses, copied at step() (a scheduler may change them after)."""
+    return {k: v for k, v in group.items() if k != "params"}
 
 
-class ShardedAdamW(AdamW):
-    """AdamW for parameters owned by an offload runtime (placeholders from `model.parameters()`)."""
+class ShardedOptimizer:
+    """Mixin over an offload optimizer class (its `schema` says what it stores): the runtime steps it."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 moments_dtype=torch.float32):
-        params = self.__dict__.pop("_offload_params", params)
+    display = "offload optimizer"
+
+    def _build(self, params, defaults: dict) -> None:
+        """Link to the runtime that owns `params` (placeholders from `model.parameters()`)."""
         params = _placeholders(list(params))
-        del foreach, fused  # accepted like offload.AdamW: always one fused pass per shard range
-        if amsgrad or capturable or differentiable:
-            raise ValueError("offload.AdamW: amsgrad / capturable / differentiable are not supported")
-        _check_hyper(lr, betas, eps, weight_decay, moments_dtype)
-        if moments_dtype != torch.float32:
-            raise ValueError("offload.AdamW: sharded parameters keep fp32 moments (moments_dtype=torch.float32)")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
-                        maximize=maximize, moments_dtype=moments_dtype)
+        name = self.display
         from .runtime import current
 
         rt = current()
@@ -85,14 +85,15 @@ class ShardedAdamW(AdamW):
                 unit = getattr(p, "_offload_unit", None)
                 if unit is None:
                     raise ValueError(
-                        "offload.AdamW: a parameter is not owned by an offload runtime; build or rt.wrap() the "
+                        f"{name}: a parameter is not owned by an offload runtime; build or rt.wrap() the "
                         "model inside `with offload.init(...)` before creating the optimizer, and pass only "
                         "its parameters"
                     )
                 runtimes.add(p._offload_rt)
         if len(runtimes) > 1:
-            raise ValueError("offload.AdamW: parameters from several offload runtimes")
+            raise ValueError(f"{name}: parameters from several offload runtimes")
         self.rt = runtimes.pop()
+        self.rt.check_schema(self.schema, name)
         self.rt.optimizers.append(weakref.ref(self))  # checkpoints save and load every optimizer of the run
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -125,7 +126,7 @@ class ShardedAdamW(AdamW):
         """The kernel runs of `unit`'s pieces that got a gradient, with their hyperparameters as they are now and
         step counts `ahead` past the recorded ones."""
         live = [(pc, g, p) for pc, g, p in entries if unit.has_grad and bool(unit.used[pc.slot])]
-        hypers = {id(g): {k: g[k] for k in _HYPER if k in g} for _, g, _ in live}
+        hypers = {id(g): _hyper(g) for _, g, _ in live}
         return [Run(lo, hi, hypers[id(g)], step) for lo, hi, g, step in _runs(live, self.state, ahead)]
 
     def holds_all_of(self, unit) -> bool:
@@ -174,7 +175,7 @@ class ShardedAdamW(AdamW):
             work.append((unit, self._live_runs(unit, entries, ahead=0)))
         # rt.grad_scale stays: another optimizer over other parameters may step after this one with the same
         # clipping coefficient; the next backward (or rt.zero_grad) resets it.
-        rt.step_units(work)
+        rt.step_units(work, self.schema)
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
@@ -183,9 +184,10 @@ class ShardedAdamW(AdamW):
 
     # ---- state dict (this rank's shard) -----------------------------------------------------
     def state_dict(self):
-        """torch-style state dict of this rank's shard: per parameter its step and the exp_avg /
-        exp_avg_sq elements of the parameter that live in this rank's shard (1-D, with `shard_range`)."""
-        self.rt.backward_updates.check_quiet("offload.AdamW.state_dict")
+        """torch-style state dict of this rank's shard: per parameter its step and the elements of each of the
+        family's logical states (AdamW: exp_avg, exp_avg_sq; AdamW8bit: the same, dequantized) that live in
+        this rank's shard, as fp32 (1-D, with `shard_range`)."""
+        self.rt.backward_updates.check_quiet(f"{self.display}.state_dict")
         self.rt.quiesce()  # every queued update is in the moments read below
         sd = super().state_dict()
         index = {}
@@ -195,16 +197,14 @@ class ShardedAdamW(AdamW):
         state = {}
         for unit, entries in self._unit_plan():
             have = unit.shards.moments_registered
-            m = unit.read_shard(StateKind.EXP_AVG) if have else None
-            v = unit.read_shard(StateKind.EXP_AVG_SQ) if have else None
+            views = {v.name: optim_states.read_view(unit, v.name) for v in self.schema.logical} if have else {}
             for piece, group, p in entries:
                 st = self.state.get(p, {})
                 if "step" not in st:
                     continue
                 state[index[id(p)]] = {
                     "step": torch.tensor(float(st["step"])),
-                    "exp_avg": m[piece.lo:piece.hi].clone(),
-                    "exp_avg_sq": v[piece.lo:piece.hi].clone(),
+                    **{name: values[piece.lo:piece.hi].clone() for name, values in views.items()},
                     "shard_range": (piece.param_lo, piece.param_lo + piece.hi - piece.lo),
                 }
         sd["state"] = state
@@ -212,12 +212,19 @@ class ShardedAdamW(AdamW):
         return sd
 
     def load_state_dict(self, state_dict):
+        where = f"{self.display}.load_state_dict"
         if state_dict.get("world_size", self.rt.world_size) != self.rt.world_size:
-            raise ValueError("offload.AdamW.load_state_dict: saved with world_size "
-                             f"{state_dict['world_size']}, loading with {self.rt.world_size}")
+            raise ValueError(f"{where}: saved with world_size {state_dict['world_size']}, loading with "
+                             f"{self.rt.world_size}")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
-            raise ValueError("offload.AdamW.load_state_dict: param group count differs")
+            raise ValueError(f"{where}: param group count differs")
+        names = [v.name for v in self.schema.logical]
+        for saved in state_dict["state"].values():
+            missing = [n for n in names if n not in saved]
+            if missing:
+                raise ValueError(f"{where}: the state dict has no {', '.join(missing)} (saved by another optimizer "
+                                 f"family than {self.schema.name!r}?); load it into the optimizer that saved it")
         self.rt.quiesce()  # no update may be running while the moments are replaced
         by_index = {}
         for group, saved in zip(self.param_groups, groups):
@@ -231,19 +238,56 @@ class ShardedAdamW(AdamW):
             touched = [(pc, p) for pc, g, p in entries if _index_of(by_index, p) in saved_state]
             if not touched:
                 continue
-            self.rt.register_moments(unit)
-            m = unit.read_shard(StateKind.EXP_AVG)
-            v = unit.read_shard(StateKind.EXP_AVG_SQ)
+            optim_states.register(unit, self.schema)
+            views = {n: optim_states.read_view(unit, n) for n in names}
             for piece, p in touched:
                 st = saved_state[_index_of(by_index, p)]
-                m[piece.lo:piece.hi].copy_(st["exp_avg"])
-                v[piece.lo:piece.hi].copy_(st["exp_avg_sq"])
+                for n in names:
+                    views[n][piece.lo:piece.hi].copy_(st[n])
                 self.state[p]["step"] = int(st["step"])
-            unit.write_shard(StateKind.EXP_AVG, m)
-            unit.write_shard(StateKind.EXP_AVG_SQ, v)
+            for n in names:
+                optim_states.write_view(unit, n, views[n])
 
 
-register_sharded(wants_sharded, ShardedAdamW)
+class ShardedAdamW(ShardedOptimizer, AdamW):
+    """AdamW for parameters owned by an offload runtime (placeholders from `model.parameters()`)."""
+
+    display = "offload.AdamW"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 moments_dtype=torch.float32):
+        params = self.__dict__.pop("_offload_params", params)
+        del foreach, fused  # accepted like offload.AdamW: always one fused pass per shard range
+        if amsgrad or capturable or differentiable:
+            raise ValueError("offload.AdamW: amsgrad / capturable / differentiable are not supported")
+        _check_hyper(lr, betas, eps, weight_decay, moments_dtype)
+        if moments_dtype != torch.float32:
+            raise ValueError("offload.AdamW: sharded parameters keep fp32 moments (moments_dtype=torch.float32); "
+                             "for smaller states use offload.AdamW8bit")
+        self._build(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
+                                 maximize=maximize, moments_dtype=moments_dtype))
+
+
+class ShardedAdamW8bit(ShardedOptimizer, AdamW8bit):
+    display = "offload.AdamW8bit"
+
+
+class ShardedLion(ShardedOptimizer, Lion):
+    display = "offload.Lion"
+
+
+register_sharded(AdamW, wants_sharded, ShardedAdamW)
+register_sharded(AdamW8bit, wants_sharded, ShardedAdamW8bit)
+register_sharded(Lion, wants_sharded, ShardedLion)
+
+
+def register_family(base: type[SchemaOptimizer]) -> type:
+    """Make an optimizer class of another family (a SchemaOptimizer subclass with its schema) step a runtime's
+    shards as the built-in ones do; returns its sharded subclass. Nothing else in the runtime changes."""
+    sharded = type(f"Sharded{base.__name__}", (ShardedOptimizer, base), {"display": base.display})
+    register_sharded(base, wants_sharded, sharded)
+    return sharded
 
 
 def _index_of(by_index, p):

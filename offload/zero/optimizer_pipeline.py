@@ -1,9 +1,9 @@
-"""The optimizer pipeline: AdamW over every unit's shard, chunk by chunk, on the optimizer lane.
+"""The optimizer pipeline: the update over every unit's shard, chunk by chunk, on the optimizer lane.
 
     for each chunk, in the plan's unit order:
         lease chunk k+1's states (read ahead, if the budget has room now)
         wait chunk k's states                       (the only wait: the bytes are needed)
-        fused AdamW over chunk k (also writes the bf16 param chunk)
+        the family's step over chunk k (AdamW: the fused kernel; also writes the bf16 param chunk)
         release chunk k's states                    (write-behind to their home tier)
     a unit's `update` future resolves after its last chunk is released
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import inject
-from ..optim.adamw import step_flat
+from ..optim.schema import Schema
 from ..store import LeaseMode, Tier
 from ..telemetry import Queue
 from .shards import Chunk, StateKind
@@ -47,7 +47,7 @@ class Run:
 
     lo: int
     hi: int
-    hyper: dict  # lr, betas, eps, weight_decay, maximize: a copy taken at step()
+    hyper: dict  # the param group's values (lr, betas, ...): a copy taken at step()
     step: int
 
 
@@ -56,7 +56,7 @@ class UnitUpdate:
     unit: object  # ShardedUnit
     runs: list[Run]
     grad_scale: float
-    zero_moments: bool  # the unit's first step: its moments start at zero (no read)
+    zero_moments: bool  # the unit's first step: its optimizer states start at their fill value (no read)
     param_overwrite: bool  # the step writes every element of the compute-dtype param chunk (no read)
     grads_ready: cf.Future | None = None  # the last gradient work queued before step() (a later zero_grad
     #                                       waits for this update: reading unit.grads on the lane would deadlock)
@@ -114,7 +114,7 @@ class OptimizerPipeline:
             for unit in units:
                 if not unit.shards.moments_registered:
                     continue
-                kinds = [StateKind.EXP_AVG, StateKind.EXP_AVG_SQ]
+                kinds = list(unit.shards.schema.states)
                 if not unit.shards.master_is_param:  # (an fp32 param is its master: the backward gathers it)
                     kinds.insert(0, StateKind.MASTER)
                 for c in unit.shards.chunks:
@@ -230,13 +230,13 @@ class OptimizerPipeline:
         if failed is not None:
             raise failed
 
-    def _wanted(self, item: _Item) -> list[tuple[object, StateKind, LeaseMode]]:
-        """(lease slot, state kind, mode) of every state chunk the kernel touches."""
+    def _wanted(self, item: _Item) -> list[tuple[object, object, LeaseMode]]:
+        """(lease slot, state kind, mode) of every state chunk the kernel touches: the gradient, the family's
+        states (slot: the StoredState), the master and the compute-dtype param."""
         u, shards = item.update, item.update.unit.shards
         moments = LeaseMode.OVERWRITE if u.zero_moments else LeaseMode.UPDATE
-        want = [(StateKind.GRAD, StateKind.GRAD, LeaseMode.READ),
-                (StateKind.EXP_AVG, StateKind.EXP_AVG, moments),
-                (StateKind.EXP_AVG_SQ, StateKind.EXP_AVG_SQ, moments)]
+        want = [(StateKind.GRAD, StateKind.GRAD, LeaseMode.READ)]
+        want += [(s, s, moments) for s in shards.schema.states]
         if shards.master_is_param:
             want.append((StateKind.MASTER, StateKind.PARAM, LeaseMode.UPDATE))
         else:
@@ -275,20 +275,20 @@ class OptimizerPipeline:
 
     def _step(self, item: _Item) -> None:
         u = item.update
-        name = f"adam:{u.unit.uid or '<root>'}[{item.chunk.index}]"
+        schema: Schema = u.unit.shards.schema
+        name = f"{schema.name}:{u.unit.uid or '<root>'}[{item.chunk.index}]"
         t = {slot: lease.wait() for slot, lease in item.leases.items()}  # the kernel needs every state now
         inject.pause(Queue.OPTIMIZER)  # a slow kernel (tests)
         with self.ctx.meter.working(self.ctx.lanes.optimizer.lane, name):
+            states = {s.name: t[s] for s in schema.states}
             if u.zero_moments:
-                t[StateKind.EXP_AVG].zero_()
-                t[StateKind.EXP_AVG_SQ].zero_()
+                schema.fill_(states)
             out = t.get(StateKind.PARAM)
             if out is not None and u.param_overwrite:
                 _zero_outside(out, item.runs)  # padding: the kernel writes only stepped elements
             for a, b, r in item.runs:
-                step_flat(t[StateKind.MASTER][a:b], t[StateKind.GRAD][a:b], t[StateKind.EXP_AVG][a:b],
-                          t[StateKind.EXP_AVG_SQ][a:b], None if out is None else out[a:b], r.hyper, r.step,
-                          u.grad_scale)
+                schema.step_chunk(t[StateKind.MASTER], t[StateKind.GRAD], states, out, a, b, r.hyper, r.step,
+                                  u.grad_scale)
 
     @staticmethod
     def _release(item: _Item) -> None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..optim.adamw import ADAMW
+from ..optim.schema import Schema
 from ..store.sizes import format_bytes
 from ..plan.memory import Placement as TierPair
 from ..plan.sizing import DEVICES
@@ -56,10 +58,11 @@ class Placement:
         return equal_chunk(shard_numel, self.chunk_numel)
 
 
-def optimizer_fp32_states(width: int) -> int:
-    """fp32 states homed with the optimizer, per element: exp_avg, exp_avg_sq, the gradient, and the fp32 master
-    unless the parameter is it (compute dtype of `width` bytes)."""
-    return 3 + (1 if width != 4 else 0)
+def optimizer_fp32_states(width: int, schema: Schema = ADAMW) -> float:
+    """Bytes homed with the optimizer per element, in fp32 elements: the family's states (AdamW: exp_avg and
+    exp_avg_sq, 2; AdamW8bit: about 0.5), the gradient, and the fp32 master unless the parameter is it (compute
+    dtype of `width` bytes)."""
+    return schema.bytes_per_element / 4 + 1 + (1 if width != 4 else 0)
 
 
 def equal_chunk(shard_numel: int, chunk_numel: int) -> int:
@@ -116,7 +119,7 @@ def staging_slot(unit_chunks: list[list[int]]) -> int:
 
 
 def host_working_set(unit_chunks: list[list[int]], width: int, params_nvme: bool, optimizer_nvme: bool,
-                     grads_nvme: bool | None = None) -> WorkingSet:
+                     grads_nvme: bool | None = None, optimizer_states: int = 2) -> WorkingSet:
     """Bytes of the cpu budget that the background lanes may hold at once to make progress, for nvme-homed
     states (memory homes lend their home copy and stage nothing): the gather lane reads every param chunk of
     the largest unit, the optimizer lane one chunk of each state it steps, the reduce lane one gradient chunk.
@@ -124,13 +127,14 @@ def host_working_set(unit_chunks: list[list[int]], width: int, params_nvme: bool
     the prefetch and the resident states use comes on top (the schedule reserves this first). Each of those
     working copies takes one staging slot (staging_slot), whatever its dtype.
     `unit_chunks`: every unit's chunk sizes, in elements; grads_nvme: None when the gradients live with the
-    optimizer states (their tier is decided after the fit, so the fit counts them like those)."""
+    optimizer states (their tier is decided after the fit, so the fit counts them like those); optimizer_states:
+    how many states the family stores per chunk (its schema's; AdamW 2, AdamW8bit 4: codes and scales)."""
     grads_nvme = optimizer_nvme if grads_nvme is None else grads_nvme
     slot = staging_slot(unit_chunks)
     gather = max((len(chunks) for chunks in unit_chunks), default=0) * slot if params_nvme else 0
-    # the step: exp_avg, exp_avg_sq and the fp32 master unless the fp32 param is it (optimizer on nvme); the
+    # the step: the family's states and the fp32 master unless the fp32 param is it (optimizer on nvme); the
     # gradient chunk it reads (gradients on nvme); the param chunk it writes (params on nvme)
-    kinds = (2 + (1 if width != 4 else 0) if optimizer_nvme else 0) + int(grads_nvme) + int(params_nvme)
+    kinds = (optimizer_states + (1 if width != 4 else 0) if optimizer_nvme else 0) + int(grads_nvme) + int(params_nvme)
     reduce = slot if grads_nvme else 0  # the gradient chunk a reduce adds into
     return WorkingSet(gather, kinds * slot, reduce)
 
@@ -162,12 +166,13 @@ def machine_for(device: torch.device, ranks_per_node: int, bench_json: str | Non
 def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str, budgets: dict,
          in_use: dict, compute_dtype: torch.dtype, chunk_setting: int | None, nvme_path: str | None,
          grads: str = "auto", device_budget_given: bool = False, machine: Machine | None = None,
-         update_in_backward: bool = False) -> Placement:
+         update_in_backward: bool = False, schema: Schema = ADAMW) -> Placement:
     """The placement for `new` units joining `sizes` (every unit, new ones included). `params` /
     `optimizer` / `grads`: the configured tiers ("auto" allowed); budgets / in_use: bytes per tier;
     device_budget_given: the device budget is the user's figure (not "auto"); machine: the figures "auto"
     tiers are compared with (machine_for; default: a CPU's); update_in_backward: the step they predict is
-    Config.update_in_backward's."""
+    Config.update_in_backward's; schema: the optimizer family the states are sized for
+    (Config.optimizer_states)."""
     width = compute_dtype.itemsize
     for s in new:
         full = s.layout.padded_numel * width
@@ -185,11 +190,11 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
     # bytes the new units' shards hold in their home tier, as the store holds them (every chunk page-rounded)
     new_chunks = [n for s in new for n in chunks[s.index]]
     param_bytes = sum(page_bytes(n * width) for n in new_chunks)
-    opt_bytes = optimizer_fp32_states(width) * sum(page_bytes(n * 4) for n in new_chunks)
+    opt_bytes = int(optimizer_fp32_states(width, schema) * sum(page_bytes(n * 4) for n in new_chunks))
 
     def staging(p: str, o: str) -> int:
         return host_working_set(list(chunks.values()), width, p == "nvme", o == "nvme",
-                                None if grads == "auto" else grads == "nvme").total
+                                None if grads == "auto" else grads == "nvme", len(schema.states)).total
 
     def cpu_homed(p: str, o: str) -> int:
         return (param_bytes if p == "cpu" else 0) + (opt_bytes if o == "cpu" else 0)

@@ -39,11 +39,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..config import Config, parse_duration
+from ..optim.schema import by_name as schema_by_name
 from ..device import Streams, bind_thread, compute_device
 from ..store import Tier, check_fits_machine, ranks_on_this_node, resolve_budget
 from ..store.links import Link
 from ..telemetry import Lane, Meter, Queue
-from . import comm, placement
+from . import comm, optim_states, placement
 from .activations import ActivationOffloader
 from .backward_updates import BackwardUpdates
 from .context import Counters, Lanes, UnitContext
@@ -80,6 +81,7 @@ def init(config: Config | None = None, **fields) -> "Runtime":
 class Runtime:
     def __init__(self, config: Config):
         self.config = config
+        self.sized_schema = schema_by_name(config.optimizer_states)  # what the placement sizes optimizer states for
         self.units: list[ShardedUnit] = []
         self.models: list[nn.Module] = []
         self.grad_scale = 1.0  # set by clip_grad_norm_, used by every optimizer's step, reset by the next backward
@@ -376,7 +378,7 @@ class Runtime:
             [[c.numel for c in u.shards.chunks] for u in self.units], self.compute_dtype.itemsize,
             any(u.shards.tiers.params is Tier.NVME for u in self.units),
             any(u.shards.tiers.optimizer is Tier.NVME for u in self.units),
-            any(u.shards.tiers.grads is Tier.NVME for u in self.units))
+            any(u.shards.tiers.grads is Tier.NVME for u in self.units), len(self.sized_schema.states))
         largest = max(sum(self.states.staged_nbytes(u.shards.spec(StateKind.PARAM, c)) for c in u.shards.chunks)
                       for u in self.units)
         # read ahead: the next unit's param chunks and the one after; the optimizer's next chunks
@@ -465,18 +467,8 @@ class Runtime:
             u.used.copy_(flags[offset:offset + n].bool())
             offset += n
 
-    def register_moments(self, unit: ShardedUnit) -> bool:
-        """Register the unit's Adam moments (zeros) if this is its first step; True if it was."""
-        if unit.shards.moments_registered:
-            return False
-        for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
-            for c in unit.shards.chunks:
-                self.states.register(unit.shards.spec(kind, c)).result()  # the first update leases them next
-        unit.shards.moments_registered = True
-        return True
-
-    def _unit_update(self, unit: ShardedUnit, runs: list, grad_scale: float) -> UnitUpdate:
-        first = self.register_moments(unit)
+    def _unit_update(self, unit: ShardedUnit, runs: list, grad_scale: float, schema) -> UnitUpdate:
+        first = optim_states.register(unit, schema)
         real = sum(p.hi - p.lo for p in unit.layout.pieces(self.rank))
         covered = sum(r.hi - r.lo for r in runs)
         overwrite = not unit.shards.master_is_param and covered == real
@@ -489,14 +481,15 @@ class Runtime:
         if unit.state is UnitState.UNSHARDED:
             unit.stale = True  # persistent units re-gather before their next use
 
-    def step_units(self, work: list) -> None:
-        """Queue the optimizer's updates: [(unit, runs)] from ShardedAdamW.step, captured at the call (units
-        whose update Config.update_in_backward already queued are checked and skipped)."""
+    def step_units(self, work: list, schema) -> None:
+        """Queue the optimizer's updates: [(unit, runs)] from a sharded optimizer's step, captured at the call,
+        with its family's state `schema` (units whose update Config.update_in_backward already queued are
+        checked and skipped)."""
         early = self.backward_updates
         scale = early.scale(self.grad_scale)
         early.check_all_stepped([unit for unit, _ in work])
         done = [unit for unit, runs in work if early.check_step(unit, runs)]
-        updates = [self._unit_update(unit, runs, scale) for unit, runs in work if id(unit) not in early.issued]
+        updates = [self._unit_update(unit, runs, scale, schema) for unit, runs in work if id(unit) not in early.issued]
         order = self.schedule.before_step(done + [u.unit for u in updates])
         rank = {id(u): k for k, u in enumerate(order)}
         updates.sort(key=lambda u: rank[id(u.unit)])
@@ -509,11 +502,21 @@ class Runtime:
         if early.last is not None:
             self.step_stats.last["clip"] = early.last  # the coefficient applied and the step's own
 
-    def _queue_backward_update(self, unit: ShardedUnit, runs: list, grad_scale: float) -> None:
+    def _queue_backward_update(self, unit: ShardedUnit, runs: list, grad_scale: float, schema) -> None:
         """Config.update_in_backward: `unit`'s gradient is final (its reduce is queued): queue its update now."""
-        update = self._unit_update(unit, runs, grad_scale)
+        update = self._unit_update(unit, runs, grad_scale, schema)
         self._before_update(update.unit)
         self.pipeline.submit_one(update)
+
+    def check_schema(self, schema, who: str) -> None:
+        """An optimizer of family `schema` joins: refused when it stores more per parameter than the placement
+        sized the optimizer's states for (Config.optimizer_states)."""
+        sized = self.sized_schema
+        if schema.bytes_per_element > sized.bytes_per_element:
+            raise ValueError(
+                f"{who} stores {schema.bytes_per_element:g} bytes of optimizer state per parameter besides the "
+                f"master, more than offload.Config.optimizer_states={sized.name!r} sized the placement for "
+                f"({sized.bytes_per_element:g}); set Config(optimizer_states={schema.name!r})")
 
     def live_optimizers(self) -> list:
         """The offload optimizers over this runtime still alive, in creation order."""

@@ -6,11 +6,13 @@ ahead of a gather and the write-behind all move bounded, equal-sized pieces:
 
     PARAM       compute dtype; the gather's source. With fp32 compute it is also the master.
     MASTER      fp32 master copy (only when compute is bf16)
-    EXP_AVG     fp32 Adam first moment   } registered at the unit's first optimizer step
-    EXP_AVG_SQ  fp32 Adam second moment  }
     GRAD        fp32 reduced gradient      registered at the unit's first reduce
+    the optimizer's states                 registered at the unit's first optimizer step, as its family's
+                                           schema declares them (offload/optim/schema.py: StoredState, e.g.
+                                           AdamW's fp32 exp_avg and exp_avg_sq, AdamW8bit's codes and scales)
 
-Keys are records (ShardKey), stable across runs: the unit id is its module's qualified name.
+Keys are records (ShardKey), stable across runs: the unit id is its module's qualified name; the kind is a
+StateKind or the schema's StoredState.
 """
 from __future__ import annotations
 
@@ -19,21 +21,20 @@ from dataclasses import dataclass
 
 import torch
 
+from ..optim.schema import Schema, StoredState
 from ..store import Tier
 
 
 class StateKind(enum.Enum):
     PARAM = "param"
     MASTER = "master"
-    EXP_AVG = "exp_avg"
-    EXP_AVG_SQ = "exp_avg_sq"
     GRAD = "grad"
 
 
 @dataclass(frozen=True)
 class ShardKey:
     unit: str  # the unit's stable id
-    kind: StateKind
+    kind: StateKind | StoredState
     chunk: int
 
     def __str__(self) -> str:
@@ -67,9 +68,8 @@ class StateTiers:
     grads: Tier
 
 
-# swap file per state class (one file per class and rank)
-_TIER_CLASS = {StateKind.PARAM: "params", StateKind.MASTER: "optim", StateKind.EXP_AVG: "optim",
-               StateKind.EXP_AVG_SQ: "optim", StateKind.GRAD: "grads"}
+# swap file per state class (one file per class and rank); the optimizer's own states go with the master
+_TIER_CLASS = {StateKind.PARAM: "params", StateKind.MASTER: "optim", StateKind.GRAD: "grads"}
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class UnitShards:
     chunks: tuple[Chunk, ...]
     compute_dtype: torch.dtype
     tiers: StateTiers
-    moments_registered: bool = False  # created (zeros) at the unit's first optimizer step
+    schema: Schema | None = None  # the optimizer family whose states were created at the unit's first step
     grads_registered: bool = False  # created at the unit's first reduce
 
     @classmethod
@@ -106,18 +106,26 @@ class UnitShards:
         """fp32 compute: the param shard is the master the optimizer updates in place."""
         return self.compute_dtype == torch.float32
 
-    def kinds(self) -> list[StateKind]:
-        """Every state kind this unit has (or will have once registered)."""
-        out = [StateKind.PARAM] + ([] if self.master_is_param else [StateKind.MASTER])
-        return out + [StateKind.EXP_AVG, StateKind.EXP_AVG_SQ, StateKind.GRAD]
+    @property
+    def moments_registered(self) -> bool:
+        """The optimizer's states exist (the unit has been stepped, or loaded from a checkpoint)."""
+        return self.schema is not None
 
-    def spec(self, kind: StateKind, chunk: Chunk | int) -> ShardSpec:
+    def kinds(self) -> list:
+        """Every state kind this unit has (the optimizer's once registered)."""
+        out = [StateKind.PARAM] + ([] if self.master_is_param else [StateKind.MASTER])
+        return out + list(self.schema.states if self.schema else ()) + [StateKind.GRAD]
+
+    def spec(self, kind: StateKind | StoredState, chunk: Chunk | int) -> ShardSpec:
         c = self.chunks[chunk] if isinstance(chunk, int) else chunk
+        key = ShardKey(self.uid, kind, c.index)
+        if isinstance(kind, StoredState):
+            return ShardSpec(key, kind.numel(c.numel), kind.dtype, self.tiers.optimizer, "optim")
         if kind is StateKind.MASTER and self.master_is_param:
             raise ValueError(f"unit {self.uid!r}: fp32 compute has no separate master (the param is the master)")
         dtype = self.compute_dtype if kind is StateKind.PARAM else torch.float32
         home = {StateKind.PARAM: self.tiers.params, StateKind.GRAD: self.tiers.grads}.get(kind, self.tiers.optimizer)
-        return ShardSpec(ShardKey(self.uid, kind, c.index), c.numel, dtype, home, _TIER_CLASS[kind])
+        return ShardSpec(key, c.numel, dtype, home, _TIER_CLASS[kind])
 
     def master_kind(self) -> StateKind:
         return StateKind.PARAM if self.master_is_param else StateKind.MASTER

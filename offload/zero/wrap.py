@@ -40,7 +40,7 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
     place = placement.plan(sizes + new, new, rt.params_tier, rt.optimizer_tier, rt.budgets, in_use,
                            rt.compute_dtype, cfg.bytes_of("chunk_size"), cfg.nvme_path, grads=cfg.grads,
                            device_budget_given=cfg.device_budget != "auto", machine=rt.machine,
-                           update_in_backward=cfg.update_in_backward)
+                           update_in_backward=cfg.update_in_backward, schema=rt.sized_schema)
     rt.placement = place
     rt.states.set_staging_slot(place.staging_slot)  # before the new shards' first staging buffers
     rt.params_tier, rt.optimizer_tier = place.tiers.params.value, place.tiers.optimizer.value
