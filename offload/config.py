@@ -110,8 +110,8 @@ class Config:
     activations_min_size: the smallest saved tensor that moves ("1MiB"): smaller ones cost more in copies than
       they free.
     optimizer_states: the optimizer family the placement sizes the optimizer's states for: "adamw" (default,
-      fp32 moments, 8 bytes per parameter besides the master), "adamw8bit" (offload.AdamW8bit, about 2) or
-      "lion" (offload.Lion, 4). An optimizer that stores less than this is accepted (the placement was
+      fp32 moments, 8 bytes per parameter besides the master), "adamw-bf16" (offload.AdamW with
+      moments_dtype=torch.bfloat16, 4), "adamw8bit" (offload.AdamW8bit, about 2) or "lion" (offload.Lion, 4). An optimizer that stores less than this is accepted (the placement was
       generous); one that stores more is refused, naming this setting.
     """
 

@@ -6,6 +6,7 @@ slowed queues). This file holds what needs its own model: a layout where every p
 256 elements, so the runtime's blocks (anchored at each chunk) are the in-memory optimizer's (anchored at each
 parameter) and the sharded 8-bit step must equal the in-memory one bit for bit.
 """
+import functools
 import json
 import os
 import sys
@@ -56,12 +57,14 @@ def _config(tmp_path, **kw):
     return offload.Config(nvme_path=str(tmp_path), **kw)
 
 
-@pytest.mark.parametrize("cls", ["AdamW8bit", "Lion"])
+@pytest.mark.parametrize("cls", ["AdamW8bit", "Lion", "AdamW-bf16"])
 @pytest.mark.parametrize("pipeline", [True, False])
 def test_sharded_equals_in_memory_bitwise(cls, pipeline, tmp_path):
     """Chunks of 2048 elements, states on nvme, clipping: every loss and parameter bit for bit the in-memory
     optimizer's (the same kernel on the same blocks)."""
-    Opt = getattr(offload, cls)
+    Opt = getattr(offload, cls.split("-")[0])
+    if cls == "AdamW-bf16":  # AdamW with bf16 moments
+        Opt = functools.partial(offload.AdamW, moments_dtype=torch.bfloat16)
     ref = _aligned_model()
     batches = _batches(6)
     ref_losses = _train(ref, Opt(ref.parameters(), lr=3e-3, weight_decay=0.1), batches, clip=0.5)
@@ -69,7 +72,8 @@ def test_sharded_equals_in_memory_bitwise(cls, pipeline, tmp_path):
     with offload.init(_config(tmp_path, pipeline=pipeline, optimizer_states=cls.lower())) as rt:
         rt.wrap(model)
         opt = Opt(model.parameters(), lr=3e-3, weight_decay=0.1)
-        assert type(opt).__name__ == f"Sharded{cls}" and isinstance(opt, Opt)
+        assert type(opt).__name__ == f"Sharded{cls.split('-')[0]}"
+        assert opt.schema.name == cls.lower()
         losses = _train(model, opt, batches, clip=0.5, rt=rt)
         got = rt.full_state_dict(model)
         assert max(len(u.shards.chunks) for u in rt.units) >= 4  # the 8192-element weight is cut in chunks
@@ -167,12 +171,12 @@ def test_nvme_bytes_per_step_halved_with_8bit_states(tmp_path):
 def test_placement_sizes_the_configured_family(tmp_path):
     from offload.plan.cli import OPTIMIZER_STATES
 
-    assert {"adamw", "adamw8bit", "lion"} <= set(names())  # (and this file's own)
+    assert {"adamw", "adamw-bf16", "adamw8bit", "lion"} <= set(names())  # (and this file's own)
     assert sorted(OPTIMIZER_STATES) == sorted(n for n in names() if not n.startswith("test-"))
     assert by_name("adamw").bytes_per_element == 8
     assert by_name("adamw8bit").bytes_per_element == 2 + 2 * 4 / 256
-    assert by_name("lion").bytes_per_element == 4
-    with pytest.raises(ValueError, match=r"optimizer_states='adam'.*adamw, adamw8bit, lion"):
+    assert by_name("lion").bytes_per_element == 4 == by_name("adamw-bf16").bytes_per_element
+    with pytest.raises(ValueError, match=r"optimizer_states='adam'.*adamw, adamw-bf16, adamw8bit, lion"):
         offload.Config(optimizer_states="adam")
     model = _aligned_model()
     with offload.init(_config(tmp_path, optimizer_states="adamw8bit")) as rt:

@@ -274,3 +274,28 @@ def test_the_longest_sequence_that_fits_and_with_activations_offloaded(capsys):
     assert (f"longest sequence that fits params=cpu, optimizer=nvme (micro-batch and the rest as above): "
             f"{longest['none']} tokens with the activations on the device, {longest['cpu']} offloaded to cpu, "
             f"{longest['nvme']} to nvme") in out
+
+
+def test_plan_knows_the_optimizer_family(tmp_path, capsys):
+    """Bytes per parameter and the 70B step for fp32, bf16 and 8-bit states (and Lion's one moment)."""
+    from offload.plan.memory import state_bytes
+    from offload.plan.step_time import update_rate
+
+    totals = {f: state_bytes(Workload(optimizer_states=f)).total for f in ("adamw", "adamw-bf16", "adamw8bit", "lion")}
+    assert totals == {"adamw": 18, "adamw-bf16": 14, "adamw8bit": 10 + 2 + 2 * 4 / 256, "lion": 14}
+    eight = state_bytes(Workload(optimizer_states="adamw8bit"))
+    # 8-bit AdamW moves 16 bytes a parameter where the fp32 kernel moves 28; its block search bounds it where cores
+    # are few: a 2-core host steps 2 x 2.6e8 parameters a second, a 96-core node the memory-bound 28/16 of AdamW's
+    assert update_rate(Machine(host_cores=2, adam_params_per_s=2.3e9), eight) == pytest.approx(2 * 2.6e8)
+    assert update_rate(Machine(), eight) == pytest.approx(2e9 * 28 / 16.06)
+    plans = {}
+    for family in ("adamw", "adamw-bf16", "adamw8bit"):
+        rc = main(["plan", "--model", "llama3-70b", "--cpu-mem", "512GiB", "--nvme-read", "25GB/s",
+                   "--nvme-write", "12GB/s", "--optimizer-states", family, "--json", str(tmp_path / f"{family}.json")])
+        assert rc == 0
+        assert f"{family} states" in capsys.readouterr().out
+        plans[family] = json.loads((tmp_path / f"{family}.json").read_text())["chosen"]
+    per_rank = {f: sum(p["tiers"]["nvme"].values()) for f, p in plans.items()}
+    assert per_rank["adamw8bit"] < per_rank["adamw-bf16"] < per_rank["adamw"]
+    step = {f: p["prediction"]["step_s"] for f, p in plans.items()}
+    assert step["adamw8bit"] < step["adamw-bf16"] < step["adamw"]  # fewer bytes on a drive-bound node

@@ -30,6 +30,8 @@ def bench_figures(path: str, setting: str) -> dict:
     pcie = data.get("pcie", {})
     if pcie.get("h2d_pinned_gbps"):
         out["pcie_Bps"] = pcie["h2d_pinned_gbps"] * 1e9
+    if (data.get("machine") or {}).get("cpus"):
+        out["host_cores"] = int(data["machine"]["cpus"])
     adam = data.get("adam", {})
     if adam.get("offload_params_per_s"):
         out["adam_params_per_s"] = adam["offload_params_per_s"]

@@ -19,9 +19,9 @@ import torch
 
 from ..ops.adam import adamw_step_
 from .base import ShardDispatch
-from .schema import Schema, StoredState, register
+from .schema import LogicalState, Schema, StoredState, register
 
-__all__ = ["AdamW", "ADAMW", "step_flat"]
+__all__ = ["AdamW", "ADAMW", "ADAMW_BF16", "step_flat"]
 
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -60,6 +60,16 @@ def _adamw_chunk(master, grad, states, out, lo, hi, hyper, step, grad_scale) -> 
 # fp32 moments, a value per element: 8 bytes per parameter besides the master
 ADAMW = register(Schema("adamw", (StoredState("exp_avg", torch.float32), StoredState("exp_avg_sq", torch.float32)),
                         _adamw_chunk))
+
+
+def _bf16_view(name: str) -> LogicalState:
+    return LogicalState(name, (name,), unpack=lambda t: t[name].float(), pack=lambda values, t: t[name].copy_(values))
+
+
+# AdamW(moments_dtype=torch.bfloat16): bf16 moments (the kernel widens, updates and rounds them), 4 bytes
+ADAMW_BF16 = register(Schema("adamw-bf16", (StoredState("exp_avg", torch.bfloat16),
+                                            StoredState("exp_avg_sq", torch.bfloat16)),
+                             _adamw_chunk, (_bf16_view("exp_avg"), _bf16_view("exp_avg_sq")), update_bytes=20.0))
 
 
 def _check_hyper(lr, betas, eps, weight_decay, moments_dtype) -> None:

@@ -45,7 +45,10 @@ def _moment(name: str, signed: bool) -> tuple[tuple[StoredState, StoredState], L
 
 _M, _M_VIEW = _moment("exp_avg", signed=True)
 _V, _V_VIEW = _moment("exp_avg_sq", signed=False)
-ADAMW8BIT = register(Schema("adamw8bit", _M + _V, _chunk, (_M_VIEW, _V_VIEW)))
+# master 8, codes 2 x 2, scales 2 x 2 x 4/256 and the gradient 4 bytes per element; the block search bounds it
+# where cores are few: 261-298M elements/s per core (AVX2 / AVX-512, benchmarks/RESULTS.md)
+ADAMW8BIT = register(Schema("adamw8bit", _M + _V, _chunk, (_M_VIEW, _V_VIEW), update_bytes=16.06,
+                            update_core_rate=2.6e8))
 
 
 class AdamW8bit(SchemaOptimizer):

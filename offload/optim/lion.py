@@ -50,7 +50,9 @@ def _chunk(master, grad, states, out, lo, hi, hyper, step, grad_scale) -> None:
                out=None if out is None else out[lo:hi])
 
 
-LION = register(Schema("lion", (StoredState("exp_avg", torch.float32),), _chunk))
+# torch ops: about ten passes of 8 bytes per element (69.5 ms for 16M elements on 2 cores against the fused
+# AdamW's 7.4)
+LION = register(Schema("lion", (StoredState("exp_avg", torch.float32),), _chunk, update_bytes=80.0))
 
 
 class Lion(SchemaOptimizer):

@@ -20,7 +20,7 @@ its sign inside the step function).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -73,7 +73,11 @@ class Schema:
     states: tuple[StoredState, ...]
     step_chunk: Callable
     logical: tuple[LogicalState, ...] = ()  # default: one identity view per stored state
-    defaults: dict = field(default_factory=dict, compare=False)  # documentation: the family's default hyperparameters
+    # What its step costs the host, for `offload plan`: bytes of memory traffic per element (the gradient read
+    # included; the fused fp32 AdamW: 28), and, where compute rather than memory bounds it, the elements one
+    # core steps per second (None: memory-bound like the fp32 kernel)
+    update_bytes: float = 28.0
+    update_core_rate: float | None = None
 
     def __post_init__(self):
         if not self.logical:

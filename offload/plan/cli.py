@@ -22,7 +22,7 @@ from ..bench.figures import bench_figures
 from .step_time import Machine
 
 # the built-in optimizer families (offload.optim.schema.names(); spelled out: building the parser imports no torch)
-OPTIMIZER_STATES = ("adamw", "adamw8bit", "lion")
+OPTIMIZER_STATES = ("adamw", "adamw-bf16", "adamw8bit", "lion")
 
 
 def parse_rate(text: str, flag: str) -> float:
@@ -214,7 +214,7 @@ def add_plan_parser(sub) -> None:
                    help="model Config.activations: the saved activations wait in host memory or on nvme instead of "
                         "the GPU (default none)")
     p.add_argument("--optimizer-states", choices=OPTIMIZER_STATES, default="adamw",
-                   help="the optimizer family's states: adamw (fp32 moments, 8 bytes/param), adamw8bit (8-bit "
-                        "moments, about 2), lion (one fp32 moment, 4); default adamw")
+                   help="the optimizer family's states: adamw (fp32 moments, 8 bytes/param), adamw-bf16 (bf16 "
+                        "moments, 4), adamw8bit (8-bit moments, about 2), lion (one fp32 moment, 4); default adamw")
     p.add_argument("--json", help="write the whole plan as JSON")
     p.set_defaults(func=_cmd_plan)

@@ -34,6 +34,8 @@ class StateBytes:
     grads: int = 4  # this runtime: fp32 gradient shards (the ZeRO paper: 2)
     master: int = 4
     moments: float = 8  # the optimizer family's own states: AdamW 8, AdamW8bit about 2.03, Lion 4
+    update_bytes: float = 28.0  # host memory traffic of the family's step per parameter (Schema)
+    update_core_rate: float | None = None  # parameters one core steps per second where compute bounds it
 
     @property
     def total(self) -> int:
@@ -73,7 +75,9 @@ def state_bytes(w: Workload) -> StateBytes:
     """This runtime's bytes per parameter of each class with the workload's optimizer family (its schema)."""
     from ..optim.schema import by_name
 
-    return StateBytes(moments=by_name(w.optimizer_states, "--optimizer-states").bytes_per_element)
+    schema = by_name(w.optimizer_states, "--optimizer-states")
+    return StateBytes(moments=schema.bytes_per_element, update_bytes=schema.update_bytes,
+                      update_core_rate=schema.update_core_rate)
 
 
 ACTIVATION_WINDOW = 3  # layers' saved tensors on the device while offloaded: the current one and two read ahead

@@ -54,6 +54,7 @@ class Machine:
     nvme_read_Bps: float = 25e9  # per node, all drives together
     nvme_write_Bps: float = 12e9
     adam_params_per_s: float = 2.0e9  # per node, the fused CPU AdamW
+    host_cores: int = 96  # per node (a compute-bound optimizer kernel scales with them)
 
     @property
     def ranks(self) -> int:
@@ -98,6 +99,13 @@ def paged_bytes(shard_params: float, place: Placement, resident_bytes: float,
     return out
 
 
+def update_rate(mc: Machine, sb: StateBytes) -> float:
+    """Parameters per second the node's CPU steps with the family of `sb`: the fused fp32 AdamW's rate (memory
+    bound) scaled by the bytes each step moves, or the cores' rate where compute bounds the family's kernel."""
+    rate = mc.adam_params_per_s * RUNTIME.update_bytes / sb.update_bytes
+    return min(rate, mc.host_cores * sb.update_core_rate) if sb.update_core_rate else rate
+
+
 def movement(shard_params: float, place: Placement, mc: Machine, sb: StateBytes = RUNTIME,
              resident_bytes: float = 0.0) -> Movement:
     """The transfers a placement costs one rank holding `shard_params` parameters (module docstring); the
@@ -123,7 +131,7 @@ def movement(shard_params: float, place: Placement, mc: Machine, sb: StateBytes 
         # master + moments in and out and the gradient in (what pages of them); the updated params out
         nvme_upd_read=node * (paged["optimizer"] + paged["grads"]) / mc.nvme_read_Bps,
         nvme_upd_write=node * (paged["optimizer"] + paged["params"]) / mc.nvme_write_Bps,
-        adam=0.0 if on_dev_opt else node * shard_params / mc.adam_params_per_s,
+        adam=0.0 if on_dev_opt else node * shard_params / update_rate(mc, sb),
     )
 
 

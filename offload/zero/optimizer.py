@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from ..optim.adamw import AdamW, _check_hyper
+from ..optim.adamw import ADAMW_BF16, AdamW, _check_hyper
 from ..optim.adamw8bit import AdamW8bit
 from ..optim.base import SchemaOptimizer, register_sharded
 from ..optim.lion import Lion
@@ -262,9 +262,8 @@ class ShardedAdamW(ShardedOptimizer, AdamW):
         if amsgrad or capturable or differentiable:
             raise ValueError("offload.AdamW: amsgrad / capturable / differentiable are not supported")
         _check_hyper(lr, betas, eps, weight_decay, moments_dtype)
-        if moments_dtype != torch.float32:
-            raise ValueError("offload.AdamW: sharded parameters keep fp32 moments (moments_dtype=torch.float32); "
-                             "for smaller states use offload.AdamW8bit")
+        if moments_dtype == torch.bfloat16:
+            self.schema = ADAMW_BF16  # (this optimizer's: its states are bf16 moments)
         self._build(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
                                  maximize=maximize, moments_dtype=moments_dtype))
 
