@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -12,6 +13,9 @@ from ..telemetry import Lane, Meter, Queue
 from . import comm
 from .lanes import WorkLane
 from .state_store import UnitStateStore
+
+if TYPE_CHECKING:
+    from .schedule import Schedule
 
 
 @dataclass
@@ -50,6 +54,17 @@ class Lanes:
         return [self.gather, self.reduce, self.optimizer]
 
 
+@dataclass(frozen=True)
+class LaneContext:
+    """What the schedule and the optimizer pipeline work with: the shards' store, the lanes, the meter (built
+    before the units' context, which holds the schedule)."""
+
+    states: UnitStateStore
+    lanes: Lanes
+    meter: Meter
+    compute_dtype: torch.dtype
+
+
 @dataclass
 class UnitContext:
     device: torch.device
@@ -61,13 +76,13 @@ class UnitContext:
     lanes: Lanes
     meter: Meter
     counters: Counters
-    schedule: object  # zero.schedule.Schedule: prefetched leases, and the uses it traces
+    schedule: "Schedule"  # prefetched leases, and the uses it traces
     streams: Streams  # each lane's stream on a GPU (device.py)
     reduce_dtype: torch.dtype = torch.float32  # Config.reduce_dtype: what ranks sum gradients in
     sync_grads: bool = True  # False inside rt.no_sync(): backward accumulates locally
     max_reduces_in_flight: int = 2  # full gradients queued on the reduce lane at once (bounded memory)
     reduce_window: collections.deque = field(default_factory=collections.deque)  # their futures, oldest first
-    on_reduce: object = None  # (unit) -> None after a unit's reduce is queued (Config.update_in_backward)
+    on_reduce: Callable | None = None  # (unit) -> None after a unit's reduce is queued (Config.update_in_backward)
 
     @property
     def rank(self) -> int:

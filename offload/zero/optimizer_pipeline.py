@@ -37,6 +37,7 @@ from .. import inject
 from ..optim.schema import Schema
 from ..store import LeaseMode, Tier
 from ..telemetry import Queue
+from .context import LaneContext
 from .shards import Chunk, StateKind
 from .state_store import Use
 
@@ -82,7 +83,7 @@ class _Item:
 
 
 class OptimizerPipeline:
-    def __init__(self, ctx, read_ahead: int):
+    def __init__(self, ctx: LaneContext, read_ahead: int):
         self.ctx = ctx
         self.read_ahead = read_ahead  # chunks leased ahead of the one being stepped (0: none)
         self._ahead: dict = {}  # ShardKey -> (READ lease, bytes), taken between steps (read_states_ahead)

@@ -12,8 +12,8 @@
 
 The pieces: wrap.py shards a model into units, placement.py decides tiers and chunking, shards.py names
 every shard, state_store.py owns the store and the swap directory, unit.py is one unit's state machine,
-schedule.py traces the step and drives the prefetch, lanes.py runs the gathers, reduces and the optimizer
-pipeline in the background, torch_patches.py keeps plain PyTorch calls working on a wrapped model
+schedule.py traces the step and drives the prefetch, step.py hands each step's updates to the optimizer
+pipeline, lanes.py runs the gathers, reduces and that pipeline in the background, torch_patches.py keeps plain PyTorch calls working on a wrapped model
 (docs/zero-runtime.md has the whole table).
 
 Gradient accumulation: by default every backward reduce-scatters its gradient and adds this rank's shard to
@@ -44,18 +44,19 @@ from ..device import Streams, bind_thread, compute_device
 from ..store import Tier, check_fits_machine, ranks_on_this_node, resolve_budget
 from ..store.links import Link
 from ..telemetry import Lane, Meter, Queue
-from . import comm, optim_states, placement
+from . import comm, placement
 from .activations import ActivationOffloader
 from .backward_updates import BackwardUpdates
-from .context import Counters, Lanes, UnitContext
+from .context import Counters, LaneContext, Lanes, UnitContext
 from .host_memory import peak_rss_bytes, rss_bytes, tune_malloc
 from .lanes import WorkLane
 from .materialize import ConstructionCapture
-from .optimizer_pipeline import OptimizerPipeline, UnitUpdate
+from .optimizer_pipeline import OptimizerPipeline
 from .schedule import Schedule
 from .shards import StateKind
 from .state import UnitState
 from .state_store import UnitStateStore, prepare_swap_dir
+from .step import UpdatePath
 from .step_stats import StepStats
 from .unit import ShardedUnit
 from .watchdog import Watchdog
@@ -111,6 +112,7 @@ class Runtime:
         self.activations: ActivationOffloader | None = None  # Config.activations != "none"
         self.backward_updates = BackwardUpdates(config.update_in_backward, self._queue_backward_update,
                                                 self.live_optimizers)
+        self.updates: UpdatePath | None = None
 
     # ---- lifetime ---------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -158,15 +160,14 @@ class Runtime:
         reduce_group = comm.sub_group(self.group, "reduce", order, timeout)
         streams = Streams(self.device, high_priority=(Lane.GATHER, Lane.REDUCE))
         lanes = Lanes.create(self.meter, threaded=cfg.pipeline, streams=streams)
-        self.ctx = UnitContext(self.device, self.compute_dtype, self.group, gather_group, reduce_group, self.states,
-                               lanes, self.meter, Counters(), schedule=None, streams=streams,
-                               reduce_dtype=cfg.torch_reduce_dtype)
-        self.pipeline = OptimizerPipeline(self.ctx, read_ahead=placement.PIPELINE_CHUNKS - 1 if cfg.pipeline else 0)
-        self.schedule = Schedule(self.ctx, {}, self._reserve_bytes, prefetch=cfg.pipeline, gather_ahead=False,
+        shared = LaneContext(self.states, lanes, self.meter, self.compute_dtype)
+        self.pipeline = OptimizerPipeline(shared, read_ahead=placement.PIPELINE_CHUNKS - 1 if cfg.pipeline else 0)
+        self.schedule = Schedule(shared, {}, self._reserve_bytes, prefetch=cfg.pipeline, gather_ahead=False,
                                  on_new_backward=self._on_new_backward, pipeline=self.pipeline,
                                  states_in_backward=not cfg.update_in_backward)  # (the updates read them)
-        self.ctx.schedule = self.schedule
-        self.ctx.on_reduce = self.backward_updates.on_reduce
+        self.ctx = UnitContext(self.device, self.compute_dtype, self.group, gather_group, reduce_group, self.states,
+                               lanes, self.meter, Counters(), schedule=self.schedule, streams=streams,
+                               reduce_dtype=cfg.torch_reduce_dtype, on_reduce=self.backward_updates.on_reduce)
         if cfg.activations != "none":
             lane = WorkLane(Lane.ACTIVATIONS, Queue.ACTIVATION, self.meter, threaded=cfg.pipeline, pause_each=False,
                             streams=streams)
@@ -174,6 +175,7 @@ class Runtime:
                 self.states.store, self.device, Tier(cfg.activations), cfg.bytes_of("activations_min_size"), lane,
                 self.meter, reserve=self._lanes_host_bytes, is_param=self._holds_parameter_bytes)
         self.step_stats = StepStats(self.meter, self.states, self.ctx.counters, log_every=cfg.log_every)
+        self.updates = UpdatePath(self.group.rank, self.schedule, self.pipeline, self.backward_updates, self.step_stats)
         # a module was built: the next forward may need to materialize it
         self._capture = ConstructionCapture(on_module=self._note_module,
                                             on_load=lambda m: self.materialize_pending()).__enter__()
@@ -467,46 +469,13 @@ class Runtime:
             u.used.copy_(flags[offset:offset + n].bool())
             offset += n
 
-    def _unit_update(self, unit: ShardedUnit, runs: list, grad_scale: float, schema) -> UnitUpdate:
-        first = optim_states.register(unit, schema)
-        real = sum(p.hi - p.lo for p in unit.layout.pieces(self.rank))
-        covered = sum(r.hi - r.lo for r in runs)
-        overwrite = not unit.shards.master_is_param and covered == real
-        return UnitUpdate(unit, runs, grad_scale, zero_moments=first, param_overwrite=overwrite, grads_ready=unit.grads)
-
-    def _before_update(self, unit: ShardedUnit) -> None:
-        self.schedule.drop_prefetched(unit)  # nothing read ahead of a shard about to be written
-        if unit.state is UnitState.GATHERING:
-            unit.wait_for_unshard()  # a gather ahead that the step did not use: it read the shard, let it land first
-        if unit.state is UnitState.UNSHARDED:
-            unit.stale = True  # persistent units re-gather before their next use
-
     def step_units(self, work: list, schema) -> None:
-        """Queue the optimizer's updates: [(unit, runs)] from a sharded optimizer's step, captured at the call,
-        with its family's state `schema` (units whose update Config.update_in_backward already queued are
-        checked and skipped)."""
-        early = self.backward_updates
-        scale = early.scale(self.grad_scale)
-        early.check_all_stepped([unit for unit, _ in work])
-        done = [unit for unit, runs in work if early.check_step(unit, runs)]
-        updates = [self._unit_update(unit, runs, scale, schema) for unit, runs in work if id(unit) not in early.issued]
-        order = self.schedule.before_step(done + [u.unit for u in updates])
-        rank = {id(u): k for k, u in enumerate(order)}
-        updates.sort(key=lambda u: rank[id(u.unit)])
-        for u in updates:
-            self._before_update(u.unit)
-        self.pipeline.submit(updates)
-        self.schedule.after_step()
-        early.end_step()
-        self.step_stats.end_step()
-        if early.last is not None:
-            self.step_stats.last["clip"] = early.last  # the coefficient applied and the step's own
+        """A sharded optimizer's step: [(unit, runs)] with its family's `schema`, onto the update path (step.py)
+        with this step's clip coefficient."""
+        self.updates.step(work, schema, self.grad_scale)
 
     def _queue_backward_update(self, unit: ShardedUnit, runs: list, grad_scale: float, schema) -> None:
-        """Config.update_in_backward: `unit`'s gradient is final (its reduce is queued): queue its update now."""
-        update = self._unit_update(unit, runs, grad_scale, schema)
-        self._before_update(update.unit)
-        self.pipeline.submit_one(update)
+        self.updates.queue_one(unit, runs, grad_scale, schema)  # (the backward's updates are built before the path)
 
     def check_schema(self, schema, who: str) -> None:
         """An optimizer of family `schema` joins: refused when it stores more per parameter than the placement

@@ -32,6 +32,7 @@ from ..prefetch.trace import TraceRecorder
 from ..store import LeaseMode, Tier
 from ..store.swap_file import page_bytes
 from ..telemetry import span
+from .context import LaneContext
 from .shards import ShardKey, StateKind
 from .state import TRAINING_MOVES, TrainingState, UnitState
 from .state_store import Use as Where
@@ -48,7 +49,7 @@ class Plan:
 
 
 class Schedule:
-    def __init__(self, ctx, units_by_uid: dict, reserve_bytes, prefetch: bool, gather_ahead: bool,
+    def __init__(self, ctx: LaneContext, units_by_uid: dict, reserve_bytes, prefetch: bool, gather_ahead: bool,
                  on_new_backward=lambda: None, pipeline=None, states_in_backward: bool = True):
         self.ctx = ctx
         self.pipeline = pipeline  # OptimizerPipeline: reads the next update's states during the backward

@@ -1,6 +1,9 @@
-"""The patches a wrapped model gets on torch's own objects, so plain PyTorch code keeps working on it.
+"""What a wrapped model's modules do differently, so plain PyTorch code keeps working on it.
 
-Per module of a wrapped model (instance attributes, nothing global):
+Each module of a wrapped model gets a class of its own: `OffloadModule` before its class in the MRO, as
+FSDP2's fully_shard does (one class per original class, made once, with the original's name, so code that
+reads `type(model).__name__` - Hugging Face's `architectures` in config.json - sees what it saw before).
+Nothing is patched on instances or globally:
   _apply          model.to() / .cuda() / .float() reach only buffers: the runtime places and casts parameters
   zero_grad       clears the runtime's gradients of the module's parameters (HF Trainer calls model.zero_grad)
   state_dict      real gathered values instead of meta placeholders (state_dict.py)
@@ -8,34 +11,51 @@ Per module of a wrapped model (instance attributes, nothing global):
 """
 from __future__ import annotations
 
-import types
-
 import torch.nn as nn
 
 from .state_dict import wrapped_load_state_dict, wrapped_state_dict
 
 
-def _apply_to_buffers_only(module: nn.Module, fn, recurse: bool = True):
-    """Module._apply for a wrapped model: the runtime places and casts parameters (Config.compute_dtype,
-    the compute device), so .to()/.cuda()/.float() reach only the buffers; parameters stay placeholders."""
-    if recurse:
-        for child in module.children():
-            child._apply(fn)
-    for key, buf in module._buffers.items():
-        if buf is not None:
-            module._buffers[key] = fn(buf)
-    return module
+class OffloadModule:
+    """Mixin of every module of a wrapped model; `_offload_runtime_ref` is the runtime that owns it."""
+
+    _offload_runtime_ref = None
+
+    def _apply(self, fn, recurse: bool = True):
+        """The runtime places and casts parameters (Config.compute_dtype, the compute device), so
+        .to()/.cuda()/.float() reach only the buffers; parameters stay placeholders."""
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        for key, buf in self._buffers.items():
+            if buf is not None:
+                self._buffers[key] = fn(buf)
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the runtime's gradients of this module's parameters."""
+        self._offload_runtime_ref.zero_grad_params(self.parameters(), set_to_none)
+
+    state_dict = wrapped_state_dict
+    load_state_dict = wrapped_load_state_dict
 
 
-def _zero_grad_wrapped(module: nn.Module, set_to_none: bool = True) -> None:
-    """Module.zero_grad for a wrapped model: clears the runtime's gradients of this module's parameters."""
-    module._offload_runtime_ref.zero_grad_params(module.parameters(), set_to_none)
+_CLASSES: dict[type, type] = {}  # original class -> its offload class
+
+
+def offload_class(cls: type) -> type:
+    """The class a wrapped module of class `cls` gets (made once per class)."""
+    if issubclass(cls, OffloadModule):
+        return cls
+    made = _CLASSES.get(cls)
+    if made is None:
+        made = type(cls.__name__, (OffloadModule, cls), {"__module__": cls.__module__,
+                                                         "__qualname__": cls.__qualname__})
+        _CLASSES[cls] = made
+    return made
 
 
 def patch_model(model: nn.Module, runtime) -> None:
     for m in model.modules():
-        m._apply = types.MethodType(_apply_to_buffers_only, m)
-        m.zero_grad = types.MethodType(_zero_grad_wrapped, m)
+        m.__class__ = offload_class(type(m))
         m._offload_runtime_ref = runtime
-        m.state_dict = types.MethodType(wrapped_state_dict, m)
-        m.load_state_dict = types.MethodType(wrapped_load_state_dict, m)

@@ -1,0 +1,77 @@
+"""The update path: what a step updates, and how each unit's update reaches the optimizer lane.
+
+    opt.step()                       a sharded optimizer (optimizer.py) decides each unit's runs: its pieces
+                                     that got a gradient, their hyperparameters and step counts
+      -> UpdatePath.step(work, schema, clip)
+           the backward's updates (backward_updates.py, Config.update_in_backward) are checked and skipped
+           the schedule orders the rest (the next forward's order) and is told the step happened
+           each unit: its states created at its first step (optim_states.register), anything read ahead of
+           its shard dropped, and its UnitUpdate queued on the pipeline (optimizer_pipeline.py); a unit's next
+           gather waits on its `update` future
+    a unit's reduce in the backward (Config.update_in_backward)
+      -> UpdatePath.queue_one(unit, runs, clip, schema)
+
+It holds what it touches and nothing else: the rank, the schedule, the pipeline, the backward's updates and
+the step statistics (no back-pointer to the Runtime).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..optim.schema import Schema
+from . import optim_states
+from .backward_updates import BackwardUpdates
+from .optimizer_pipeline import OptimizerPipeline, UnitUpdate
+from .schedule import Schedule
+from .state import UnitState
+from .step_stats import StepStats
+
+
+@dataclass
+class UpdatePath:
+    rank: int
+    schedule: Schedule
+    pipeline: OptimizerPipeline
+    backward_updates: BackwardUpdates
+    step_stats: StepStats
+
+    def step(self, work: list, schema: Schema, grad_scale: float) -> None:
+        """Queue a step's updates: [(unit, runs)] captured at opt.step(), with the optimizer family's `schema`
+        and the clip coefficient `grad_scale` (units the backward already queued are checked and skipped)."""
+        early = self.backward_updates
+        scale = early.scale(grad_scale)
+        early.check_all_stepped([unit for unit, _ in work])
+        done = [unit for unit, runs in work if early.check_step(unit, runs)]
+        updates = [self._update(unit, runs, scale, schema) for unit, runs in work if id(unit) not in early.issued]
+        order = self.schedule.before_step(done + [u.unit for u in updates])
+        rank = {id(u): k for k, u in enumerate(order)}
+        updates.sort(key=lambda u: rank[id(u.unit)])
+        for u in updates:
+            self._before_update(u.unit)
+        self.pipeline.submit(updates)
+        self.schedule.after_step()
+        early.end_step()
+        self.step_stats.end_step()
+        if early.last is not None:
+            self.step_stats.last["clip"] = early.last  # the coefficient applied and the step's own
+
+    def queue_one(self, unit, runs: list, grad_scale: float, schema: Schema) -> None:
+        """Config.update_in_backward: `unit`'s gradient is final (its reduce is queued): queue its update now."""
+        update = self._update(unit, runs, grad_scale, schema)
+        self._before_update(unit)
+        self.pipeline.submit_one(update)
+
+    def _update(self, unit, runs: list, grad_scale: float, schema: Schema) -> UnitUpdate:
+        first = optim_states.register(unit, schema)
+        real = sum(p.hi - p.lo for p in unit.layout.pieces(self.rank))
+        covered = sum(r.hi - r.lo for r in runs)
+        overwrite = not unit.shards.master_is_param and covered == real
+        return UnitUpdate(unit, runs, grad_scale, zero_moments=first, param_overwrite=overwrite,
+                          grads_ready=unit.grads)
+
+    def _before_update(self, unit) -> None:
+        self.schedule.drop_prefetched(unit)  # nothing read ahead of a shard about to be written
+        if unit.state is UnitState.GATHERING:
+            unit.wait_for_unshard()  # a gather ahead that the step did not use: it read the shard, let it land first
+        if unit.state is UnitState.UNSHARDED:
+            unit.stale = True  # persistent units re-gather before their next use
