@@ -19,7 +19,7 @@ interleaved rounds, round r in an order rotated by r, and gets one JSON line bac
                 offload.AdamW, rt.clip_grad_norm_.
   offload-sync  the same with pipeline=False (no prefetch, no overlap).
   offload-inbwd the same with update_in_backward=True (opt-in, not a default: each unit's update runs in the
-                backward, clipped by the previous step's coefficient; offload/zero/backward_updates.py).
+                backward, clipped by the previous step's coefficient; offload/zero/update/backward_updates.py).
                 Not in the default list: --contenders torch,offload,offload-inbwd,offload-sync,deepspeed.
   offload-8bit  the same with offload.AdamW8bit (8-bit block-quantized moments, Config.optimizer_states=
                 "adamw8bit"): half the optimizer's bytes on the disk. Opt-in, like offload-inbwd.

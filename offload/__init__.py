@@ -9,7 +9,7 @@ _LAZY = {
     "Config": ("offload.config", "Config"),
     "init": ("offload.zero.runtime", "init"),
     "Runtime": ("offload.zero.runtime", "Runtime"),
-    "CollectiveError": ("offload.zero.watchdog", "CollectiveError"),
+    "CollectiveError": ("offload.zero.collectives.watchdog", "CollectiveError"),
     "CheckpointError": ("offload.checkpoint.files", "CheckpointError"),
 }
 

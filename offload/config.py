@@ -83,7 +83,7 @@ class Config:
     chunk_size: fp32 bytes per chunk of a unit's shard, the piece that is paged and stepped at once
       (None: cpu_budget / 64, between 1MiB and 64MiB).
     collective_timeout: how long a rank waits in one collective before it stops with an error naming the
-      collective, the unit, and which rank is behind and where (the watchdog, offload/zero/watchdog.py).
+      collective, the unit, and which rank is behind and where (the watchdog, offload/zero/collectives/watchdog.py).
     swap_checksums: an XXH3-64 hash of every swap slot written, checked when it is read back (a corrupt drive
       raises SwapCorruptError instead of training on wrong numbers; costs one hash pass over the nvme traffic).
     log_every: log one line of step telemetry (logger "offload") every this many optimizer steps (0: never).
@@ -99,7 +99,7 @@ class Config:
       Contract: the backward passes before a step's last run inside rt.accumulating() or rt.no_sync(),
       hyperparameters are set before the backward (an LR scheduler stepped after opt.step()), checkpoints are
       taken after opt.step(); a breach raises.
-      See offload/zero/backward_updates.py.
+      See offload/zero/update/backward_updates.py.
     activations: where the tensors autograd saves in a wrapped model's forward wait for the backward: "none"
       (default: on the compute device, as in plain PyTorch), "cpu" (the cpu tier, pinned) or "nvme" (a swap file
       under nvme_path, through the cpu tier). With activation checkpointing (a Hugging Face model's

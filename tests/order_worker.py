@@ -20,7 +20,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import offload  # noqa: E402
-from offload.zero.comm import OrderError  # noqa: E402
+from offload.zero.collectives.comm import OrderError  # noqa: E402
 
 
 def main() -> int:

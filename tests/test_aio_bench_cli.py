@@ -30,6 +30,9 @@ def test_bench_nvme_writes_json_and_cleans_up(tmp_path, capsys, with_fio):
     assert all(("fio_gbps" in r) == with_fio for r in nv["sweep"])
     if with_fio:
         assert nv["fio_read_gbps"] > 0 and nv["read_vs_fio_best"] > 0
+    # the pure-Python baseline (aiofiles) ran every configuration too
+    assert all(r["aiofiles_gbps"] > 0 for r in nv["sweep"])
+    assert nv["aiofiles_read_gbps"] > 0 and nv["read_vs_aiofiles_geomean"] > 0
     assert os.listdir(bench_dir) == [], "the test file must be removed"
     assert "best read" in capsys.readouterr().out
 

@@ -1,4 +1,4 @@
-"""The collectives' rules (offload/zero/comm.py): the lanes' collectives are issued in one program order (each
+"""The collectives' rules (offload/zero/collectives/comm.py): the lanes' collectives are issued in one program order (each
 lane's own, and across the two lanes), only from a lane's work, and every collective tensor lives on the
 compute device. On NCCL a breach hangs two ranks for ever; here it
 raises, so the CPU suite catches a lane that would hang a GPU run."""

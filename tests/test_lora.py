@@ -1,4 +1,4 @@
-"""LoRA over an offloaded frozen base (offload/zero/units.py, trainable islands): PEFT's adapters inside frozen
+"""LoRA over an offloaded frozen base (offload/zero/units/discover.py, trainable islands): PEFT's adapters inside frozen
 blocks become units of their own, so the frozen blocks get no gradient, no optimizer state and are never written
 back. Asserted: the adapters train as PEFT in memory does (fp32), the base's values are unchanged bit for bit and
 the base moves no nvme write, the adapter directory PEFT writes from the wrapped model loads in PEFT and gives
@@ -14,7 +14,7 @@ from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import offload  # noqa: E402
-from offload.zero.units import trainable_islands  # noqa: E402
+from offload.zero.units.discover import trainable_islands  # noqa: E402
 
 STEPS = 3
 
@@ -57,7 +57,7 @@ def train_in_memory():
 def test_islands_are_the_adapters_not_their_containers():
     model = with_lora(base_model())
     cfg = offload.Config()
-    from offload.zero.units import choose_unit_modules
+    from offload.zero.units.discover import choose_unit_modules
 
     names = [n for n, _ in trainable_islands(model, choose_unit_modules(model, cfg))]
     assert len(names) == 3 * 2 * 2  # 3 layers x (q, v) x (A, B)

@@ -20,7 +20,7 @@ import offload
 from offload.checkpoint import CheckpointError
 from offload.optim.base import SchemaOptimizer
 from offload.optim.schema import Schema, StoredState, by_name, names, register
-from offload.zero.optimizer import register_family
+from offload.zero.update.optimizer import register_family
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero_common import TinyTransformer, VOCAB, SEQ  # noqa: E402

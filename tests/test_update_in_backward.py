@@ -1,4 +1,4 @@
-"""Config.update_in_backward (offload/zero/backward_updates.py): updates queued in the backward really overlap it,
+"""Config.update_in_backward (offload/zero/update/backward_updates.py): updates queued in the backward really overlap it,
 and every breach of the mode's contract raises instead of training on. Parity (bit for bit against a reference
 clipped with the previous step's coefficient, 1 and 2 ranks, slowed queues) is in tests/test_zero_parity.py."""
 import contextlib
@@ -137,7 +137,7 @@ def test_after_the_backward_the_queued_updates_run_in_the_next_forwards_order(tm
     """Updates queued in the backward run oldest first while it lasts; those still queued when it ends run in the
     next forward's order (its first units are needed first), not in the backward's. Adam made 60 ms slow per
     unit so most updates are still queued at the end; the order they ran in is observed on the lane."""
-    from offload.zero.optimizer_pipeline import OptimizerPipeline
+    from offload.zero.update.optimizer_pipeline import OptimizerPipeline
 
     ran = []
     real_run = OptimizerPipeline._run

@@ -10,8 +10,8 @@ import torch.nn as nn
 
 import offload
 import offload.zero
-from offload.zero.state import UnitState
-from offload.zero.units import choose_unit_modules
+from offload.zero.units.state import UnitState
+from offload.zero.units.discover import choose_unit_modules
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero_common import DIM, SEQ, VOCAB, TinyTransformer, compute_loss, make_llama, transformers_available, one_torch_thread, small_config as _cfg  # noqa: E402

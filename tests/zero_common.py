@@ -425,8 +425,8 @@ def inblock_values_check(seed: int = 5) -> dict:
     compare the gathered values with a local, runtime-free materialization of the same units: equal only
     if every rank computed the same full values before keeping its shard."""
     import offload
-    from offload.zero.materialize import ConstructionCapture, materialize_unit
-    from offload.zero.units import discover_units
+    from offload.zero.units.materialize import ConstructionCapture, materialize_unit
+    from offload.zero.units.discover import discover_units
 
     with ConstructionCapture():
         local = TinyTransformer()

@@ -215,6 +215,7 @@ def _cmd_nvme(args: argparse.Namespace) -> int:
         ops=tuple(args.ops),
         deepspeed=args.deepspeed,
         stream=not args.no_stream,
+        aiofiles=not args.no_aiofiles,
     )
     result = {"nvme": run_nvme_bench(cfg)}
     if len(args.path) > 1:  # several drives: the sweep ran on the first; now all of them at once
@@ -226,6 +227,9 @@ def _cmd_nvme(args: argparse.Namespace) -> int:
             line += f"; fio best {nv[f'fio_{op}_gbps']:.3f} GB/s at {nv[f'fio_best_{op}']} -> {nv[f'{op}_vs_fio_best']:.0%}"
         if f"stream_{op}_gbps" in nv:
             line += f"; engine stream (large buffer) {nv[f'stream_{op}_gbps']:.3f} GB/s"
+        if f"aiofiles_{op}_gbps" in nv:
+            line += (f"; aiofiles best {nv[f'aiofiles_{op}_gbps']:.3f} GB/s (engine {nv[f'{op}_vs_aiofiles_geomean']:.1f}x "
+                     "it, geomean)")
         if f"deepspeed_{op}_gbps" in nv:
             line += (f"; DeepSpeed best {nv[f'deepspeed_{op}_gbps']:.3f} GB/s -> stream "
                      f"{nv[f'stream_{op}_vs_deepspeed_best']:.0%}")
@@ -256,6 +260,8 @@ def add_bench_parser(subparsers) -> None:
     nvme.add_argument("--rounds", type=int, default=2, help="alternating engine/fio runs per configuration (median)")
     nvme.add_argument("--ops", type=_csv(str), default=["read", "write"], help="read,write (default both)")
     nvme.add_argument("--no-fio", action="store_true", help="skip fio even when installed")
+    nvme.add_argument("--no-aiofiles", action="store_true",
+                      help="skip the aiofiles runs (asyncio + a thread pool: the pure-Python baseline)")
     nvme.add_argument("--no-stream", action="store_true",
                       help="skip the large-buffer (stream) engine runs; the fio-like ring runs always happen")
     nvme.add_argument("--deepspeed", action="store_true",

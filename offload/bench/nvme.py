@@ -1,5 +1,7 @@
 """`offload bench nvme`: sequential read/write GB/s of the aio engine over block size x queue depth,
-with fio's figures for the same file, block size and depth (direct=1) measured in the same run.
+with fio's figures for the same file, block size and depth (direct=1) measured in the same run, and what a
+pure-Python offloader gets: aiofiles (asyncio over a thread pool) with `queue depth` tasks reading or
+writing the same blocks, O_DIRECT too.
 
 Every measurement uses O_DIRECT, so the page cache plays no part and nothing needs dropping.
 Engine and fio alternate within each configuration (and their order flips every round), so
@@ -41,6 +43,7 @@ class NvmeBenchConfig:
     ops: tuple[str, ...] = ("read", "write")
     stream: bool = True                        # also time the large-buffer pattern (the store's)
     deepspeed: bool = False                    # also time DeepSpeed's AsyncIOBuilder handle (if it builds)
+    aiofiles: bool = True                      # also time aiofiles (asyncio + threads): the pure-Python way
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -144,6 +147,45 @@ class _DeepSpeedRunner:
             handle.free_cpu_locked_tensor(locked)
 
 
+class _AiofilesRunner:
+    """aiofiles on the same file: `queue_depth` asyncio tasks, each with its own O_DIRECT file object, take the
+    next block in turn (seek + readinto / write of an aligned slice of the same buffer); aiofiles runs each call
+    on the event loop's thread pool. What an offloader written in Python alone would do."""
+
+    def __init__(self, path: str, size: int, buf: torch.Tensor):
+        self.path, self.size = path, size
+        self.view = memoryview(buf.numpy())
+
+    def run(self, op: str, block_size: int, queue_depth: int) -> float:
+        import asyncio
+
+        return asyncio.run(self._run(op, block_size, queue_depth))
+
+    async def _run(self, op: str, block_size: int, queue_depth: int) -> float:
+        import aiofiles
+
+        blocks = iter(range(0, self.size, block_size))
+        span = len(self.view) // block_size * block_size  # the file is cycled through the buffer
+
+        def opener(path, flags):
+            return os.open(path, flags | os.O_DIRECT)
+
+        async def worker():
+            async with aiofiles.open(self.path, "r+b" if op == "write" else "rb", buffering=0, opener=opener) as f:
+                for off in blocks:  # (one shared iterator: each task takes the next block)
+                    await f.seek(off)
+                    piece = self.view[off % span:off % span + block_size]
+                    n = await (f.write(piece) if op == "write" else f.readinto(piece))
+                    if n != block_size:
+                        raise OSError(f"aiofiles {op} at {off}: {n} of {block_size} bytes")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(queue_depth)))
+        if op == "write":
+            os.sync()  # (O_DIRECT: the data is on the device; the metadata as fio's end_fsync would)
+        return _gbps(self.size, time.perf_counter() - t0)
+
+
 def run_nvme_bench(cfg: NvmeBenchConfig, log: Callable[[str], None] = print) -> dict:
     os.makedirs(cfg.path, exist_ok=True)
     free = shutil.disk_usage(cfg.path).free
@@ -178,15 +220,16 @@ def run_nvme_bench(cfg: NvmeBenchConfig, log: Callable[[str], None] = print) -> 
             except Exception as exc:  # optional baseline: say why it is missing, measure the rest
                 ds_note = f"unavailable: {type(exc).__name__}: {exc}"
         log(f"deepspeed: {ds_note}")
+        py = _AiofilesRunner(path, cfg.size, buf) if cfg.aiofiles else None
         log(f"nvme bench: {cfg.size / 2**30:.2f} GiB file {path}, engine backend {backend}, "
             f"fio {'(' + fio_version + ', ioengine ' + cfg.fio_ioengine + ')' if fio_version else 'not run'}")
-        log(f"{'op':<6}{'block':>9}{'qd':>5}{'engine GB/s':>13}{'fio GB/s':>10}{'ratio':>7}{' stream' if cfg.stream else ''}{'  DS(str)' if ds else ''}")
+        log(f"{'op':<6}{'block':>9}{'qd':>5}{'engine GB/s':>13}{'fio GB/s':>10}{'ratio':>7}{' stream' if cfg.stream else ''}{'  DS(str)' if ds else ''}{' aiofiles' if py else ''}")
         for op in cfg.ops:
             for bs in cfg.block_sizes:
                 for qd in cfg.queue_depths:
-                    eng_runs, fio_runs, ds_runs, stream_runs = [], [], [], []
+                    eng_runs, fio_runs, ds_runs, stream_runs, py_runs = [], [], [], [], []
                     for r in range(cfg.rounds):
-                        order = ("engine", "fio", "stream", "deepspeed")
+                        order = ("engine", "fio", "stream", "deepspeed", "aiofiles")
                         for who in order if r % 2 == 0 else order[::-1]:
                             if who == "engine":
                                 eng_runs.append(runner.run(op, bs, qd, cfg.workers, cfg.backend, "ring"))
@@ -196,6 +239,8 @@ def run_nvme_bench(cfg: NvmeBenchConfig, log: Callable[[str], None] = print) -> 
                                 fio_runs.append(run_fio(path, op, bs, qd, cfg.size, cfg.fio_ioengine))
                             elif who == "deepspeed" and ds is not None:
                                 ds_runs.append(ds.run(op, bs, qd, cfg.workers))
+                            elif who == "aiofiles" and py is not None:
+                                py_runs.append(py.run(op, bs, qd))
                     row = {"op": op, "block_size": bs, "queue_depth": qd,
                            "engine_gbps": statistics.median(eng_runs), "engine_runs": eng_runs}
                     if fio_runs:
@@ -208,11 +253,15 @@ def run_nvme_bench(cfg: NvmeBenchConfig, log: Callable[[str], None] = print) -> 
                     if ds_runs:
                         row["deepspeed_gbps"] = statistics.median(ds_runs)
                         row["deepspeed_runs"] = ds_runs
+                    if py_runs:
+                        row["aiofiles_gbps"] = statistics.median(py_runs)
+                        row["aiofiles_runs"] = py_runs
                     sweep.append(row)
                     fio_s = f"{row['fio_gbps']:10.3f}{row['ratio']:7.2f}" if fio_runs else f"{'-':>10}{'-':>7}"
                     st_s = f"{row['engine_stream_gbps']:9.3f}" if stream_runs else ""
                     ds_s = f"{row['deepspeed_gbps']:9.3f}" if ds_runs else ""
-                    log(f"{op:<6}{bs // 1024:>8}K{qd:>5}{row['engine_gbps']:13.3f}{fio_s}{st_s}{ds_s}")
+                    py_s = f"{row['aiofiles_gbps']:9.3f}" if py_runs else ""
+                    log(f"{op:<6}{bs // 1024:>8}K{qd:>5}{row['engine_gbps']:13.3f}{fio_s}{st_s}{ds_s}{py_s}")
     finally:
         if os.path.exists(path):
             os.unlink(path)
@@ -248,6 +297,11 @@ def _summarize(cfg: NvmeBenchConfig, backend: str | None, fio_version: str | Non
             sbest = max(st_rows, key=lambda r: r["engine_stream_gbps"])
             out[f"stream_{op}_gbps"] = sbest["engine_stream_gbps"]
             out[f"stream_best_{op}"] = {"block_size": sbest["block_size"], "queue_depth": sbest["queue_depth"]}
+        py_rows = [r for r in rows if "aiofiles_gbps" in r]
+        if py_rows:  # the engine against the pure-Python way, configuration by configuration
+            out[f"aiofiles_{op}_gbps"] = max(r["aiofiles_gbps"] for r in py_rows)
+            out[f"{op}_vs_aiofiles_geomean"] = math.exp(sum(math.log(r["engine_gbps"] / r["aiofiles_gbps"])
+                                                            for r in py_rows) / len(py_rows))
         ds_rows = [r for r in rows if "deepspeed_gbps" in r]
         if ds_rows:
             dbest = max(ds_rows, key=lambda r: r["deepspeed_gbps"])

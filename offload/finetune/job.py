@@ -233,7 +233,7 @@ def _loss_sum(model, batch: TokenBlocks, device) -> torch.Tensor:
 
 
 def _all_sum(rt, value: torch.Tensor) -> torch.Tensor:
-    from ..zero import comm
+    from ..zero.collectives import comm
 
     return comm.all_reduce_host_(rt.group, value.detach().float().cpu().clone(), "sum", what="loss sum") \
         if rt.world_size > 1 \

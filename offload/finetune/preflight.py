@@ -62,7 +62,7 @@ def swap_bytes_per_rank(cfg: Config, n_params: int, n_tensors: int, world: int) 
     optimizer family's states, the fp32 gradient and the fp32 master unless the parameter is it), plus each unit's padding and page rounding (at most one alignment quantum
     a unit and one page a chunk, chunks being at least half a MiB; every unit holds at least one tensor)."""
     from ..store.swap_file import SLOT_ALIGN
-    from ..zero.layout import ALIGN
+    from ..zero.units.layout import ALIGN
     from ..optim.schema import by_name
 
     compute = cfg.torch_compute_dtype.itemsize

@@ -9,8 +9,8 @@ saving what it trained, without ever gathering the whole base.
 The adapters must exist before the model is sharded (the runtime cuts units and their gradient and optimizer
 states by what trains), so PEFT is applied to placeholders: `get_peft_model` over a model built inside the block,
 then the base's weights streamed in under their PEFT names (`base_model.model.` and `.base_layer` are PEFT's
-wrappers), the adapters initialized by PEFT's own rule (offload/zero/materialize.py, rule 4). Each adapter is a
-unit of its own (offload/zero/units.py, trainable islands): the frozen blocks get no gradient, no optimizer state
+wrappers), the adapters initialized by PEFT's own rule (offload/zero/units/materialize.py, rule 4). Each adapter is a
+unit of its own (offload/zero/units/discover.py, trainable islands): the frozen blocks get no gradient, no optimizer state
 and are never written back. `merged_params` gives the base with the adapters merged, one unit at a time, for
 a full Hugging Face directory.
 """

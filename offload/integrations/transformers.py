@@ -36,7 +36,7 @@ from transformers import Trainer, TrainingArguments
 
 import offload
 from offload.config import Config
-from offload.zero.optimizer import ShardedAdamW
+from offload.zero.update.optimizer import ShardedAdamW
 from offload.zero.runtime import current as current_runtime
 
 from . import hf_loading  # noqa: F401 - from_pretrained inside a runtime streams into the store

@@ -3,7 +3,7 @@ a torch.optim.Optimizer that steps any `Schema` (schema.py) on in-memory CPU ten
 
 `offload.AdamW8bit(params)` over ordinary CPU tensors is a SchemaOptimizer stepping each parameter as one
 chunk; over the parameters of an offload runtime it becomes that runtime's sharded subclass
-(offload.zero.optimizer registers it when the runtime is imported: the optim package does not import the
+(offload.zero.update.optimizer registers it when the runtime is imported: the optim package does not import the
 runtime), which steps each rank's shard chunk by chunk where the states live.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from .schema import Schema
 
-# base class -> [(wants(params) -> bool, subclass)]: registered by offload.zero.optimizer
+# base class -> [(wants(params) -> bool, subclass)]: registered by offload.zero.update.optimizer
 _SHARDED: dict[type, list] = {}
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

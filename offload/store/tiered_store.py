@@ -54,6 +54,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -198,6 +199,9 @@ class TieredStore:
         except BaseException:
             self._teardown()
             raise
+        # a store dropped without close(): its files, pins and threads still go, without waiting (a finalizer
+        # may run on one of the store's own threads, which cannot join itself); close() waits and detaches it
+        self._finalizer = weakref.finalize(self, _release, self._parts(), False)
 
     # ------------------------------------------------------------------ public API
 
@@ -491,12 +495,6 @@ class TieredStore:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(cancel=exc_type is not None)
-
-    def __del__(self):
-        try:
-            self.close(cancel=True)
-        except Exception:
-            pass
 
     # ------------------------------------------------------------------ internals: bookkeeping
 
@@ -904,23 +902,39 @@ class TieredStore:
             if self._shards.get(s.name) is s:
                 del self._shards[s.name]
 
+    def _parts(self) -> tuple:
+        """What _release frees, in its order (held by the finalizer: never the store itself)."""
+        return (self._pool, self._swap, self._engine, self._swapdir, self._arena, self._dev)
+
     def _teardown(self) -> None:
-        """Frees everything the store holds; each step runs even if an earlier one failed."""
-        steps = [
-            lambda: self._pool and self._pool.shutdown(wait=True),  # joins the move threads
-            *[(lambda f=f: f.close(remove=True)) for f in self._swap.values()],
-            lambda: self._engine and self._engine.close(),  # joins the aio workers
-            lambda: self._swapdir and self._swapdir.close(),
-            lambda: self._arena and self._arena.close(),
-            lambda: self._dev and self._dev.close(),
-        ]
+        """Frees everything the store holds, waiting for its threads; each step runs even if an earlier one
+        failed."""
         self._closed = True
-        first: BaseException | None = None
-        for step in steps:
-            try:
-                step()
-            except BaseException as e:  # keep cleaning up; report the first failure
-                first = first or e
-        self._swap.clear()
-        if first is not None:
-            raise first
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        _release(self._parts(), True)
+
+
+def _release(parts: tuple, wait: bool) -> None:
+    """Free a store's parts (TieredStore._parts): join (when `wait`) its move threads, remove its swap files,
+    close the engine (its workers), the swap directory, the pinned arena and the device tier. Every step runs;
+    the first failure is raised at the end."""
+    pool, swap, engine, swapdir, arena, dev = parts
+    steps = [
+        lambda: pool and pool.shutdown(wait=wait),
+        *[(lambda f=f: f.close(remove=True)) for f in list(swap.values())],
+        lambda: engine and engine.close(),
+        lambda: swapdir and swapdir.close(),
+        lambda: arena and arena.close(),
+        lambda: dev and dev.close(),
+    ]
+    first: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as e:  # keep cleaning up; report the first failure
+            first = first or e
+    swap.clear()
+    if first is not None:
+        raise first

@@ -42,10 +42,10 @@ from ..store.sizes import format_bytes
 from .. import inject
 from ..store import LeaseMode, Tier
 from ..telemetry import Queue
-from . import optim_states
+from .update import optim_states
 from ..optim.schema import by_name as schema_by_name
-from .shards import StateKind
-from .state import UnitState
+from .units.shards import StateKind
+from .units.state import UnitState
 from .state_store import Use
 
 

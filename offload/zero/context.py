@@ -10,7 +10,7 @@ import torch
 
 from ..device import Streams
 from ..telemetry import Lane, Meter, Queue
-from . import comm
+from .collectives import comm
 from .lanes import WorkLane
 from .state_store import UnitStateStore
 

@@ -22,7 +22,7 @@ import torch
 
 from .. import inject
 from ..device import Streams, thread_initializer
-from . import comm
+from .collectives import comm
 from ..telemetry import Lane, Meter, Queue
 
 

@@ -10,11 +10,12 @@
     # leaving the block waits for queued work, frees every shard, removes swap files, restores nn.Module,
     # and makes the model raise a clear error when used.
 
-The pieces: wrap.py shards a model into units, placement.py decides tiers and chunking, shards.py names
-every shard, state_store.py owns the store and the swap directory, unit.py is one unit's state machine,
-schedule.py traces the step and drives the prefetch, step.py hands each step's updates to the optimizer
-pipeline, lanes.py runs the gathers, reduces and that pipeline in the background, torch_patches.py keeps plain PyTorch calls working on a wrapped model
-(docs/zero-runtime.md has the whole table).
+The pieces: units/ (wrap.py shards a model into units, shards.py names every shard, unit.py is one unit's
+state machine, torch_patches.py keeps plain PyTorch calls working on a wrapped model), update/ (the
+optimizers, step.py hands each step's updates to the optimizer pipeline), collectives/ (comm.py, the
+watchdog); here: placement.py decides tiers and chunking, state_store.py owns the store and the swap
+directory, schedule.py traces the step and drives the prefetch, lanes.py runs the gathers, reduces and the
+pipeline in the background (docs/zero-runtime.md has the whole table).
 
 Gradient accumulation: by default every backward reduce-scatters its gradient and adds this rank's shard to
 the stored gradient shard (memory: one shard per unit). Inside `with rt.no_sync():` backward passes
@@ -44,23 +45,24 @@ from ..device import Streams, bind_thread, compute_device
 from ..store import Tier, check_fits_machine, ranks_on_this_node, resolve_budget
 from ..store.links import Link
 from ..telemetry import Lane, Meter, Queue
-from . import comm, placement
+from .collectives import comm
+from . import placement
 from .activations import ActivationOffloader
-from .backward_updates import BackwardUpdates
+from .update.backward_updates import BackwardUpdates
 from .context import Counters, LaneContext, Lanes, UnitContext
 from .host_memory import peak_rss_bytes, rss_bytes, tune_malloc
 from .lanes import WorkLane
-from .materialize import ConstructionCapture
-from .optimizer_pipeline import OptimizerPipeline
+from .units.materialize import ConstructionCapture
+from .update.optimizer_pipeline import OptimizerPipeline
 from .schedule import Schedule
-from .shards import StateKind
-from .state import UnitState
+from .units.shards import StateKind
+from .units.state import UnitState
 from .state_store import UnitStateStore, prepare_swap_dir
-from .step import UpdatePath
+from .update.step import UpdatePath
 from .step_stats import StepStats
-from .unit import ShardedUnit
-from .watchdog import Watchdog
-from .wrap import refuse_unmanaged, shard_model
+from .units.unit import ShardedUnit
+from .collectives.watchdog import Watchdog
+from .units.wrap import refuse_unmanaged, shard_model
 
 _ACTIVE: list["Runtime"] = []
 
@@ -419,7 +421,7 @@ class Runtime:
         """Global gradient norm over every shard on every rank; the optimizer's next step scales gradients
         by min(1, max_norm / (norm + 1e-6)) inside its fused update (as torch.nn.utils.clip_grad_norm_)."""
         self._check_open("rt.clip_grad_norm_")
-        from .grad_norm import local_norms
+        from .update.grad_norm import local_norms
 
         self.flush_grads()
         norms = local_norms(self.units, self.rank, norm_type)  # on the host (grad_norm._on_host)
@@ -525,7 +527,7 @@ class Runtime:
         self._check_open("rt.iter_full_params")
         self.materialize_pending()  # a model built in the block and not used yet: its parameters are meta so far
         self.quiesce()  # every queued update is in the values read below
-        from .state_dict import gather_full
+        from .units.state_dict import gather_full
 
         models = [model] if model is not None else self.models
         for m in models:

@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import inject
-from ..optim.schema import Schema
-from ..store import LeaseMode, Tier
-from ..telemetry import Queue
-from .context import LaneContext
-from .shards import Chunk, StateKind
-from .state_store import Use
+from ... import inject
+from ...optim.schema import Schema
+from ...store import LeaseMode, Tier
+from ...telemetry import Queue
+from ..context import LaneContext
+from ..units.shards import Chunk, StateKind
+from ..state_store import Use
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..optim.schema import Schema
+from ...optim.schema import Schema
 from . import optim_states
 from .backward_updates import BackwardUpdates
 from .optimizer_pipeline import OptimizerPipeline, UnitUpdate
-from .schedule import Schedule
-from .state import UnitState
-from .step_stats import StepStats
+from ..schedule import Schedule
+from ..units.state import UnitState
+from ..step_stats import StepStats
 
 
 @dataclass

@@ -160,7 +160,7 @@ def init_device(compute: torch.device, largest_unit_numel: int, group) -> torch.
     same kind of device."""
     if compute.type != "cuda":
         return torch.device("cpu")
-    from . import comm
+    from ..collectives import comm
 
     free, _ = torch.cuda.mem_get_info(compute)
     least = comm.all_reduce_host_(group, torch.tensor([float(free)], dtype=torch.float64), "min",

@@ -21,19 +21,19 @@ import concurrent.futures as cf
 import torch
 import torch.nn as nn
 
-from ..device import record, retire, sync
-from ..device import wait as stream_wait
-from ..store import LeaseMode, Tier
-from ..telemetry import Lane, Queue
-from . import comm
-from .context import UnitContext
-from .grad_norm import PieceNorms
-from .host_memory import advise_huge_pages
-from .lanes import wait
+from ...device import record, retire, sync
+from ...device import wait as stream_wait
+from ...store import LeaseMode, Tier
+from ...telemetry import Lane, Queue
+from ..collectives import comm
+from ..context import UnitContext
+from ..update.grad_norm import PieceNorms
+from ..host_memory import advise_huge_pages
+from ..lanes import wait
 from .layout import FlatLayout
 from .shards import StateKind, UnitShards
 from .state import ALLOWED, UnitState
-from .state_store import Use
+from ..state_store import Use
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:

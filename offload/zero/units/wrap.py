@@ -9,14 +9,16 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from ..config import parse_size
-from . import comm, hooks, placement
+from ...config import parse_size
+from ..collectives import comm
+from . import hooks
+from .. import placement
 from .layout import FlatLayout
 from .materialize import init_device, is_meta_model, lora_layers, materialize_unit
 from .shards import StateKind, UnitShards
 from .torch_patches import patch_model
 from .unit import ShardedUnit
-from .units import discover_units
+from .discover import discover_units
 
 
 def shard_model(rt, model: nn.Module, weights=None) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ..optim.schema import Schema
-from ..store import LeaseMode
-from .state_store import Use
+from ...optim.schema import Schema
+from ...store import LeaseMode
+from ..state_store import Use
 
 
 def register(unit, schema: Schema) -> bool:

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from . import comm
+from ..collectives import comm
 from .shards import StateKind
 from .state import UnitState
 

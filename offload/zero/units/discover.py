@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from ..config import Config, parse_size
+from ...config import Config, parse_size
 
 
 @dataclass

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..store import LeaseMode
-from .shards import StateKind
-from .state_store import Use
+from ...store import LeaseMode
+from ..units.shards import StateKind
+from ..state_store import Use
 
 
 class PieceNorms:
