@@ -63,7 +63,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import offload
-from offload.zero import units
+from offload.zero.units import discover as units
 
 
 def main() -> None:

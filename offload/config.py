@@ -19,7 +19,7 @@ from .store.sizes import parse_size as _parse_size
 
 TIERS = ("device", "cpu", "nvme", "auto")
 COMPUTE_DTYPES = ("fp32", "bf16")
-ACTIVATION_HOMES = ("none", "cpu", "nvme")  # Config.activations
+ACTIVATION_HOMES = ("none", "cpu", "nvme", "auto")  # Config.activations
 
 
 def parse_size(value: str | int | float, field: str = "size") -> int:
@@ -101,8 +101,9 @@ class Config:
       taken after opt.step(); a breach raises.
       See offload/zero/update/backward_updates.py.
     activations: where the tensors autograd saves in a wrapped model's forward wait for the backward: "none"
-      (default: on the compute device, as in plain PyTorch), "cpu" (the cpu tier, pinned) or "nvme" (a swap file
-      under nvme_path, through the cpu tier). With activation checkpointing (a Hugging Face model's
+      (default: on the compute device, as in plain PyTorch), "cpu" (the cpu tier, pinned), "nvme" (a swap file
+      under nvme_path, through the cpu tier) or "auto" (each tensor to the cpu tier while it has room, to the swap
+      file after it; without nvme_path, the cpu tier alone). With activation checkpointing (a Hugging Face model's
       gradient_checkpointing_enable(), torch.utils.checkpoint non-reentrant) what moves is each checkpointed
       block's input. Only tensors of at least activations_min_size move, never parameters; they come back read
       ahead, bit for bit, and a tensor stays put when the budgets have no room for it (rt.stats()

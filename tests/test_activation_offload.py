@@ -5,6 +5,7 @@ accumulation, the synchronous path, 2 ranks, a slow activation lane), that somet
 left in the store after the step, the budgets (a cpu tier with no room keeps the tensors where they are and still
 trains), swap slots reused step after step, a forward without a backward cleaned up, bad settings named, and a
 killed run's activation swap removed by the next start."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -144,6 +145,62 @@ def test_a_full_cpu_tier_keeps_the_tensors_where_they_are(tmp_path, reference):
     acts, peak = run[2]["activations"], run[2]["peak_resident_bytes"]["cpu"]
     assert acts["kept_bytes"] > 0 and acts["in_store"] == 0
     assert peak <= run[2]["budgets"]["cpu"]
+
+
+@pytest.mark.parametrize("delay", [None, Queue.NVME_WRITE])
+def test_auto_fills_the_cpu_tier_then_spills_to_the_swap_file(tmp_path, reference, delay):
+    """Config.activations="auto" with a cpu budget that holds about half of a step's saved block inputs beside the
+    room its swap writes stage through: the first ones wait in the cpu tier, the rest in the swap file, bit for bit
+    (also with the disk's writes slowed), nothing kept, nothing left, the cpu tier within its budget."""
+    with inject.delay(delay, 0.01) if delay else contextlib.nullcontext():
+        run = train(tmp_path, "auto", cpu_budget="5632KiB", min_size="4KiB")
+    assert_same(run, reference())
+    acts = run[2]["activations"]
+    assert acts["home"] == "auto" and acts["kept_bytes"] == 0 and acts["in_store"] == 0
+    assert 0 < acts["moved_to_nvme_bytes"] < acts["moved_bytes"], acts  # both tiers took some
+    assert run[2]["peak_resident_bytes"]["cpu"] <= run[2]["budgets"]["cpu"]
+    # without a swap directory "auto" is the cpu tier alone
+    cfg = offload.Config(params="cpu", optimizer="cpu", cpu_budget="256MiB", device_budget="256MiB",
+                         activations="auto", activations_min_size="4KiB")
+    with offload.init(cfg) as rt:
+        model = llama()
+        checkpoint_blocks(model)
+        ids = batches(1)[0]
+        model(input_ids=ids, labels=ids).loss.backward()
+        acts = rt.stats()["activations"]
+    assert acts["moved_bytes"] > 0 and acts["moved_to_nvme_bytes"] == 0
+
+
+def test_resident_states_leave_the_activations_their_share(tmp_path):
+    """States on nvme and a cpu budget they could fill: once the first step is traced the schedule keeps states
+    resident in the room the activations do not need (what the forwards held), so every step's saved tensors
+    still move (none kept on the device), and the numbers are those of the run without offload."""
+    def run(activations):
+        cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), cpu_budget="3MiB",
+                             device_budget="256MiB", activations=activations, activations_min_size="4KiB")
+        with offload.init(cfg) as rt:
+            model = llama()
+            checkpoint_blocks(model)
+            opt = offload.AdamW(model.parameters(), lr=1e-3)
+            losses, per_step = [], []
+            for ids in batches(4):
+                before = dict(rt.stats().get("activations") or {"moved_bytes": 0, "kept_bytes": 0})
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                acts = rt.stats().get("activations")
+                if acts:
+                    per_step.append((acts["moved_bytes"] - before["moved_bytes"], acts["kept_bytes"] - before["kept_bytes"]))
+            resident = len(rt.states.resident_keys())
+            return losses, rt.full_state_dict(model), per_step, resident
+
+    ref, got = run("none"), run("cpu")
+    assert got[0] == ref[0] and all(torch.equal(got[1][k], ref[1][k]) for k in ref[1])
+    assert got[3] > 0  # states do stay resident beside them
+    moved = {m for m, _ in got[2]}
+    assert len(moved) == 1 and moved.pop() > 0 and all(kept == 0 for _, kept in got[2]), got[2]
 
 
 def test_swap_slots_are_reused_step_after_step(tmp_path):

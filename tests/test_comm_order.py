@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload.zero import comm
+from offload.zero.collectives import comm
 
 
 def _issue(order, ticket, lane, what="a collective"):

@@ -9,6 +9,7 @@ background load hits both alike. GB/s are decimal (1e9 bytes/s), as fio reports 
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -157,8 +158,6 @@ class _AiofilesRunner:
         self.view = memoryview(buf.numpy())
 
     def run(self, op: str, block_size: int, queue_depth: int) -> float:
-        import asyncio
-
         return asyncio.run(self._run(op, block_size, queue_depth))
 
     async def _run(self, op: str, block_size: int, queue_depth: int) -> float:

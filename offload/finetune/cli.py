@@ -215,10 +215,11 @@ def add_finetune_parser(sub) -> None:
     p.add_argument("--update-in-backward", action="store_true", default=None,
                    help="opt-in: each unit's update under the backward, clipped by the previous step's norm "
                         "coefficient (offload.Config.update_in_backward)")
-    p.add_argument("--activations", choices=("none", "cpu", "nvme"),
+    p.add_argument("--activations", choices=("none", "cpu", "nvme", "auto"),
                    help="where the tensors the forward saves for the backward wait (with --grad-checkpointing: each "
-                        "block's input): on the compute device (none, the default), the cpu tier or the swap "
-                        "directory (offload.Config.activations)")
+                        "block's input): on the compute device (none, the default), the cpu tier, the swap "
+                        "directory, or the cpu tier while it has room and the swap directory after it (auto; "
+                        "offload.Config.activations)")
     p.add_argument("--lora-r", type=int, default=d.lora_r,
                    help="train LoRA adapters of this rank over the frozen base (PEFT), instead of every weight; "
                         "OUTPUT then holds the adapter (PeftModel.from_pretrained(base, OUTPUT) loads it)")

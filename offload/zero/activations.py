@@ -1,7 +1,7 @@
 """Activation offload: tensors autograd saves in the forward leave the compute device for the store's cpu tier
 or an nvme swap file, and come back for the backward, read ahead in the reverse of the order they left.
 
-    offloader = ActivationOffloader(store, device, Tier.NVME, min_bytes, lane, meter, reserve, is_param)
+    offloader = ActivationOffloader(store, device, (Tier.NVME,), min_bytes, lane, meter, reserve, is_param)
     with offloader.forward():           # the runtime opens it around each wrapped model's forward
         loss = model(batch)             # saved tensors >= min_bytes: copied out by the lane, the original dropped
     loss.backward()                     # each comes back when autograd asks (the next ones already on their way)
@@ -15,7 +15,9 @@ The bytes move exactly: the backward sees bit for bit what the forward saved.
 
 Budgets: a tensor moves only if the store has room for it beside what the runtime's lanes need to make progress
 (`reserve()` bytes of the cpu tier; the states' own pipeline must never wait on activations, which are freed only
-in the backward); else it stays where it is, counted in stats()["kept_bytes"]. Shards of the "activations" class
+in the backward); else it stays where it is, counted in stats()["kept_bytes"]. `homes` are the tiers tried in
+order, per tensor: Config.activations "cpu" is (cpu,), "nvme" (nvme,), "auto" (cpu, nvme): the cpu tier while it
+has room, the swap file after it (without an nvme_path, the cpu tier alone). Shards of the "activations" class
 are removed from the store as soon as they are back (their swap slots are reused the next step).
 
 Where the bytes are, per saved tensor (`_Ticket`): OUT (the lane is copying it, piece by piece, into the store;
@@ -71,6 +73,7 @@ class _Ticket:
     keys: list  # ActivationKey per piece
     bounds: list  # (first, end) element of each piece
     nbytes: int
+    home: Tier  # where its pieces live: the cpu tier or the swap file
     out: cf.Future | None = None  # resolves once every piece is in the store (the lane's copy out)
     back: cf.Future | None = None  # the lane's copy back into a fresh tensor: issued once, by unpack or read-ahead
     kept: torch.Tensor | None = None  # the lane found no room after all: the tensor itself, never moved
@@ -89,6 +92,7 @@ class _Saved:
 @dataclass
 class ActivationStats:
     moved_bytes: int = 0  # saved bytes copied out to the store
+    moved_to_nvme_bytes: int = 0  # the part of them that went on to the swap file
     kept_bytes: int = 0  # saved bytes that qualified but stayed (no room in the budgets)
     moved_tensors: int = 0
     read_ahead_hits: int = 0  # tensors already back (or on their way) when autograd asked
@@ -97,13 +101,15 @@ class ActivationStats:
 class ActivationOffloader:
     """See the module docstring."""
 
-    def __init__(self, store, device: torch.device, home: Tier, min_bytes: int, lane: WorkLane, meter,
-                 reserve, is_param):
-        if home not in (Tier.CPU, Tier.NVME):
-            raise ValueError(f"activations go to the cpu tier or nvme, not {home.value!r}")
+    def __init__(self, store, device: torch.device, homes: tuple[Tier, ...], min_bytes: int, lane: WorkLane, meter,
+                 reserve, is_param, setting: str | None = None):
+        bad = [h for h in homes if h not in (Tier.CPU, Tier.NVME)] or ([] if homes else ["none"])
+        if bad:
+            raise ValueError(f"activations go to the cpu tier or nvme, not {bad}")
         self.store = store  # the TieredStore
         self.device = device
-        self.home = home
+        self.homes = tuple(homes)  # tried in this order for each tensor
+        self.setting = setting or homes[0].value  # Config.activations, for the report
         self.min_bytes = max(1, int(min_bytes))
         self.lane = lane  # copies out, reads back and removals run here, in order
         self.meter = meter
@@ -120,6 +126,9 @@ class ActivationOffloader:
         self._dropped: collections.deque = collections.deque()  # tickets autograd dropped (appended by finalizers)
         self._writes: collections.deque = collections.deque()  # the lane's write-behinds in flight (nvme), oldest first
         self._lock = threading.Lock()
+        self._forward_demand = 0  # cpu-tier bytes this forward's saved tensors took or wanted (training thread)
+        self._forward_window = 0  # and the staging of its writes to the swap file
+        self.cpu_demand = 0  # the most any forward so far took or wanted: the schedule keeps it free (cpu_room)
 
     # ---- the forward's block -------------------------------------------------------------------
     def enter(self) -> None:
@@ -127,6 +136,7 @@ class ActivationOffloader:
         if self._depth == 0:
             self._forward_no += 1
             self._count = 0
+            self._forward_demand = self._forward_window = 0
             self._seen = WeakIdKeyDictionary()
             self._reserved = self.reserve()  # the lanes' needs change only with the units (once per forward)
             self.flush_dropped()
@@ -142,6 +152,7 @@ class ActivationOffloader:
         if self._depth == 0:
             hooks, self._hooks = self._hooks, None
             hooks.__exit__(None, None, None)
+            self.cpu_demand = max(self.cpu_demand, self._forward_demand + self._forward_window)
 
     @contextlib.contextmanager
     def forward(self):
@@ -160,14 +171,28 @@ class ActivationOffloader:
     def _piece_bytes(self) -> int:
         return max(self.store.staging_slot, MIN_PIECE_BYTES)
 
-    def _has_room(self, nbytes: int) -> bool:
+    def _cpu_bytes(self, nbytes: int) -> int:
+        """What a saved tensor of `nbytes` takes of the cpu tier in it: every piece, until the backward."""
+        return sum(page_bytes(min(self._piece_bytes(), nbytes - lo)) for lo in range(0, nbytes, self._piece_bytes()))
+
+    def _note_demand(self, nbytes: int, home: Tier) -> None:
+        """A forward's claim on the cpu tier: the pieces held there, plus (once) the window of pieces staged at
+        once on their way to the swap file."""
+        if home is Tier.CPU:
+            self._forward_demand += self._cpu_bytes(nbytes)
+        else:
+            self._forward_window = WRITE_WINDOW * self.store.staged_nbytes(self._piece_bytes())
+
+    def _has_room(self, nbytes: int, home: Tier) -> bool:
         cpu = self.store.stats()["cpu"]
-        if self.home is Tier.CPU:  # every piece is held until the backward
-            taken = sum(page_bytes(min(self._piece_bytes(), nbytes - lo))
-                        for lo in range(0, nbytes, self._piece_bytes()))
+        if home is Tier.CPU:  # every piece is held until the backward
+            taken = self._cpu_bytes(nbytes)
         else:  # a piece's staging at a time
             taken = self.store.staged_nbytes(min(nbytes, self._piece_bytes()))
-        return cpu["capacity"] - cpu["bytes_in_use"] - taken >= self._reserved
+        spill = 0
+        if home is Tier.CPU and Tier.NVME in self.homes:  # ("auto") the cpu tier keeps the room the swap file's
+            spill = WRITE_WINDOW * self.store.staged_nbytes(self._piece_bytes())  # writes stage through
+        return cpu["capacity"] - cpu["bytes_in_use"] - taken - spill >= self._reserved
 
     def _pack(self, t: torch.Tensor):
         if not self._qualifies(t):
@@ -181,6 +206,8 @@ class ActivationOffloader:
         index = self._count
         self._count += 1
         ticket = self._claim(index, t, nbytes)
+        # what it takes of the cpu tier (in its home), or would have taken in the first (kept for want of room)
+        self._note_demand(nbytes, ticket.home if ticket is not None else self.homes[0])
         if ticket is None:
             with self._lock:  # (the lane counts too)
                 self.stats.kept_bytes += nbytes
@@ -195,23 +222,25 @@ class ActivationOffloader:
         return saved
 
     def _claim(self, index: int, t: torch.Tensor, nbytes: int) -> _Ticket | None:
-        """Shards for `t`'s pieces, or None when the budgets have no room now."""
-        if not self._has_room(nbytes):
-            return None
+        """Shards for `t`'s pieces in the first of `homes` with room now, or None when none has."""
         step = max(1, self._piece_bytes() // t.element_size())
         bounds = [(lo, min(lo + step, t.numel())) for lo in range(0, t.numel(), step)]
         keys = [ActivationKey(self._forward_no, index, i) for i in range(len(bounds))]
-        done = []
-        try:
-            for key, (lo, hi) in zip(keys, bounds):
-                self.store.register(key, hi - lo, t.dtype, home=self.home.value, tier_class="activations", timeout=0,
-                                    zero=False)  # an OVERWRITE lease fills it next
-                done.append(key)
-        except (ArenaFullError, SwapSpaceError):  # ArenaBusyError included: no room now
-            for key in done:
-                self.store.unregister(key)
-            return None
-        return _Ticket(keys, bounds, nbytes)
+        for home in self.homes:
+            if not self._has_room(nbytes, home):
+                continue
+            done = []
+            try:
+                for key, (lo, hi) in zip(keys, bounds):
+                    self.store.register(key, hi - lo, t.dtype, home=home.value, tier_class="activations", timeout=0,
+                                        zero=False)  # an OVERWRITE lease fills it next
+                    done.append(key)
+            except (ArenaFullError, SwapSpaceError):  # ArenaBusyError included: no room now, try the next home
+                for key in done:
+                    self.store.unregister(key)
+                continue
+            return _Ticket(keys, bounds, nbytes, home)
+        return None
 
     def _lease_out(self, key: ActivationKey):
         """An OVERWRITE lease of a piece's cpu bytes (nvme: a staging slot, at most WRITE_WINDOW pieces in flight;
@@ -252,11 +281,13 @@ class ActivationOffloader:
                 inject.pause(Queue.ACTIVATION)  # a slow copy (tests): the forward goes on meanwhile
             finally:
                 released = lease.release()
-            if self.home is Tier.NVME:
+            if ticket.home is Tier.NVME:
                 self._writes.append(released)
         with self._lock:
             self.stats.moved_bytes += ticket.nbytes
             self.stats.moved_tensors += 1
+            if ticket.home is Tier.NVME:
+                self.stats.moved_to_nvme_bytes += ticket.nbytes
 
     # ---- unpack: autograd asks for it back --------------------------------------------------------
     def _unpack(self, saved):
@@ -364,7 +395,8 @@ class ActivationOffloader:
     def report(self) -> dict:
         """rt.stats()["activations"]: bytes and tensors moved, bytes kept for want of room, read-ahead hits,
         the seconds the training thread waited for one to come back, and the saved tensors the store holds now."""
-        return {"home": self.home.value, "moved_bytes": self.stats.moved_bytes,
+        return {"home": self.setting, "moved_bytes": self.stats.moved_bytes,
+                "moved_to_nvme_bytes": self.stats.moved_to_nvme_bytes,
                 "moved_tensors": self.stats.moved_tensors,
                 "kept_bytes": self.stats.kept_bytes, "read_ahead_hits": self.stats.read_ahead_hits,
                 "wait_s": self.meter.snapshot().wait_s[Queue.ACTIVATION],

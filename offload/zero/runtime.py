@@ -166,16 +166,20 @@ class Runtime:
         self.pipeline = OptimizerPipeline(shared, read_ahead=placement.PIPELINE_CHUNKS - 1 if cfg.pipeline else 0)
         self.schedule = Schedule(shared, {}, self._reserve_bytes, prefetch=cfg.pipeline, gather_ahead=False,
                                  on_new_backward=self._on_new_backward, pipeline=self.pipeline,
-                                 states_in_backward=not cfg.update_in_backward)  # (the updates read them)
+                                 states_in_backward=not cfg.update_in_backward,  # (the updates read them)
+                                 activation_room=lambda: self.activations.cpu_demand if self.activations else 0)
         self.ctx = UnitContext(self.device, self.compute_dtype, self.group, gather_group, reduce_group, self.states,
                                lanes, self.meter, Counters(), schedule=self.schedule, streams=streams,
                                reduce_dtype=cfg.torch_reduce_dtype, on_reduce=self.backward_updates.on_reduce)
         if cfg.activations != "none":
             lane = WorkLane(Lane.ACTIVATIONS, Queue.ACTIVATION, self.meter, threaded=cfg.pipeline, pause_each=False,
                             streams=streams)
+            homes = {"cpu": (Tier.CPU,), "nvme": (Tier.NVME,),
+                     "auto": (Tier.CPU, Tier.NVME) if cfg.nvme_path else (Tier.CPU,)}[cfg.activations]
             self.activations = ActivationOffloader(
-                self.states.store, self.device, Tier(cfg.activations), cfg.bytes_of("activations_min_size"), lane,
-                self.meter, reserve=self._lanes_host_bytes, is_param=self._holds_parameter_bytes)
+                self.states.store, self.device, homes, cfg.bytes_of("activations_min_size"), lane,
+                self.meter, reserve=self._lanes_host_bytes, is_param=self._holds_parameter_bytes,
+                setting=cfg.activations)
         self.step_stats = StepStats(self.meter, self.states, self.ctx.counters, log_every=cfg.log_every)
         self.updates = UpdatePath(self.group.rank, self.schedule, self.pipeline, self.backward_updates, self.step_stats)
         # a module was built: the next forward may need to materialize it
@@ -364,6 +368,9 @@ class Runtime:
     def _lanes_host_bytes(self) -> int:
         """cpu-tier bytes the lanes must always find free (their working set and read-ahead): what offloaded
         activations, freed only in the backward, may never take."""
+        plan = self.schedule.plan
+        if plan is not None:  # what the plan left the lanes (the rest: residents and the activations' share)
+            return plan.lanes_bytes
         working, params_ahead, states_ahead = self._reserve_bytes()
         params_paged = any(u.shards.tiers.params is Tier.NVME for u in self.units)  # else read ahead to the device
         return working.total + (params_ahead if params_paged else 0) + states_ahead

@@ -46,12 +46,15 @@ class Plan:
     resident: frozenset  # ShardKeys held in the cpu tier across steps
     read_budget: int  # bytes of params read ahead and not yet used, at most
     state_budget: int  # bytes of the next update's optimizer states read during the backward, at most
+    lanes_bytes: int = 0  # cpu bytes the plan keeps for the lanes (working set and read-ahead): not the residents'
 
 
 class Schedule:
     def __init__(self, ctx: LaneContext, units_by_uid: dict, reserve_bytes, prefetch: bool, gather_ahead: bool,
-                 on_new_backward=lambda: None, pipeline=None, states_in_backward: bool = True):
+                 on_new_backward=lambda: None, pipeline=None, states_in_backward: bool = True,
+                 activation_room=lambda: 0):
         self.ctx = ctx
+        self.activation_room = activation_room  # () -> cpu bytes the offloaded activations take (kept free)
         self.pipeline = pipeline  # OptimizerPipeline: reads the next update's states during the backward
         # the next update's first states are read while the backward computes; with the updates in the backward
         # (Config.update_in_backward) the disk is idle under the forward instead: read them then, backward order
@@ -310,13 +313,17 @@ class Schedule:
             # can always make progress), then the read-ahead (params, the optimizer's next chunks), then states
             # kept resident across steps.
             working, wanted_reads, wanted_ahead = self.reserve_bytes()
+            if not any(s.key.kind is StateKind.PARAM for s in specs):
+                wanted_reads = 0  # no param pages: none is read ahead into the cpu tier
             free = stats["cpu"]["capacity"] - (stats["cpu"]["bytes_in_use"] - resident_bytes) - working.total
             read_budget = min(wanted_reads, max(0, free))
             step_ahead = min(wanted_ahead, max(0, free - read_budget))
             costs = [planner.ShardCost(s.key, s.key.unit, _class_of(s.key.kind, self.ctx.compute_dtype),
                                        page_bytes(s.nbytes), on_nvme=True) for s in specs]
             params = {c.key for c in costs if c.cls in _PARAM_CLASSES}
-            room = free - read_budget - step_ahead
+            # the saved activations' share: what the forwards so far held in the cpu tier (Config.activations),
+            # never taken by resident states (else the next step's would find no room and stay on the device)
+            room = free - read_budget - step_ahead - self.activation_room()
             plan_a = planner.residency_plan(trace, costs, max(0, room)) if self.prefetch else frozenset()
             plan, reserve = plan_a, working.total + read_budget + step_ahead
             if self.prefetch and working.gather:
@@ -327,7 +334,8 @@ class Schedule:
                     plan, reserve = plan_b, working.total - working.gather + step_ahead
             self._settle_residency(specs, plan, reserve)
             if plan is not plan_a and not params <= states.resident_keys():  # a param was not placed: stage it
-                self._settle_residency(specs, plan_a, working.total + read_budget + step_ahead)
+                reserve = working.total + read_budget + step_ahead
+                self._settle_residency(specs, plan_a, reserve)
             elif plan is not plan_a:
                 read_budget = 0
             resident = states.resident_keys()
@@ -347,7 +355,7 @@ class Schedule:
             # lane's working set stays free: an update runs while later units' states wait in the read-ahead.
             working_step = working.step if self.states_in_backward else 0
             state_budget = working_step + step_ahead + (0 if any(needs) else read_budget) if self.prefetch else 0
-            self.plan = Plan(trace, issue, planner.step_order(trace), resident, read_budget, state_budget)
+            self.plan = Plan(trace, issue, planner.step_order(trace), resident, read_budget, state_budget, reserve)
             self.plans_made += 1
 
     def _settle_residency(self, specs: list, plan: frozenset, reserve: int) -> None:
