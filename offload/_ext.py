@@ -183,8 +183,10 @@ def _pick_faster_isa(mod) -> None:
         rate[isa] = n / best
     pick = "avx2" if rate["avx2"] > 1.15 * rate["avx512"] else "avx512"  # a clear win only: noise keeps avx512
     mod.set_isa(pick)
+    mod.prefer_widest_for_compute(True)  # the 8-bit AdamW is compute-bound: AVX-512 is faster for it regardless
     ISA_CHOICE["reason"] = (f"{pick}: AdamW timed at load, avx512 {rate['avx512'] / 1e9:.2f} vs avx2 "
-                            f"{rate['avx2'] / 1e9:.2f} G params/s")
+                            f"{rate['avx2'] / 1e9:.2f} G params/s; compute-bound kernels (AdamW8bit): "
+                            f"{mod.compute_isa()}")
 
 
 class _SettingError(ValueError):

@@ -497,3 +497,17 @@ def test_fallback_without_extension_warns_and_matches_reference():
         """
     )
     run_without_extension(script)
+
+
+def test_the_compute_bound_kernel_takes_the_widest_path_unless_one_is_forced(reset):
+    """The load-time pick may run the memory-bound kernels on AVX2 (faster for the fp32 AdamW on some CPUs); the
+    8-bit kernel, compute-bound, then still takes the widest path. A forced path holds for every kernel."""
+    from offload.ops.threads import active_isa, compute_isa
+
+    best = C.best_isa()
+    C.set_isa("scalar")
+    assert active_isa() == compute_isa() == "scalar"  # forced: both
+    C.prefer_widest_for_compute(True)
+    assert active_isa() == "scalar" and compute_isa() == best
+    C.set_isa("scalar")  # forcing again clears the preference
+    assert compute_isa() == "scalar"

@@ -259,7 +259,7 @@ void adamw8bit_step(const Buffers& b, const adam::Hyper& h, int64_t lo, int64_t 
   hi = std::min(hi, b.n);
   if (hi <= lo) return;
   const adam::Consts c = adam::make_consts(h);
-  const Isa isa = active_isa();
+  const Isa isa = compute_isa();  // (compute-bound: the widest path unless one is forced)
   const Codebook& cs = codebook(true);
   const Codebook& cu = codebook(false);
   const int64_t b0 = lo / kBlock, b1 = num_blocks(hi);
@@ -291,7 +291,7 @@ void adamw8bit_step(const Buffers& b, const adam::Hyper& h, int64_t lo, int64_t 
 
 void quantize(const float* values, int64_t n, bool is_signed, uint8_t* codes, float* absmax) {
   const Codebook& cb = codebook(is_signed);
-  const Isa isa = active_isa();
+  const Isa isa = compute_isa();  // (compute-bound: the widest path unless one is forced)
   parallel_for(num_blocks(n), kGrainBlocks, [&](int64_t first, int64_t last) {
     for (int64_t blk = first; blk < last; ++blk) {
       const int64_t start = blk * kBlock, len = std::min(start + kBlock, n) - start;
@@ -302,7 +302,7 @@ void quantize(const float* values, int64_t n, bool is_signed, uint8_t* codes, fl
 
 void dequantize(const uint8_t* codes, const float* absmax, int64_t n, bool is_signed, float* values) {
   const Codebook& cb = codebook(is_signed);
-  const Isa isa = active_isa();
+  const Isa isa = compute_isa();  // (compute-bound: the widest path unless one is forced)
   parallel_for(num_blocks(n), kGrainBlocks, [&](int64_t first, int64_t last) {
     for (int64_t blk = first; blk < last; ++blk) {
       const int64_t start = blk * kBlock, len = std::min(start + kBlock, n) - start;

@@ -19,6 +19,7 @@ Isa detect() {
 }
 
 std::atomic<int> g_active{-1};
+std::atomic<bool> g_widest_for_compute{false};
 
 }  // namespace
 
@@ -37,7 +38,12 @@ void set_isa(Isa isa) {
     throw std::invalid_argument(std::string("offload.set_isa: this CPU does not support '") + isa_name(isa) +
                                 "' (best available: '" + isa_name(best_isa()) + "')");
   g_active.store(static_cast<int>(isa));
+  g_widest_for_compute.store(false);
 }
+
+Isa compute_isa() { return g_widest_for_compute.load(std::memory_order_relaxed) ? best_isa() : active_isa(); }
+
+void prefer_widest_for_compute(bool on) { g_widest_for_compute.store(on); }
 
 Isa parse_isa(const std::string& name) {
   if (name == "scalar") return Isa::kScalar;

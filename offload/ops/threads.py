@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .. import _ext
 
-__all__ = ["num_threads", "set_num_threads", "active_isa", "set_isa"]
+__all__ = ["num_threads", "set_num_threads", "active_isa", "compute_isa", "set_isa"]
 
 
 def num_threads() -> int:
@@ -25,6 +25,12 @@ def active_isa() -> str:
     """'avx512', 'avx2' or 'scalar' (the path kernels take now); 'torch' on the plain-torch fallback."""
     mod = _ext.get()
     return mod.active_isa() if mod is not None else "torch"
+
+
+def compute_isa() -> str:
+    """The path compute-bound kernels (the 8-bit AdamW) take: the widest one unless set_isa forced one."""
+    mod = _ext.get()
+    return mod.compute_isa() if mod is not None else "torch"
 
 
 def set_isa(name: str) -> None:
