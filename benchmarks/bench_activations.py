@@ -1,6 +1,6 @@
 """Activation offload (Config.activations) on a transformers Llama with activation checkpointing: step time and
 peak memory with the saved tensors left on the compute device ("none"), in the cpu tier ("cpu") or in an nvme
-swap file ("nvme"), at several sequence lengths.
+swap file ("nvme"), or the cpu tier while it has room and the swap file after it ("auto"), at several sequence lengths.
 
 Each (sequence length, contender) runs in its own subprocess, so its peak RSS (VmHWM) is its own; rounds are
 interleaved, each round in an order rotated by its number. Model states live in the cpu tier (params and
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-CONTENDERS = ("none", "cpu", "nvme")
+CONTENDERS = ("none", "cpu", "nvme", "auto")
 
 
 def child(args) -> dict:

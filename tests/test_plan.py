@@ -263,7 +263,11 @@ def test_the_longest_sequence_that_fits_and_with_activations_offloaded(capsys):
     place = Placement("cpu", "nvme")  # what the command picks as the closest at 128K (below)
     longest = longest_sequences(m, w, mc, cap, place)
     assert 32 * 1024 < longest["none"] < longest["cpu"] < longest["nvme"] < 256 * 1024, longest
+    assert longest["auto"] == max(longest["cpu"], longest["nvme"])  # (auto: cpu where it fits, else nvme)
     for where, n in longest.items():
+        if where == "auto":
+            continue
+
         def fits(seq):
             wider = Workload(micro_batch=1, seq_len=seq, activations=where)
             return not shortfall(tier_bytes(m, wider, mc.ranks, place), cap, 8)
@@ -273,7 +277,7 @@ def test_the_longest_sequence_that_fits_and_with_activations_offloaded(capsys):
     out = capsys.readouterr().out
     assert (f"longest sequence that fits params=cpu, optimizer=nvme (micro-batch and the rest as above): "
             f"{longest['none']} tokens with the activations on the device, {longest['cpu']} offloaded to cpu, "
-            f"{longest['nvme']} to nvme") in out
+            f"{longest['nvme']} to nvme, {longest['auto']} with auto") in out
 
 
 def test_plan_knows_the_optimizer_family(tmp_path, capsys):
@@ -299,3 +303,23 @@ def test_plan_knows_the_optimizer_family(tmp_path, capsys):
     assert per_rank["adamw8bit"] < per_rank["adamw-bf16"] < per_rank["adamw"]
     step = {f: p["prediction"]["step_s"] for f, p in plans.items()}
     assert step["adamw8bit"] < step["adamw-bf16"] < step["adamw"]  # fewer bytes on a drive-bound node
+
+
+def test_plan_activations_auto_takes_the_host_then_the_drive(tmp_path, capsys):
+    """--activations auto, as Config.activations="auto" runs: in host memory where they fit beside the states,
+    else on nvme; its longest sequence is the better of the two."""
+    def plan(seq, cpu_mem):  # one 8xH100 node
+        rc = main(["plan", "--model", "llama3-70b", "--cpu-mem", cpu_mem, "--nvme-read", "25GB/s", "--nvme-write",
+                   "12GB/s", "--seq-len", str(seq), "--activations", "auto", "--json", str(tmp_path / "a.json")])
+        assert rc == 0
+        capsys.readouterr()
+        return json.loads((tmp_path / "a.json").read_text())
+
+    roomy = plan(8192, "2TiB")
+    assert roomy["chosen"]["activations"] == "cpu"
+    tight = plan(8192, "1320GiB")  # the host holds the optimizer states on cpu, not the activations beside them
+    by_place = {str(o["placement"]): o for o in tight["options"]}
+    assert by_place["params=device, optimizer=cpu"]["activations"] == "nvme"
+    assert not by_place["params=device, optimizer=cpu"]["short"]
+    longest = roomy["longest_seq"]["tokens"]
+    assert longest["auto"] == max(longest["cpu"], longest["nvme"])

@@ -56,12 +56,8 @@ def adamw_step_(
     )
 
 
-def _check_reference_args(master, grad, exp_avg, exp_avg_sq, out, lr, beta1, beta2, eps, weight_decay, step,
-                          grad_scale) -> None:
-    # Same contract (and the same ValueError wording) as the C++ bindings, so the fallback is a drop-in.
-    def bad(msg: str):
-        raise ValueError(f"offload.ops.adamw_step_: {msg}")
-
+def check_step_hyper(bad, lr, beta1, beta2, eps, weight_decay, step, grad_scale, master) -> None:
+    """The AdamW kernels' hyperparameter contract (the C++ bindings' wording): `bad(message)` raises."""
     if not (math.isfinite(lr) and lr >= 0):
         bad(f"lr must be finite and >= 0, got {lr}")
     if not 0 <= beta1 < 1:
@@ -78,6 +74,15 @@ def _check_reference_args(master, grad, exp_avg, exp_avg_sq, out, lr, beta1, bet
         bad(f"step must be >= 1 (the count after this update), got {step}")
     if master.dtype != torch.float32:
         bad(f"master has dtype {master.dtype}; expected float32")
+
+
+def _check_reference_args(master, grad, exp_avg, exp_avg_sq, out, lr, beta1, beta2, eps, weight_decay, step,
+                          grad_scale) -> None:
+    # Same contract (and the same ValueError wording) as the C++ bindings, so the fallback is a drop-in.
+    def bad(msg: str):
+        raise ValueError(f"offload.ops.adamw_step_: {msg}")
+
+    check_step_hyper(bad, lr, beta1, beta2, eps, weight_decay, step, grad_scale, master)
     n = master.numel()
     named = [("master", master), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
     if out is not None:

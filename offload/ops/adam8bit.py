@@ -32,7 +32,7 @@ import math
 import torch
 
 from .. import _ext
-from .adam import adamw_step_reference
+from .adam import adamw_step_reference, check_step_hyper
 
 __all__ = [
     "BLOCK",
@@ -171,22 +171,7 @@ def _check_step_args(master, grad, mc, ma, vc, va, out, lo, hi, lr, beta1, beta2
     def bad(msg: str):
         raise ValueError(f"offload.ops.adamw8bit_step_: {msg}")
 
-    if not (math.isfinite(lr) and lr >= 0):
-        bad(f"lr must be finite and >= 0, got {lr}")
-    if not 0 <= beta1 < 1:
-        bad(f"beta1 must be in [0, 1), got {beta1}")
-    if not 0 <= beta2 < 1:
-        bad(f"beta2 must be in [0, 1), got {beta2}")
-    if not (math.isfinite(eps) and eps >= 0):
-        bad(f"eps must be finite and >= 0, got {eps}")
-    if not (math.isfinite(weight_decay) and weight_decay >= 0):
-        bad(f"weight_decay must be finite and >= 0, got {weight_decay}")
-    if not math.isfinite(grad_scale):
-        bad(f"grad_scale must be finite, got {grad_scale}")
-    if step < 1:
-        bad(f"step must be >= 1 (the count after this update), got {step}")
-    if master.dtype != torch.float32:
-        bad(f"master has dtype {master.dtype}; expected float32")
+    check_step_hyper(bad, lr, beta1, beta2, eps, weight_decay, step, grad_scale, master)
     n = master.numel()
     nb = blocks(n)
 

@@ -127,6 +127,8 @@ def _print(plan: dict) -> None:
           f"{mc['gpus_per_node']}); micro-batch {w['micro_batch']} x seq {w['seq_len']}, accumulation "
           f"{w['grad_accum']}, activation checkpointing {'on' if w['checkpointing'] else 'off'}"
           + (f", activations offloaded to {w['activations']}" if w['activations'] != "none" else ""))
+    if w["activations"] == "auto" and plan["chosen"] is not None:
+        print(f"activations auto: {plan['chosen']['activations']} for the placement chosen")
     sb = state_bytes(Workload(optimizer_states=w["optimizer_states"]))
     states = m["params"] * sb.total
     print(f"model states: {_gib(states)} in all ({sb.total:.4g} bytes/param: bf16 param, fp32 grad, master, "
@@ -165,7 +167,7 @@ def _print_longest(longest: dict) -> None:
     t = longest["tokens"]
     print(f"longest sequence that fits {longest['placement']} (micro-batch and the rest as above): "
           f"{tokens(t['none'])} tokens with the activations on the device, {tokens(t['cpu'])} offloaded to cpu, "
-          f"{tokens(t['nvme'])} to nvme")
+          f"{tokens(t['nvme'])} to nvme, {tokens(t['auto'])} with auto")
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -210,9 +212,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--update-in-backward", action="store_true",
                    help="model Config.update_in_backward (opt-in: each update under the backward, clipped by the "
                         "previous step's coefficient)")
-    p.add_argument("--activations", choices=("none", "cpu", "nvme"), default="none",
+    p.add_argument("--activations", choices=("none", "cpu", "nvme", "auto"), default="none",
                    help="model Config.activations: the saved activations wait in host memory or on nvme instead of "
-                        "the GPU (default none)")
+                        "the GPU, or (auto) in host memory where they fit there, else on nvme (default none)")
     p.add_argument("--optimizer-states", choices=OPTIMIZER_STATES, default="adamw",
                    help="the optimizer family's states: adamw (fp32 moments, 8 bytes/param), adamw-bf16 (bf16 "
                         "moments, 4), adamw8bit (8-bit moments, about 2), lion (one fp32 moment, 4); default adamw")

@@ -51,11 +51,25 @@ def evaluate(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity) -> list[dict
     left beside its cpu-homed states and staging keeps nvme-homed states resident, as the runtime does."""
     out = []
     for place in PLACEMENTS:
-        tiers = tier_bytes(m, w, mc.ranks, place)
+        wp = resolve_activations(m, w, mc, cap, place)
+        tiers = tier_bytes(m, wp, mc.ranks, place)
         room = cap.cpu_per_node / mc.gpus_per_node - sum(tiers["cpu"].values())
         out.append({"placement": place, "tiers": tiers, "short": shortfall(tiers, cap, mc.gpus_per_node),
-                    "prediction": predict(m, w, place, mc, resident_bytes=max(0.0, room))})
+                    "activations": wp.activations,
+                    "prediction": predict(m, wp, place, mc, resident_bytes=max(0.0, room))})
     return out
+
+
+def resolve_activations(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity, place) -> Workload:
+    """Config.activations="auto" as the runtime takes it, for one placement: the cpu tier when the activations fit
+    there beside the states, else the swap file (when that fits; else the cpu tier, whose shortfall is reported)."""
+    if w.activations != "auto":
+        return w
+    for where in ("cpu", "nvme"):
+        wp = dataclasses.replace(w, activations=where)
+        if not shortfall(tier_bytes(m, wp, mc.ranks, place), cap, mc.gpus_per_node):
+            return wp
+    return dataclasses.replace(w, activations="cpu")
 
 
 SEQ_STEP, SEQ_MAX = 1024, 1 << 20  # the longest sequence is searched in these steps, up to this many tokens
@@ -66,7 +80,7 @@ def longest_sequence(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity, plac
     settings; 0 when not even SEQ_STEP does. The activations grow with the sequence and the states do not, so
     fitting is monotone in it: a bisection."""
     def fits(steps: int) -> bool:
-        wider = dataclasses.replace(w, seq_len=steps * SEQ_STEP)
+        wider = resolve_activations(m, dataclasses.replace(w, seq_len=steps * SEQ_STEP), mc, cap, placement)
         return not shortfall(tier_bytes(m, wider, mc.ranks, placement), cap, mc.gpus_per_node)
 
     lo, hi = 0, SEQ_MAX // SEQ_STEP
@@ -82,7 +96,7 @@ def longest_sequences(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity, pla
     """{Config.activations: the longest sequence that fits `placement`} with the activations on the device and
     offloaded to each tier."""
     return {where: longest_sequence(m, dataclasses.replace(w, activations=where), mc, cap, placement)
-            for where in ("none", "cpu", "nvme")}
+            for where in ("none", "cpu", "nvme", "auto")}
 
 
 def choose(options: list[dict]) -> dict | None:
