@@ -3,10 +3,12 @@
 An optimizer family is a `Schema`: the states it stores (each a dtype and a shape rule), how each state reads
 as per-element fp32 values (state dicts and checkpoints), and the function that updates one chunk. The
 runtime's shards, the optimizer pipeline, the placement, checkpoints, state dicts, `offload plan` and the
-budgets iterate over the schema, so adding an optimizer is one file that declares one and registers it:
+budgets iterate over the schema, so adding an optimizer is one file that declares one, registers it, and hands
+its optimizer class (a SchemaOptimizer, optim/base.py) to the runtime (tests/test_optimizer_families.py does):
 
-    SGDM = Schema("sgdm", states=(StoredState("momentum_buffer", torch.float32),), step_chunk=_sgdm_chunk)
-    register(SGDM)
+    SGDM = register(Schema("sgdm", (StoredState("momentum_buffer", torch.float32),), _sgdm_chunk))
+    class SGDMomentum(SchemaOptimizer): schema = SGDM; ...
+    offload.zero.update.optimizer.register_family(SGDMomentum)
 
 Shape rules: `per` elements of the shard share one stored value. 1 is a value per element (Adam's moments);
 256 is a value per block of 256 (the absmax scale of a block-quantized moment). Blocks are anchored at the
