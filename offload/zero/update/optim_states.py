@@ -32,17 +32,20 @@ def read_view(unit, name: str) -> torch.Tensor:
     """This rank's whole shard of the logical state `name` as fp32 (exp_avg of AdamW8bit: dequantized)."""
     out = torch.empty(unit.shards.shard_numel, dtype=torch.float32)
     for c in unit.shards.chunks:
-        out[c.lo:c.hi].copy_(read_view_chunk(unit, name, c))
+        read_view_chunk(unit, name, c, out=out[c.lo:c.hi])
     return out
 
 
-def read_view_chunk(unit, name: str, chunk) -> torch.Tensor:
-    """One chunk of the logical state `name` as a new fp32 tensor (a checkpoint streams them)."""
+def read_view_chunk(unit, name: str, chunk, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One chunk of the logical state `name` as fp32: into `out`, or a new tensor (a checkpoint streams them)."""
     view = unit.shards.schema.view(name)
     leases = _lease(unit, view.stored, chunk, LeaseMode.READ)
     try:
         t = {n: lease.wait() for n, lease in leases.items()}
-        return t[name].clone() if view.identity else view.unpack(t)
+        values = t[name] if view.identity else view.unpack(t)
+        if out is not None:
+            return out.copy_(values)
+        return values.clone() if view.identity else values  # (the lease's bytes go back below)
     finally:
         for lease in leases.values():
             lease.release()
