@@ -23,6 +23,8 @@ interleaved rounds, round r in an order rotated by r, and gets one JSON line bac
                 Not in the default list: --contenders torch,offload,offload-inbwd,offload-sync,deepspeed.
   offload-8bit  the same with offload.AdamW8bit (8-bit block-quantized moments, Config.optimizer_states=
                 "adamw8bit"): half the optimizer's bytes on the disk. Opt-in, like offload-inbwd.
+  offload-fast / offload-frugal  the default with OFFLOAD_MALLOC_TUNE=fast / frugal instead of the host pool
+                (glibc's heap kept for reuse, or every transient mapped fresh): opt-in, for the pool's cost.
   deepspeed     DeepSpeed ZeRO-3, offload_param and offload_optimizer on nvme, bf16, gradient_clipping
                 1.0, "AdamW" (DeepSpeed's CPU Adam), model built inside deepspeed.zero.Init, gloo backend.
 Timing: `--warmup` steps, then `--steps` timed steps; s/step of a round = the timed steps' wall time /
@@ -83,8 +85,9 @@ import tempfile
 import time
 
 CONTENDERS = ("torch", "offload", "offload-sync", "deepspeed")
-OPT_IN = ("offload-inbwd", "offload-8bit")  # run when named in --contenders
-DISTRIBUTED = ("offload", "offload-sync", "offload-inbwd", "offload-8bit", "deepspeed")  # run under torchrun with --world-size 2
+OPT_IN = ("offload-inbwd", "offload-8bit", "offload-fast", "offload-frugal")  # run when named in --contenders
+DISTRIBUTED = ("offload", "offload-sync", "offload-inbwd", "offload-8bit", "offload-fast", "offload-frugal",
+               "deepspeed")  # run under torchrun with --world-size 2
 RESULT_KEY = "bench_offload_step"  # marks the child's JSON line among DeepSpeed's log lines
 GiB = 1 << 30
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -614,12 +617,20 @@ def probe_adam(s: Settings, repeats: int = 3, shapes: list | None = None) -> dic
             "kernel_threads": offload_kernel_threads(), "optimizer": type(opt).__name__}
 
 
+def with_malloc(mode: str, run):
+    """A child's run with OFFLOAD_MALLOC_TUNE=mode (read when the runtime opens)."""
+    os.environ["OFFLOAD_MALLOC_TUNE"] = mode
+    return run()
+
+
 CHILDREN = {
     "torch": run_torch,
     "offload": lambda s: run_offload(s, pipeline=True),
     "offload-sync": lambda s: run_offload(s, pipeline=False),
     "offload-inbwd": lambda s: run_offload(s, pipeline=True, update_in_backward=True),
     "offload-8bit": lambda s: run_offload(s, pipeline=True, family="adamw8bit"),
+    "offload-fast": lambda s: with_malloc("fast", lambda: run_offload(s, pipeline=True)),
+    "offload-frugal": lambda s: with_malloc("frugal", lambda: run_offload(s, pipeline=True)),
     "deepspeed": run_deepspeed,
     "probe-nvme": probe_nvme,
     "probe-adam": probe_adam,
@@ -760,7 +771,7 @@ def compute_bound(runs: dict, probes: dict, table: dict) -> dict | None:
     terms = {"compute_s": float(np.median(compute)), "adam_s": adam["adam_s"],
              "read_GBps": nvme["read_Bps"] / 1e9, "write_GBps": nvme["write_Bps"] / 1e9}
     per = {}
-    for name in ("offload", "offload-sync", "offload-inbwd", "offload-8bit"):
+    for name in [c for c in CONTENDERS + OPT_IN if c.startswith("offload")]:
         row = table.get(name, {})
         if "nvme_read_bytes_per_step" not in row:
             continue

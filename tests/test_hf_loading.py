@@ -106,7 +106,7 @@ def test_loading_holds_about_the_budgets_not_the_model(tmp_path):
             n = sum(p.numel() for p in model.parameters())
             print("GROWTH", status("VmHWM") - before, n * 4, flush=True)
     """)
-    for mode in ("frugal", "fast"):  # a GPU run's malloc mode, and the CPU default's (glibc keeps freed buffers)
+    for mode in ("frugal", "pool", "fast"):  # a GPU run's malloc mode, the CPU default's, glibc keeping freed buffers
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                              env=dict(os.environ, OFFLOAD_MALLOC_TUNE=mode, OMP_NUM_THREADS="1"))
         assert out.returncode == 0, out.stderr[-3000:]

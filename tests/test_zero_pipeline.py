@@ -302,11 +302,11 @@ def test_malloc_mode_follows_the_compute_device_and_refuses_bad_values(monkeypat
     from offload.zero.host_memory import malloc_mode
 
     monkeypatch.delenv("OFFLOAD_MALLOC_TUNE", raising=False)
-    assert malloc_mode(torch.device("cpu")) == "fast"  # activations and gathered units come from malloc
+    assert malloc_mode(torch.device("cpu")) == "pool"  # activations and gathered units are host transients
     assert malloc_mode(torch.device("cuda", 0)) == "frugal"  # host malloc holds only transients
-    for value, mode in (("frugal", "frugal"), ("FAST", "fast"), ("0", "off"), ("off", "off")):
+    for value, mode in (("frugal", "frugal"), ("FAST", "fast"), ("pool", "pool"), ("0", "off"), ("off", "off")):
         monkeypatch.setenv("OFFLOAD_MALLOC_TUNE", value)
         assert malloc_mode(torch.device("cpu")) == mode
     monkeypatch.setenv("OFFLOAD_MALLOC_TUNE", "small")
-    with pytest.raises(ValueError, match="OFFLOAD_MALLOC_TUNE='small': expected auto, frugal, fast or off"):
+    with pytest.raises(ValueError, match="OFFLOAD_MALLOC_TUNE='small': expected auto, pool, frugal, fast or off"):
         offload.init(small_config()).__enter__()

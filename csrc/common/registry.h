@@ -10,4 +10,5 @@ void register_adam(pybind11::module_& m);     // adam/
 void register_adam8bit(pybind11::module_& m); // adam/adam8bit_bindings.cpp: AdamW with 8-bit moments
 void register_copy(pybind11::module_& m);     // copy/
 void register_aio(pybind11::module_& m);      // aio/
+void register_host_pool(pybind11::module_& m); // memory/host_pool.cpp: torch's CPU allocator while a runtime is open
 }  // namespace offload

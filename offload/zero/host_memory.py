@@ -1,6 +1,8 @@
 """How the runtime's large host buffers behave in the process's memory (Linux and glibc; no-ops elsewhere).
 
-    tune_malloc(device)      glibc's mmap threshold for the run: RSS near what is in use, or speed
+    tune_malloc(device)      how the run's host transients are allocated: the host pool (CPU default), or
+                             glibc with an mmap threshold for RSS near what is in use, or for speed
+    untune_malloc(mode)      the runtime closes: the pool's hold goes
     advise_huge_pages(t)     t's pages come as 2 MiB transparent huge pages when first touched
     peak_rss_bytes()         this process's peak resident set
     rss_bytes()              this process's resident set now
@@ -36,39 +38,57 @@ def _glibc():
     return _libc
 
 
-MMAP_THRESHOLD = {"frugal": 128 * 1024, "fast": 32 << 20}  # glibc's initial value; its own maximum
+MMAP_THRESHOLD = {"frugal": 128 * 1024, "fast": 32 << 20, "pool": 128 * 1024}  # glibc's initial value; its maximum
 
 
 def malloc_mode(device: torch.device) -> str:
     """OFFLOAD_MALLOC_TUNE: "auto" (default) is "frugal" when compute runs on a GPU (host malloc then holds
-    only transients: keep RSS tight) and "fast" on a CPU (the "device tier" is host memory: activations,
-    gathered units and gradients all come from malloc); "frugal", "fast", or "off" (leave glibc alone)."""
+    only transients: keep RSS tight) and "pool" on a CPU (the "device tier" is host memory: activations,
+    gathered units and gradients are all host transients); "pool", "frugal", "fast", or "off" (leave glibc
+    alone)."""
     mode = os.environ.get("OFFLOAD_MALLOC_TUNE", "auto").strip().lower()
     if mode == "auto":
-        return "frugal" if device.type == "cuda" else "fast"
+        return "frugal" if device.type == "cuda" else "pool"
     if mode in ("0", "off"):
         return "off"
     if mode not in MMAP_THRESHOLD:
-        raise ValueError(f"OFFLOAD_MALLOC_TUNE={mode!r}: expected auto, frugal, fast or off")
+        raise ValueError(f"OFFLOAD_MALLOC_TUNE={mode!r}: expected auto, pool, frugal, fast or off")
     return mode
 
 
 def tune_malloc(device: torch.device) -> str:
-    """Fix glibc's M_MMAP_THRESHOLD for the run (process-wide); returns the mode used.
+    """Set how host transients are allocated for the run (process-wide); returns the mode used.
 
-    glibc serves a malloc above the threshold with a fresh mmap (given back at free, first touch page-faults
-    every 4 KiB) and raises the threshold to the largest block freed so far (up to 32 MiB), after which such
-    blocks come from the heap and are kept for reuse. "frugal" pins it at 128 KiB: freed multi-MB buffers
-    go back to the OS and RSS stays near what is in use, but on a CPU-only run every activation and
-    gradient then page-faults (the 50M-parameter bench: 0.84 s/step instead of 0.59, RSS 0.87 instead of
-    1.16 GiB). "fast" fixes it at 32 MiB from the start: reuse without the creep."""
+    "pool": torch's CPU allocator is the host pool (store/host_pool.py) for requests of 128 KiB and up: a freed
+    block is reused by the next request of its size class, at most a capped cache of them kept, so RSS is what
+    is in use plus the cap, flat from step to step, and pages are faulted once. Where the pool cannot be
+    installed (no C++ extension) "fast" is used. The others only fix glibc's M_MMAP_THRESHOLD: glibc serves a
+    malloc above it with a fresh mmap (given back at free, first touch page-faults every 4 KiB) and by default
+    raises it to the largest block freed so far (up to 32 MiB), after which such blocks come from the heap and
+    are kept for reuse. "frugal" pins it at 128 KiB: RSS near what is in use, but on a CPU-only run every
+    activation and gradient page-faults again each step (the 50M-parameter bench: 0.84 s/step instead of 0.59).
+    "fast" fixes it at 32 MiB: reuse, but glibc's heaps fragment and grow step after step (12-25 MiB a step
+    on a 19M-parameter Llama, issue 21)."""
     mode = malloc_mode(device)
     if mode == "off" or not sys.platform.startswith("linux"):
         return mode
+    if mode == "pool":
+        from ..store import host_pool
+
+        if not host_pool.acquire():
+            mode = "fast"
     libc = _glibc()
     if libc:
         libc.mallopt(-3, MMAP_THRESHOLD[mode])  # M_MMAP_THRESHOLD (fixing it also stops the dynamic creep)
     return mode
+
+
+def untune_malloc(mode: str) -> None:
+    """The runtime that tuned with `mode` closes: its hold on the host pool goes (glibc's setting stays)."""
+    if mode == "pool":
+        from ..store import host_pool
+
+        host_pool.release()
 
 
 def advise_huge_pages(t: torch.Tensor) -> None:

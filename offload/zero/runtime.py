@@ -43,6 +43,7 @@ from ..config import Config, parse_duration
 from ..optim.schema import by_name as schema_by_name
 from ..device import Streams, bind_thread, compute_device
 from ..store import Tier, check_fits_machine, ranks_on_this_node, resolve_budget
+from ..store import host_pool
 from ..store.links import Link
 from ..telemetry import Lane, Meter, Queue
 from .collectives import comm
@@ -50,7 +51,7 @@ from . import placement
 from .activations import ActivationOffloader
 from .update.backward_updates import BackwardUpdates
 from .context import Counters, LaneContext, Lanes, UnitContext
-from .host_memory import peak_rss_bytes, rss_bytes, tune_malloc
+from .host_memory import peak_rss_bytes, rss_bytes, tune_malloc, untune_malloc
 from .lanes import WorkLane
 from .units.materialize import ConstructionCapture
 from .update.optimizer_pipeline import OptimizerPipeline
@@ -107,6 +108,7 @@ class Runtime:
         self.pipeline: OptimizerPipeline | None = None
         self.meter = Meter()
         self._rss_at_open = 0
+        self._malloc_mode: str | None = None  # tune_malloc's, undone at close (the host pool's hold)
         self.step_stats: StepStats | None = None
         self.optimizers: list = []  # weak references to the sharded optimizers over this runtime, in creation order
         self.last_checkpoint_seconds: float | None = None
@@ -136,7 +138,7 @@ class Runtime:
         self.device = compute_device()
         bind_thread(self.device)  # before the process group: NCCL binds its communicator to the current device
         self.group = self._setup_group()
-        tune_malloc(self.device)  # first: a bad OFFLOAD_MALLOC_TUNE raises before anything is built
+        self._malloc_mode = tune_malloc(self.device)  # first: a bad OFFLOAD_MALLOC_TUNE raises before anything is built
         self._rss_at_open = rss_bytes()  # the interpreter's, torch's and the user's own: rt.stats()["memory"]
         local = ranks_on_this_node(self.group.world_size)  # ranks sharing this host's memory and drive
         self.budgets = {"device": self._budget("device_budget", local), "cpu": self._budget("cpu_budget", local),
@@ -231,6 +233,9 @@ class Runtime:
                         dist.destroy_process_group(g.pg)
                     except Exception as e:  # noqa: BLE001 - closing anyway; reported after everything is freed
                         error = error or e
+        if self._malloc_mode is not None:
+            untune_malloc(self._malloc_mode)  # after the units and the store let their buffers go
+            self._malloc_mode = None
         self.closed = True
         self.is_open = False
         if self in _ACTIVE:
@@ -613,7 +618,8 @@ class Runtime:
         homed below, by state class, the copies a move is using, and `other`: staging no shard holds), the
         gathered units, and outside_budgets_bytes = RSS growth since open not explained by the host budgets even
         at their peak (the cpu tier; on a machine without a GPU the device tier too, a region of host memory):
-        full gradients and their casts, reduce buffers, activations, allocator caches."""
+        full gradients and their casts, reduce buffers, activations, allocator caches (with the host pool, its
+        `cached_bytes`: freed blocks kept for reuse)."""
         host_tiers = ("cpu",) if self.device.type == "cuda" else ("cpu", "device")
         rss = rss_bytes()
         explained = sum(store_stats[t]["peak_bytes"] for t in host_tiers)
@@ -626,6 +632,8 @@ class Runtime:
             "host_budget_tiers": host_tiers,
             "gathered_bytes": self.gathered_bytes,
             "outside_budgets_bytes": max(0, rss - self._rss_at_open - explained),
+            "malloc_mode": self._malloc_mode,
+            "host_pool": host_pool.stats() if self._malloc_mode == "pool" else None,
         }
 
     def _resident_sizes(self):
