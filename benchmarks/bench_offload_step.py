@@ -112,6 +112,8 @@ class Settings:
     clip: float = 1.0
     nvme_dir: str = ""        # this run's swap directory (a subdirectory of --nvme-path)
     trace: str | None = None  # offload only: Chrome trace of the last timed step
+    cpu_budget: str = "384MiB"   # offload's budgets (a larger model needs a unit or two gathered in the device one)
+    device_budget: str = "256MiB"
 
     @property
     def global_batch(self) -> int:
@@ -399,8 +401,8 @@ def run_offload(s: Settings, pipeline: bool, update_in_backward: bool = False, f
     _, world = rank_and_world()
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")  # ours, so the per-rank stats can be gathered after the block
-    cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path=s.nvme_dir, cpu_budget="384MiB",
-                         device_budget="256MiB", compute_dtype="bf16", pipeline=pipeline, seed=s.seed,
+    cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path=s.nvme_dir, cpu_budget=s.cpu_budget,
+                         device_budget=s.device_budget, compute_dtype="bf16", pipeline=pipeline, seed=s.seed,
                          update_in_backward=update_in_backward, optimizer_states=family)
     with offload.init(cfg) as rt:
         model = model_from(s)  # forward runs in bf16 under the runtime: no autocast
@@ -862,6 +864,8 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=2, help="micro-batch per rank")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu-budget", default=Settings.cpu_budget, help="offload's cpu_budget")
+    ap.add_argument("--device-budget", default=Settings.device_budget, help="offload's device_budget")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--settings", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -878,7 +882,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown contender(s) {unknown}; choose from {CONTENDERS + OPT_IN}")
     base = Settings(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads, ff=args.ff, seq=args.seq,
                     batch=args.batch, world_size=args.world_size, warmup=args.warmup, steps=args.steps,
-                    threads=args.threads, seed=args.seed)
+                    threads=args.threads, seed=args.seed, cpu_budget=args.cpu_budget, device_budget=args.device_budget)
     procs = args.threads * (args.world_size if any(c in DISTRIBUTED for c in contenders) else 1)
     if procs > (os.cpu_count() or 1):
         print(f"# note: {procs} threads in all on {os.cpu_count()} cores (oversubscribed)", file=sys.stderr)

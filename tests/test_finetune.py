@@ -491,3 +491,28 @@ def test_a_lora_run_resumes_exactly(tmp_path, tiny_model, text_file):
         finetune(FinetuneConfig(**common, lora_alpha=16, output=str(tmp_path / "c"), resume=str(ckpts)))
     with pytest.raises(ValueError, match=r"--resume .*does not fit this model"):  # other shapes: the manifest says
         finetune(FinetuneConfig(**{**common, "lora_r": 8}, output=str(tmp_path / "d"), resume=str(ckpts)))
+
+
+def test_a_stop_signal_swallowed_by_a_finalizer_is_kept_for_the_next_step():
+    """A signal that lands while a __del__ runs raises there, where Python prints "Exception ignored" and goes on:
+    the run must still stop (the step callback raises it again from `pending`), not train to its end."""
+    import gc
+    import signal
+
+    from offload.finetune.cli import _stop_on_signals
+
+    class RaisesInDel:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)  # the handler raises Terminated here, and Python swallows it
+
+    pending = [0]
+    previous = _stop_on_signals(pending)
+    try:
+        obj = RaisesInDel()
+        del obj
+        gc.collect()
+        assert pending[0] == signal.SIGINT
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers go back after the run

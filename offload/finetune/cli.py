@@ -54,7 +54,7 @@ def _progress_bar(enabled: bool, tokens_per_step: int):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread where SIGINT raises KeyboardInterrupt: the same unwinding (the
+    """SIGINT or SIGTERM, raised in the main thread as a KeyboardInterrupt: the same unwinding for both (the
     runtime's block closes, swap files and the run's temporary directory are removed)."""
 
     def __init__(self, signum: int):
@@ -62,14 +62,21 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
-def _stop_on_sigterm():
-    """Turn SIGTERM into Terminated for this run (the default action kills at once, leaving the swap behind).
-    The previous handler, or None off the main thread (where Python cannot install one)."""
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _stop_on_signals(pending: list):
+    """Turn SIGINT and SIGTERM into Terminated for this run (SIGTERM's default action kills at once, leaving the
+    swap behind). The signal is also kept in `pending`: an exception raised where Python swallows it (a
+    finalizer or __del__ running at that moment prints "Exception ignored" and goes on) must not let the run
+    train to its end, so the step callback raises it again. The previous handlers, or None off the main thread
+    (where Python cannot install one)."""
     def raise_terminated(signum, frame):
+        pending[0] = signum
         raise Terminated(signum)
 
     try:
-        return signal.signal(signal.SIGTERM, raise_terminated)
+        return {sig: signal.signal(sig, raise_terminated) for sig in _STOP_SIGNALS}
     except ValueError:  # not the main thread
         return None
 
@@ -92,12 +99,15 @@ def run_finetune(args: argparse.Namespace) -> int:
     tokens = cfg.micro_batch * cfg.grad_accum * int(os.environ.get("WORLD_SIZE", "1")) * cfg.seq_len
     bar = _progress_bar(rank0, tokens)
     done = [0]  # optimizer steps finished (for the interruption's line)
+    pending = [0]  # a stop signal received (its number), raised again at the next step if it was swallowed
 
     def progress(step, total, loss, last):
         done[0] = step
         bar(step, total, loss, last)
+        if pending[0]:
+            raise Terminated(pending[0])
 
-    previous = _stop_on_sigterm()
+    previous = _stop_on_signals(pending)
     try:
         r = finetune(cfg, progress=progress)
     except InputError as exc:
@@ -116,8 +126,8 @@ def run_finetune(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         return 128 + signum
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in (previous or {}).items():
+            signal.signal(sig, handler)
     if not rank0:
         return 0
     if args.json:
