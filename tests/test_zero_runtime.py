@@ -499,7 +499,8 @@ def test_a_killed_runs_swap_is_removed_at_the_next_init(tmp_path, caplog):
 
 def test_stats_say_where_host_memory_is(tmp_path):
     """rt.stats()["memory"]: the resident set against what the budgets hold; memory taken outside them (here a
-    256 MiB tensor of the training loop's own) shows as outside_budgets_bytes, and goes when it is freed."""
+    256 MiB tensor of the training loop's own) shows as outside_budgets_bytes, and goes when it is freed (to the OS, or
+    into the host pool's cache)."""
     model = TinyTransformer()
     with offload.init(_cfg(params="nvme", optimizer="nvme", nvme_path=str(tmp_path), cpu_budget="64MiB")) as rt:
         rt.wrap(model)
@@ -518,7 +519,12 @@ def test_stats_say_where_host_memory_is(tmp_path):
     assert sum(cpu["copies"].values()) + cpu["other"] == before["budgets_in_use_bytes"]["cpu"] and cpu["moving"] == 0
     grew = during["outside_budgets_bytes"] - before["outside_budgets_bytes"]
     assert (256 - 16) << 20 <= grew <= (256 + 16) << 20, grew
-    assert after["outside_budgets_bytes"] < during["outside_budgets_bytes"] - (200 << 20)  # given back (mmap'd)
+    # freed: given back to the OS (glibc maps a block this size), or, with the host pool (a CPU run's default),
+    # kept in its cache, which the same stats report
+    def not_cached(m):
+        return m["outside_budgets_bytes"] - (m["host_pool"] or {}).get("cached_bytes", 0)
+
+    assert not_cached(after) < not_cached(during) - (200 << 20), (during, after)
 
 
 def test_auto_tiers_follow_budgets(tmp_path):
