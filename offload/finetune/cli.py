@@ -67,10 +67,12 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def _stop_on_signals(pending: list):
     """Turn SIGINT and SIGTERM into Terminated for this run (SIGTERM's default action kills at once, leaving the
-    swap behind). The signal is also kept in `pending`: an exception raised where Python swallows it (a
-    finalizer or __del__ running at that moment prints "Exception ignored" and goes on) must not let the run
-    train to its end, so the step callback raises it again. The previous handlers, or None off the main thread
-    (where Python cannot install one)."""
+    swap behind). SIGINT too, even where it was ignored at start: a background job of a non-interactive shell
+    (`cmd &`, nohup) starts with SIGINT ignored, Python then leaves it so, and a `kill -INT` did nothing (the
+    run trained to its end). The signal is also kept in `pending`: an exception raised where Python swallows it
+    (a finalizer or __del__ running at that moment prints "Exception ignored" and goes on) must not let the run
+    train to its end either, so the step callback raises it again. The previous handlers, or None off the main
+    thread (where Python cannot install one)."""
     def raise_terminated(signum, frame):
         pending[0] = signum
         raise Terminated(signum)

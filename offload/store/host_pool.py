@@ -11,7 +11,8 @@ Why a pool: a step frees and re-allocates the same transients every step (activa
 gathered units, reduce outputs). glibc either maps each one fresh and faults its pages in again every step, or
 keeps freed ones in heaps that fragment and grow step after step. The pool keeps blocks of 8 size classes per
 power of two and reuses a freed one for the next request of its class; what it maps (in use + cached) never
-exceeds its peak in use plus the headroom (the oldest freed blocks go back to the OS first). Resident memory is
+exceeds its peak in use plus the headroom (huge-page blocks, the cheapest to map again, go back to the OS first,
+oldest first). Resident memory is
 then the step's own peak plus at most the headroom, flat from step to step, and a repeating step maps nothing
 new. It is process-wide: every CPU tensor of MIN_BYTES or more comes from it while installed; a tensor
 allocated then and freed later goes back to it (or to the OS once uninstalled).
@@ -51,8 +52,7 @@ def acquire(headroom: int | None = None) -> bool:
         return False
     with _lock:
         if _holders == 0 and not mod.host_pool_install(MIN_BYTES, headroom):
-            mod.host_pool_uninstall()  # an allocator of higher priority is in place: leave it alone
-            return False
+            return False  # an allocator of higher priority is in place (it stays)
         _holders += 1
         return True
 
