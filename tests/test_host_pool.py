@@ -200,14 +200,15 @@ def test_fork_while_another_thread_allocates_leaves_the_child_a_working_pool(tmp
     assert out.returncode == 0 and "FORKS OK" in out.stdout, out.stderr[-3000:]
 
 
-def test_a_cpu_runtime_holds_the_pool_while_open_and_reports_it(tmp_path, monkeypatch):
-    monkeypatch.delenv("OFFLOAD_MALLOC_TUNE", raising=False)
+def test_a_runtime_holds_the_pool_while_open_and_reports_it(tmp_path, monkeypatch):
+    """The pool mode (a CPU run's default, "auto"; named here so a GPU machine runs the same test)."""
+    monkeypatch.setenv("OFFLOAD_MALLOC_TUNE", "pool")
     cfg = offload.Config(params="cpu", optimizer="cpu", cpu_budget="64MiB", device_budget="32MiB")
     with offload.init(cfg) as rt:
         model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
         opt = offload.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):
-            model(torch.randn(64, 512)).pow(2).mean().backward()
+            model(torch.randn(64, 512, device=rt.device)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
         assert host_pool.installed()
