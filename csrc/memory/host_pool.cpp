@@ -10,8 +10,8 @@
 // plus `headroom` bytes: the blocks cheapest to map again (huge pages), oldest first, go back to the OS first. Resident host memory is then the
 // step's own peak plus at most the headroom, flat from step to step, and a repeating step maps nothing new
 // (as torch's CUDA caching allocator holds what the peak needed).
-// Smaller requests go to glibc (posix_memalign, 64-byte aligned as torch's own allocator does), freed by the
-// same deleter: torch's raw_allocate/raw_deallocate need one deleter per allocator. Not reported to torch's
+// Smaller requests go to glibc (posix_memalign, 64-byte aligned as torch's own allocator does) without taking
+// the pool's lock; raw_deallocate's one deleter frees either kind. Not reported to torch's
 // memory profiler (profile_memory=True sees no CPU allocations while the pool is installed).
 //
 // Blocks are anonymous mappings (2 MiB transparent huge pages asked for from 2 MiB up: 512x fewer faults).
@@ -25,6 +25,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -54,7 +55,7 @@ size_t size_class(size_t n) {
 
 struct Stats {
   size_t in_use = 0, cached = 0, peak_in_use = 0, peak_mapped = 0;
-  uint64_t hits = 0, misses = 0, maps = 0, unmaps = 0, small = 0;
+  uint64_t hits = 0, misses = 0, maps = 0, unmaps = 0, small = 0;  // small: read from small_ by stats()
 };
 
 class HostPool final : public c10::Allocator {
@@ -70,7 +71,7 @@ class HostPool final : public c10::Allocator {
       previous_ = c10::GetCPUAllocator();  // given back at uninstall
       if (previous_ == this) previous_ = c10::GetDefaultCPUAllocator();
     }
-    min_bytes_ = std::max(min_bytes, kPage);
+    min_bytes_.store(std::max(min_bytes, kPage), std::memory_order_relaxed);
     headroom_ = headroom;
     evict_to(cache_limit());
     c10::SetCPUAllocator(this, /*priority=*/0);
@@ -96,12 +97,9 @@ class HostPool final : public c10::Allocator {
 
   Stats stats() {
     std::lock_guard<std::mutex> lock(mu_);
-    return stats_;
-  }
-
-  void reset_peak() {
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_.peak_mapped = stats_.in_use + stats_.cached;
+    Stats s = stats_;
+    s.small = small_.load(std::memory_order_relaxed);
+    return s;
   }
 
   bool installed() {
@@ -112,24 +110,23 @@ class HostPool final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     const c10::Device cpu(c10::DeviceType::CPU);
     if (n == 0) return c10::DataPtr(nullptr, nullptr, &HostPool::deleter, cpu);
-    {
+    if (n >= min_bytes_.load(std::memory_order_relaxed)) {
       std::lock_guard<std::mutex> lock(mu_);
-      if (n >= min_bytes_) {
-        void* p = take(size_class(n));
-        return c10::DataPtr(p, p, &HostPool::deleter, cpu);
-      }
-      ++stats_.small;
+      void* p = take(size_class(n));
+      return c10::DataPtr(p, p, &HostPool::deleter, cpu);
     }
-    // Small: glibc, aligned as torch's own CPU allocator aligns (its vectorized kernels expect 64 bytes)
+    // Small (most of a step's allocations, from every thread): glibc, no lock of ours on the way in or out, aligned
+    // as torch's own CPU allocator aligns (its vectorized kernels expect 64 bytes)
+    small_.fetch_add(1, std::memory_order_relaxed);
     void* p = nullptr;
     if (posix_memalign(&p, kAlignment, n) != 0 || p == nullptr) {
       TORCH_CHECK(false, "offload host pool: can't allocate memory: you tried to allocate ", n, " bytes");
     }
-    return c10::DataPtr(p, p, &HostPool::deleter, cpu);
+    return c10::DataPtr(p, p, &std::free, cpu);
   }
 
   c10::DeleterFnPtr raw_deleter() const override {
-    return &HostPool::deleter;  // one deleter for both kinds: torch's raw_allocate/raw_deallocate need it
+    return &HostPool::deleter;  // frees both kinds (torch's raw_deallocate takes one deleter for all)
   }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
@@ -200,7 +197,7 @@ class HostPool final : public c10::Allocator {
     if (p == nullptr) return;
     std::unique_lock<std::mutex> lock(mu_);
     auto it = live_.find(p);
-    if (it == live_.end()) {  // a small request's: glibc's
+    if (it == live_.end()) {  // a small request's (through raw_deallocate): glibc's
       lock.unlock();
       std::free(p);
       return;
@@ -250,7 +247,8 @@ class HostPool final : public c10::Allocator {
   std::mutex mu_;
   c10::Allocator* previous_ = nullptr;
   bool installed_ = false;
-  size_t min_bytes_ = 128 << 10;
+  std::atomic<size_t> min_bytes_{128 << 10};
+  std::atomic<uint64_t> small_{0};
   size_t headroom_ = 0;
   std::list<Cached> lru_huge_, lru_small_;  // cached blocks, oldest freed first (lru_of)
   std::unordered_map<size_t, std::vector<std::list<Cached>::iterator>> free_;  // class -> its cached blocks
@@ -273,7 +271,6 @@ void register_host_pool(pybind11::module_& m) {
   m.def("host_pool_installed", [] { return HostPool::get().installed(); });
   m.def("host_pool_trim", [] { return HostPool::get().trim(); },
         "Unmap every cached block and restart the peak in use from now; the bytes released");
-  m.def("host_pool_reset_peak", [] { HostPool::get().reset_peak(); });
   m.def("host_pool_size_class", &size_class, py::arg("nbytes"), "The block size a request of nbytes takes");
   m.def("host_pool_stats", [] {
     Stats s = HostPool::get().stats();
