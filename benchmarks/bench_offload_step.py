@@ -88,6 +88,7 @@ CONTENDERS = ("torch", "offload", "offload-sync", "deepspeed")
 OPT_IN = ("offload-inbwd", "offload-8bit", "offload-fast", "offload-frugal")  # run when named in --contenders
 DISTRIBUTED = ("offload", "offload-sync", "offload-inbwd", "offload-8bit", "offload-fast", "offload-frugal",
                "deepspeed")  # run under torchrun with --world-size 2
+ADAM_PROBE = {"offload-8bit": "probe-adam8bit"}  # the bound's optimizer term: a contender's own kernel, timed
 RESULT_KEY = "bench_offload_step"  # marks the child's JSON line among DeepSpeed's log lines
 GiB = 1 << 30
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -586,10 +587,11 @@ def probe_nvme(s: Settings, size: int = GiB, chunk: int = 64 << 20, repeats: int
             "block_size": 1 << 20, "queue_depth": 32, "workers": 2, "concurrent": False}
 
 
-def probe_adam(s: Settings, repeats: int = 3, shapes: list | None = None) -> dict:
-    """offload.AdamW (fused CPU kernel) over bf16 params with the model's shapes (fp32 master and moments
-    in state, bf16 param written by the kernel), in memory: median step time, and the CPU seconds (every
-    thread) of the median step. `shapes`: the parameters' shapes (default: this bench's transformer's)."""
+def probe_adam(s: Settings, repeats: int = 3, shapes: list | None = None, family: str = "adamw") -> dict:
+    """The optimizer's fused CPU kernel (offload.AdamW, or offload.AdamW8bit for family "adamw8bit") over bf16
+    params with the model's shapes (fp32 master and moments in state, bf16 param written by the kernel), in
+    memory: median step time, and the CPU seconds (every thread) of the median step. `shapes`: the parameters'
+    shapes (default: this bench's transformer's)."""
     import numpy as np
     import torch
 
@@ -605,7 +607,8 @@ def probe_adam(s: Settings, repeats: int = 3, shapes: list | None = None) -> dic
         p = torch.nn.Parameter(torch.randn(shape, generator=g).to(torch.bfloat16))
         p.grad = torch.randn(shape, generator=g).to(torch.bfloat16)
         params.append(p)
-    opt = offload.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
+    opt = {"adamw": offload.AdamW, "adamw8bit": offload.AdamW8bit}[family](params, lr=s.lr,
+                                                                          weight_decay=s.weight_decay)
     opt.step()  # allocates the state (master, moments)
     times, cpus = [], []
     for _ in range(repeats):
@@ -636,6 +639,7 @@ CHILDREN = {
     "deepspeed": run_deepspeed,
     "probe-nvme": probe_nvme,
     "probe-adam": probe_adam,
+    "probe-adam8bit": lambda s: probe_adam(s, family="adamw8bit"),
 }
 
 
@@ -778,13 +782,14 @@ def compute_bound(runs: dict, probes: dict, table: dict) -> dict | None:
         if "nvme_read_bytes_per_step" not in row:
             continue
         io = row["nvme_read_bytes_per_step"] / nvme["read_Bps"] + row["nvme_written_bytes_per_step"] / nvme["write_Bps"]
-        parts = {"compute": terms["compute_s"], "io": io, "adam": terms["adam_s"]}
+        own = probes.get(ADAM_PROBE.get(name, "probe-adam"), adam)  # the contender's own optimizer kernel
+        parts = {"compute": terms["compute_s"], "io": io, "adam": own.get("adam_s", terms["adam_s"])}
         binds = max(parts, key=parts.get)
         # On a CPU-only machine compute, the Adam kernel, copies, hashing and the I/O stack share the cores:
         # no step is shorter than the CPU seconds it spends divided by the cores.
         cpu = row["cpu_s_per_step"] / CORES
         with_cpu = max(parts[binds], cpu)
-        per[name] = {"io_s": io, "bound_s": parts[binds], "binds": binds,
+        per[name] = {"io_s": io, "adam_s": parts["adam"], "bound_s": parts[binds], "binds": binds,
                      "overlap_efficiency": parts[binds] / row["median_s"],
                      "cpu_bound_s": cpu, "bound_with_cpu_s": with_cpu,
                      "efficiency_with_cpu": with_cpu / row["median_s"]}
@@ -838,7 +843,8 @@ def print_report(summary: dict, s: Settings, n_params: int | None, rounds: int) 
           f"{t['adam_s']:.3f} s | engine bandwidth read {t['read_GBps']:.2f} GB/s, write {t['write_GBps']:.2f} GB/s "
           f"(measured separately)")
     for name, b in bound["per_contender"].items():
-        print(f"# {name:<13} io {b['io_s']:.3f} s -> bound = max(compute, io, adam) = {b['bound_s']:.3f} s "
+        print(f"# {name:<13} io {b['io_s']:.3f} s, adam {b['adam_s']:.3f} s -> bound = max(compute, io, adam) = "
+              f"{b['bound_s']:.3f} s "
               f"(binds: {b['binds']}); overlap efficiency = bound / step = {b['overlap_efficiency']:.2f}")
         print(f"# {'':<13} with the cores: its CPU seconds / {CORES} cores = {b['cpu_bound_s']:.3f} s -> bound "
               f"{b['bound_with_cpu_s']:.3f} s, efficiency {b['efficiency_with_cpu']:.2f}")
@@ -895,7 +901,7 @@ def main(argv=None) -> int:
     probes: dict = {}
     try:
         if any(c.startswith("offload") for c in contenders):
-            for probe in ("probe-nvme", "probe-adam"):
+            for probe in ("probe-nvme", "probe-adam") + (("probe-adam8bit",) if "offload-8bit" in contenders else ()):
                 print(f"# {probe} ...", flush=True)
                 probes[probe] = spawn(probe, dataclasses.replace(base, nvme_dir=os.path.join(root, probe)))
             if "torch" not in contenders:  # the bound's compute term comes from a torch child
