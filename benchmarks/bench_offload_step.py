@@ -871,6 +871,9 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=2, help="micro-batch per rank")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu-budget", default=Settings.cpu_budget, help="offload's cpu_budget")
+    ap.add_argument("--no-bound", action="store_true",
+                    help="skip the bound's probes (they hold the model's states and a torch step in memory: "
+                         "a model bigger than host memory needs this)")
     ap.add_argument("--device-budget", default=Settings.device_budget, help="offload's device_budget")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--settings", default=None, help=argparse.SUPPRESS)
@@ -900,7 +903,7 @@ def main(argv=None) -> int:
     runs: dict[str, list] = {c: [] for c in contenders}
     probes: dict = {}
     try:
-        if any(c.startswith("offload") for c in contenders):
+        if any(c.startswith("offload") for c in contenders) and not args.no_bound:
             for probe in ("probe-nvme", "probe-adam") + (("probe-adam8bit",) if "offload-8bit" in contenders else ()):
                 print(f"# {probe} ...", flush=True)
                 probes[probe] = spawn(probe, dataclasses.replace(base, nvme_dir=os.path.join(root, probe)))
