@@ -151,3 +151,65 @@ def test_offload_finetune_runs_10_steps_on_the_gpu(tmp_path):
                   tiers=[r["params_tier"], r["optimizer_tier"]], bytes_moved=r["bytes_moved"])
     assert len(losses) == 10 and all(math.isfinite(x) for x in losses), losses
     assert math.isfinite(r["eval_loss_before"]) and math.isfinite(r["eval_loss_after"]), r
+
+
+def test_device_peak_is_within_a_formula_of_the_unit_sizes():
+    """FSDP2's memory tests, for the runtime: 6 MLP blocks (8.4M parameters each) with params and optimizer in
+    host memory, fp32, 2048 tokens. Over steps 2-3 the GPU's peak allocated bytes above what was allocated before
+    stay within
+        the device tier's peak (its own blocks: leases, gradients)
+      + the gathered bound (the root and two units: one computing, the next gathered ahead)
+      + 2 units' full gradients (one reduced on its lane while autograd produces the next)
+      + the activations and backward transients of the same model in plain torch (its peak over a forward and
+        backward less its parameters and gradients, measured with the gradients' memory taken before)
+      + 16 MiB (cuBLAS workspace, allocator rounding)
+    and the peak is at least the gathered bound: the units really were on the device."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    tokens, d = 2048, 1024
+
+    # plain torch: activations and transients of one forward + backward, with every gradient already allocated
+    ref = MLPStack().to(dev)
+    for p in ref.parameters():
+        p.grad = torch.zeros_like(p)
+    x = torch.randn(tokens, d, device=dev)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    mlp_loss(ref, x).backward()
+    torch.cuda.synchronize()
+    activations = torch.cuda.max_memory_allocated(dev) - base
+    del ref, x
+    torch.cuda.empty_cache()
+
+    model = MLPStack()
+    unit_grad = max(sum(p.numel() for p in b.parameters()) for b in model.blocks) * 4
+    cfg = offload.Config(params="cpu", optimizer="cpu", cpu_budget="2GiB", device_budget="1GiB")
+    with offload.init(cfg) as rt:
+        rt.wrap(model)
+        opt = offload.AdamW(model.parameters(), lr=1e-4)
+        xs = [torch.randn(tokens, d, device=rt.device) for _ in range(3)]
+
+        def step(x):
+            mlp_loss(model, x).backward()
+            rt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+
+        step(xs[0])  # traced and planned
+        rt.quiesce()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(rt.device)
+        before = torch.cuda.memory_allocated(rt.device)
+        for x in xs[1:]:
+            step(x)
+        rt.quiesce()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(rt.device) - before
+        tier = rt.stats()["memory"]["budgets_peak_bytes"]["device"]
+        gathered = rt.gathered_bound()
+    bound = tier + gathered + 2 * unit_grad + activations + (16 << 20)
+    record_figure("device_peak", peak=peak, bound=bound, device_tier_peak=tier, gathered_bound=gathered,
+                  unit_grad=unit_grad, activations=activations)
+    assert gathered <= peak <= bound, dict(peak=peak, bound=bound, tier=tier, gathered=gathered,
+                                           unit_grad=unit_grad, activations=activations)
