@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from offload.store.arena import ALIGN, ArenaFullError, PinnedArena
+from offload.store.arena import ALIGN, PREFAULT_MIN_BYTES, ArenaFullError, PinnedArena
 
 
 def test_blocks_are_exact_aligned_and_disjoint():
@@ -274,7 +274,7 @@ def _resident_kib(ptr: int, nbytes: int) -> int:
 
 def test_prefault_makes_every_page_resident_from_several_threads():
     """The parallel pre-fault before a lock: a fresh mapping of 768 MiB (3 segments) is resident after it, with
-    its contents unchanged (zeros); a range smaller than two segments is left to the lock (None)."""
+    its contents unchanged (zeros); a range under PREFAULT_MIN_BYTES, or one thread, is left to the lock (None)."""
     import mmap
 
     from offload.store.arena import prefault
@@ -284,12 +284,12 @@ def test_prefault_makes_every_page_resident_from_several_threads():
     t = torch.frombuffer(m, dtype=torch.uint8)
     ptr = t.data_ptr()
     assert _resident_kib(ptr, n) < 64 << 10  # nothing touched yet
-    took = prefault(ptr, n, threads=2)
+    took = prefault(ptr, n, threads=2, min_bytes=0)
     if took is None:
         pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14+")
     assert _resident_kib(ptr, n) >= (n >> 10) - 64  # every page in (up to a page table's rounding)
     assert int(t[:: 1 << 20].sum()) == 0 and int(t[-1]) == 0
-    assert prefault(ptr, 256 << 20) is None and prefault(ptr, n, threads=1) is None  # small; one thread
+    assert prefault(ptr, n) is None and prefault(ptr, n, threads=1, min_bytes=0) is None  # small; one thread
     del t
     m.close()
 
@@ -297,15 +297,15 @@ def test_prefault_makes_every_page_resident_from_several_threads():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the arena is registered, not mlock'ed")
 def test_a_locked_arena_is_prefaulted_and_an_unlocked_one_is_not():
     try:
-        a = PinnedArena("512MiB", lock=True)
+        a = PinnedArena(PREFAULT_MIN_BYTES, lock=True)
     except OSError:
-        pytest.skip("no CAP_IPC_LOCK to lock 512 MiB here")
+        pytest.skip("no CAP_IPC_LOCK to lock 2 GiB here")
     try:
         cores = len(os.sched_getaffinity(0))
         assert a.lock_kind == "mlock" and (a.prefault_s is not None and a.prefault_s >= 0) == (cores >= 2)
     finally:
         a.close()
-    b = PinnedArena("512MiB", lock=False)
+    b = PinnedArena(PREFAULT_MIN_BYTES, lock=False)
     try:
         assert b.prefault_s is None and _resident_kib(b.base_ptr, b.capacity) < 64 << 10  # not committed
     finally:
