@@ -171,6 +171,14 @@ def mlp_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).float().pow(2).mean()
 
 
+def mlp_step(model: nn.Module, rt, opt, x: torch.Tensor) -> None:
+    """One training step of the MLP stack under the runtime, clipped as the tests' loops do."""
+    mlp_loss(model, x).backward()
+    rt.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+
+
 # ---- determinism on the GPU --------------------------------------------------------------------------------
 @contextlib.contextmanager
 def deterministic():

@@ -18,7 +18,7 @@ import torch
 import offload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_common import (REPO, MLPStack, compute_stream, mlp_loss, overlaps, record_figure,  # noqa: E402
+from cuda_common import (REPO, MLPStack, compute_stream, mlp_loss, mlp_step, overlaps, record_figure,  # noqa: E402
                          trace_intervals)
 from zero_common import TinyTransformer, compute_loss, param_groups, small_config, token_ids  # noqa: E402
 
@@ -101,18 +101,12 @@ def test_profile_shows_host_to_device_copies_overlapping_compute(tmp_path):
         g = torch.Generator(device=rt.device).manual_seed(0)
         xs = [torch.randn(8192, 1024, device=rt.device, generator=g) for _ in range(4)]  # no input copies traced
 
-        def step(x):
-            mlp_loss(model, x).backward()
-            rt.clip_grad_norm_(1.0)
-            opt.step()
-            opt.zero_grad()
-
-        step(xs[0])  # traced and planned
+        mlp_step(model, rt, opt, xs[0])  # traced and planned
         rt.quiesce()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for x in xs[1:]:
-                step(x)
+                mlp_step(model, rt, opt, x)
             rt.quiesce()
             torch.cuda.synchronize()
         path = tmp_path / "trace.json"
@@ -190,19 +184,13 @@ def test_device_peak_is_within_a_formula_of_the_unit_sizes():
         opt = offload.AdamW(model.parameters(), lr=1e-4)
         xs = [torch.randn(tokens, d, device=rt.device) for _ in range(3)]
 
-        def step(x):
-            mlp_loss(model, x).backward()
-            rt.clip_grad_norm_(1.0)
-            opt.step()
-            opt.zero_grad()
-
-        step(xs[0])  # traced and planned
+        mlp_step(model, rt, opt, xs[0])  # traced and planned
         rt.quiesce()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(rt.device)
         before = torch.cuda.memory_allocated(rt.device)
         for x in xs[1:]:
-            step(x)
+            mlp_step(model, rt, opt, x)
         rt.quiesce()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(rt.device) - before
