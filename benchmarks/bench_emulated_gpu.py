@@ -17,14 +17,17 @@ norm is above 1: clipping at 1.0 scales every step). A block is `EmulatedCompute
             matmul), in the parameter's dtype.
 So the runtime's gradient hooks, reduces, clip norms and optimizer see real tensors of the real size.
 Default: 8 blocks of d=1024, ff=4096 (100.7M params), micro-batch 2 x seq 1024 per rank, bf16, clip 1.0
-every step, AdamW (lr 1e-4, wd 0.01).
+every step, AdamW (lr 1e-4, wd 0.01). --clip 1e9: a max norm the gradients never reach (the coefficient is
+exactly 1, the default's speculative updates run under the backward and commit).
 
 Contenders (each in its own child process, interleaved rounds, bench_offload_step's machinery):
   offload        Config(params="nvme", optimizer="nvme", cpu_budget="512MiB", device_budget="1GiB",
-                 compute_dtype="bf16"): the exact default path (pipeline on). The device budget (on this
+                 compute_dtype="bf16"): the exact default path (pipeline on, speculative updates at steps
+                 after one that did not clip: offload/zero/update/speculation.py). The device budget (on this
                  machine a region of host memory) holds the fp32 gradient shards beside the gathered units,
                  as a GPU's memory would (Config.grads="auto" puts them there).
   offload-inbwd  the same with update_in_backward=True (opt-in).
+  offload-nospec the same with speculative_updates=False: every update waits for opt.step() (when named).
   offload-sync   the same with pipeline=False (no prefetch, no overlap).
   torch          plain torch in memory, the same emulated blocks (fp32 params, bf16 activations),
                  torch.optim.AdamW (fused where it works), clip_grad_norm_: the in-memory reference. One
@@ -78,7 +81,9 @@ import bench_offload_step as bso  # noqa: E402  (Settings, timing, children, rou
 
 CONTENDERS = ("offload", "offload-inbwd", "offload-sync", "torch", "deepspeed")
 PLAN_CONTENDERS = ("offload-pcpu", "offload-cpu")
-OPT_IN = ("offload-8bit",)  # offload.AdamW8bit: run when named in --contenders
+# run when named in --contenders: offload.AdamW8bit; the default without speculative updates (the exact path that
+# waits for opt.step())
+OPT_IN = ("offload-8bit", "offload-nospec")
 OFFLOAD = ("offload", "offload-inbwd", "offload-sync") + PLAN_CONTENDERS + OPT_IN
 DISTRIBUTED = OFFLOAD + ("deepspeed",)
 SCRIPT = os.path.abspath(__file__)
@@ -295,6 +300,8 @@ def offload_config(name: str, s: EmuSettings) -> dict:
         cfg["pipeline"] = False
     elif name == "offload-8bit":
         cfg["optimizer_states"] = "adamw8bit"
+    elif name == "offload-nospec":
+        cfg["speculative_updates"] = False
     elif name == "offload-pcpu":
         cfg["params"] = "cpu"
     elif name == "offload-cpu":
@@ -353,6 +360,7 @@ def run_offload(s: EmuSettings, name: str) -> dict:
     if world > 1:
         dist.destroy_process_group()
     out.update(n_params=n_params, units=units, config=chosen, tiers=tiers, batch_per_process=s.batch,
+               speculation=after["speculation"],
                processes=world, slept_step_s=slept[-s.steps:], split=_split(splits[-s.steps:]),
                last_steps=splits[-s.steps:], trace=s.trace)
     return out
@@ -481,6 +489,8 @@ def summarize_rate(runs: dict, s: EmuSettings, probes: dict) -> dict:
                                             for q in keys_l}}
         if "tiers" in ok[-1]:
             row["tiers"] = ok[-1]["tiers"]
+        if ok[-1].get("speculation"):
+            row["speculation"] = ok[-1]["speculation"]  # the last round's (cumulative over its steps)
     return table
 
 
@@ -588,6 +598,11 @@ def print_rate(entry: dict, s: EmuSettings) -> None:
         if row.get("split"):
             print(f"# split {name:<13} {fmt_split(row['split'])}  (wall {row['split']['wall_s']:.3f})")
     for name, row in table.items():
+        sp = row.get("speculation")
+        if sp and sp.get("enabled"):
+            print(f"# speculation {name:<7} {sp['steps']} steps speculated, unit updates committed {sp['committed']}, "
+                  f"missed {sp['missed']}, voided {sp['voided']} (last round)")
+    for name, row in table.items():
         by = sorted(row.get("cpu_s_per_step_by_thread", {}).items(), key=lambda kv: -kv[1])
         if by:
             print(f"# CPU s/step {name:<13} " + ", ".join(f"{k} {v:.3f}" for k, v in by if v >= 5e-4)
@@ -631,6 +646,8 @@ def parse_args(argv=None):
     ap.add_argument("--cpu-budget-all", default="3GiB", help="offload-cpu's cpu budget")
     ap.add_argument("--probe-bytes", default="1GiB", help="the nvme bandwidth probe's file size")
     ap.add_argument("--ds-no-prefetch", action="store_true", help="DeepSpeed with stage3_prefetch_bucket_size 0")
+    ap.add_argument("--clip", type=float, default=1.0,
+                    help="max gradient norm (the model's is about 65: 1.0 clips every step, 1e9 never does)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nvme-path", default=None, help="swap directory (default: a temp dir under /tmp, removed)")
     ap.add_argument("--out-dir", default=None, help="traces and timeline PNGs of the default contender, per rate")
@@ -678,7 +695,7 @@ def main(argv=None) -> int:
                        world_size=args.world_size, warmup=args.warmup, steps=args.steps, threads=args.threads,
                        seed=args.seed, cpu_budget=args.cpu_budget, device_budget=args.device_budget,
                        cpu_budget_all=args.cpu_budget_all, probe_bytes=parse_size(args.probe_bytes, "--probe-bytes"),
-                       ds_prefetch=not args.ds_no_prefetch)
+                       ds_prefetch=not args.ds_no_prefetch, clip=args.clip)
     n_block_params = args.layers * block_params(args.dim, args.ff)
     n_params = n_block_params + args.dim
     tokens = args.batch * args.seq

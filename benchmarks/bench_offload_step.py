@@ -23,6 +23,8 @@ interleaved rounds, round r in an order rotated by r, and gets one JSON line bac
                 Not in the default list: --contenders torch,offload,offload-inbwd,offload-sync,deepspeed.
   offload-8bit  the same with offload.AdamW8bit (8-bit block-quantized moments, Config.optimizer_states=
                 "adamw8bit"): half the optimizer's bytes on the disk. Opt-in, like offload-inbwd.
+  offload-nospec the default with speculative_updates=False: every update waits for opt.step() (the default
+                path before speculative updates; at --clip 1.0 the default never speculates: the norm is about 2).
   offload-fast / offload-frugal  the default with OFFLOAD_MALLOC_TUNE=fast / frugal instead of the host pool
                 (glibc's heap kept for reuse, or every transient mapped fresh): opt-in, for the pool's cost.
   deepspeed     DeepSpeed ZeRO-3, offload_param and offload_optimizer on nvme, bf16, gradient_clipping
@@ -85,7 +87,8 @@ import tempfile
 import time
 
 CONTENDERS = ("torch", "offload", "offload-sync", "deepspeed")
-OPT_IN = ("offload-inbwd", "offload-8bit", "offload-fast", "offload-frugal")  # run when named in --contenders
+OPT_IN = ("offload-inbwd", "offload-8bit", "offload-fast", "offload-frugal",
+          "offload-nospec")  # run when named in --contenders
 DISTRIBUTED = ("offload", "offload-sync", "offload-inbwd", "offload-8bit", "offload-fast", "offload-frugal",
                "deepspeed")  # run under torchrun with --world-size 2
 ADAM_PROBE = {"offload-8bit": "probe-adam8bit"}  # the bound's optimizer term: a contender's own kernel, timed
@@ -392,7 +395,8 @@ def run_torch(s: Settings) -> dict:
     return out
 
 
-def run_offload(s: Settings, pipeline: bool, update_in_backward: bool = False, family: str = "adamw") -> dict:
+def run_offload(s: Settings, pipeline: bool, update_in_backward: bool = False, family: str = "adamw",
+                speculative: bool = True) -> dict:
     """offload.init with params and optimizer states on nvme; the model is built (and sharded) inside."""
     import offload
     import offload.telemetry
@@ -404,7 +408,8 @@ def run_offload(s: Settings, pipeline: bool, update_in_backward: bool = False, f
         dist.init_process_group("gloo")  # ours, so the per-rank stats can be gathered after the block
     cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path=s.nvme_dir, cpu_budget=s.cpu_budget,
                          device_budget=s.device_budget, compute_dtype="bf16", pipeline=pipeline, seed=s.seed,
-                         update_in_backward=update_in_backward, optimizer_states=family)
+                         update_in_backward=update_in_backward, optimizer_states=family,
+                         speculative_updates=speculative)
     with offload.init(cfg) as rt:
         model = model_from(s)  # forward runs in bf16 under the runtime: no autocast
         optimizer = {"adamw": offload.AdamW, "adamw8bit": offload.AdamW8bit}[family]
@@ -634,6 +639,7 @@ CHILDREN = {
     "offload-sync": lambda s: run_offload(s, pipeline=False),
     "offload-inbwd": lambda s: run_offload(s, pipeline=True, update_in_backward=True),
     "offload-8bit": lambda s: run_offload(s, pipeline=True, family="adamw8bit"),
+    "offload-nospec": lambda s: run_offload(s, pipeline=True, speculative=False),
     "offload-fast": lambda s: with_malloc("fast", lambda: run_offload(s, pipeline=True)),
     "offload-frugal": lambda s: with_malloc("frugal", lambda: run_offload(s, pipeline=True)),
     "deepspeed": run_deepspeed,
@@ -870,6 +876,7 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=2, help="micro-batch per rank")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clip", type=float, default=1.0, help="max gradient norm (1e9: never clips)")
     ap.add_argument("--cpu-budget", default=Settings.cpu_budget, help="offload's cpu_budget")
     ap.add_argument("--no-bound", action="store_true",
                     help="skip the bound's probes (they hold the model's states and a torch step in memory: "
@@ -891,7 +898,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown contender(s) {unknown}; choose from {CONTENDERS + OPT_IN}")
     base = Settings(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads, ff=args.ff, seq=args.seq,
                     batch=args.batch, world_size=args.world_size, warmup=args.warmup, steps=args.steps,
-                    threads=args.threads, seed=args.seed, cpu_budget=args.cpu_budget, device_budget=args.device_budget)
+                    threads=args.threads, seed=args.seed, cpu_budget=args.cpu_budget, device_budget=args.device_budget,
+                    clip=args.clip)
     procs = args.threads * (args.world_size if any(c in DISTRIBUTED for c in contenders) else 1)
     if procs > (os.cpu_count() or 1):
         print(f"# note: {procs} threads in all on {os.cpu_count()} cores (oversubscribed)", file=sys.stderr)

@@ -100,6 +100,14 @@ class Config:
       hyperparameters are set before the backward (an LR scheduler stepped after opt.step()), checkpoints are
       taken after opt.step(); a breach raises.
       See offload/zero/update/backward_updates.py.
+    speculative_updates: on by default; exact. At a step whose previous step did not clip, each unit's update
+      (its chunks whose optimizer states are on nvme and not resident) runs during the backward as if the clip
+      coefficient were 1.0, its new states written beside the old ones on nvme; opt.step() keeps them when the
+      coefficient is exactly 1.0 and hyperparameters did not change, else takes them back and updates from the
+      old states. Results are bitwise those of the exact path in every case; the optimizer's I/O moves under the
+      backward when clipping does not fire. Costs a spare nvme slot per speculated state (the optimizer states'
+      size again on nvme). rt.stats()["speculation"] counts commits and misses.
+      See offload/zero/update/speculation.py.
     activations: where the tensors autograd saves in a wrapped model's forward wait for the backward: "none"
       (default: on the compute device, as in plain PyTorch), "cpu" (the cpu tier, pinned), "nvme" (a swap file
       under nvme_path, through the cpu tier) or "auto" (each tensor to the cpu tier while it has room, to the swap
@@ -136,6 +144,7 @@ class Config:
     swap_checksums: bool = True
     machine: str | None = None
     update_in_backward: bool = False
+    speculative_updates: bool = True
     activations: str = "none"
     activations_min_size: str | int = "1MiB"
     optimizer_states: str = "adamw"
@@ -189,6 +198,9 @@ class Config:
         if not isinstance(self.update_in_backward, bool):
             raise ValueError("offload.Config.update_in_backward: expected True or False, got "
                              f"{self.update_in_backward!r}")
+        if not isinstance(self.speculative_updates, bool):
+            raise ValueError("offload.Config.speculative_updates: expected True or False, got "
+                             f"{self.speculative_updates!r}")
         if self.activations not in ACTIVATION_HOMES:
             raise ValueError(f"offload.Config.activations: {self.activations!r} is not one of {ACTIVATION_HOMES}")
         if self.activations == "nvme" and not self.nvme_path:

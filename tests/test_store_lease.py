@@ -134,3 +134,52 @@ def test_links_count_bytes_and_busy_time(store):
     after = store.stats()
     assert after["moved"]["nvme->cpu"] - before["moved"]["nvme->cpu"] == N * 4
     assert after["busy_s"]["nvme->cpu"] - before["busy_s"]["nvme->cpu"] >= 0.05  # includes the slow completion
+
+
+def _read(store, name):
+    lease = store.lease(name, "cpu", LeaseMode.READ)
+    try:
+        return lease.wait().clone()
+    finally:
+        lease.release().result()
+
+
+def test_exchange_slots_writes_beside_the_old_bytes_and_takes_the_write_back(store):
+    """A write that may be taken back (a speculative update): the shard's next write lands in the spare's slot,
+    the old bytes stay in the spare; exchanging again after the write restores them, checksums and all."""
+    x = torch.randn(N)
+    store.register("home", N, home="nvme", tier_class="optim", init=x).result()
+    store.register("spare", N, home="nvme", tier_class="optim").result()
+    lease = store.lease("home", "cpu", LeaseMode.UPDATE)
+    t = lease.wait()
+    store.exchange_slots("home", "spare")  # the bytes are in: the write-behind goes to the other slot
+    t.mul_(3)
+    lease.release().result()
+    assert torch.equal(_read(store, "home"), x * 3)  # kept: the write is the shard's value
+    assert torch.equal(_read(store, "spare"), x)  # and its old value beside it (checksum verified on read)
+    store.exchange_slots("home", "spare")  # taken back
+    assert torch.equal(_read(store, "home"), x)
+    assert torch.equal(_read(store, "spare"), x * 3)
+
+
+def test_exchange_slots_refuses_moves_in_flight_and_unlike_slots(store):
+    store.register("home", N, home="nvme", tier_class="optim", init=torch.randn(N)).result()
+    store.register("spare", N, home="nvme", tier_class="optim").result()
+    store.register("small", N // 2, home="nvme", tier_class="optim").result()
+    store.register("other", N, home="nvme", tier_class="params").result()
+    store.register("mem", N, home="cpu").result()
+    for bad in ("small", "other", "mem", "home"):
+        with pytest.raises(ValueError, match="exchange_slots"):
+            store.exchange_slots("home", bad)
+    with inject.delay(Queue.NVME_READ, 0.3):
+        lease = store.lease("home", "cpu", LeaseMode.READ)  # its read held in flight
+        with pytest.raises(Exception, match="in flight"):
+            store.exchange_slots("home", "spare")
+        lease.wait()
+    held = store.lease("spare", "cpu", LeaseMode.READ)
+    held.wait()
+    with pytest.raises(Exception, match="working copy"):
+        store.exchange_slots("home", "spare")  # the spare is not at rest
+    held.release().result()
+    lease.release().result()
+    store.exchange_slots("home", "spare")

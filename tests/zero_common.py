@@ -88,6 +88,10 @@ def make_llama(tie=True):
 def make_model(kind: str) -> nn.Module:
     if kind == "tiny":
         return TinyTransformer()
+    if kind == "tiny-wide":  # fp32 params that do not all stay resident in a small cpu budget: they page too
+        model = TinyTransformer(d=64)
+        nn.init.normal_(model.emb.weight, std=0.25)  # (unit-variance rows of 64 would make the tied head an
+        return model  # identity with a loss of 0)
     if kind == "llama":
         return make_llama()
     if kind.startswith("llama-ckpt"):  # HF's own activation checkpointing around every decoder layer
@@ -145,7 +149,13 @@ class Case:
     # Control flow that changes between steps (the runtime must notice, re-trace and stay exact):
     #   "skip"   block 1 does not run on odd steps     "accum"  step s runs 1 + s % accum micro-batches
     #   "eval"   a forward under no_grad (its loss compared too) before every step after the first
+    #   "skipstep" steps s % 3 == 1 end after the backward with zero_grad() and no opt.step() (a skipped step)
+    #   "lateeval" a forward under no_grad between every backward after the first and its opt.step()
     flow: str = ""
+    # clip only at steps s % 3 == 2 (max norm `clip`), never at the others (max norm 1e9: coefficient exactly 1):
+    # speculative updates commit, miss and resume (offload/zero/update/speculation.py)
+    clip_some: bool = False
+    chunk_size: str | None = None  # Config.chunk_size
     update_in_backward: bool = False  # Config.update_in_backward (offload_run only)
     reduce_dtype: str = "fp32"  # Config.reduce_dtype: "bf16" sums each rank's gradient rounded to bf16
     family: str = "adamw"  # the optimizer: adamw, adamw8bit or lion (offload's class; Config.optimizer_states)
@@ -156,12 +166,18 @@ class Case:
         return (f"{self.model}-{self.dtype}-p_{self.params}-o_{self.optimizer}"
                 f"{'-g_' + self.grads if self.grads != 'auto' else ''}-w{self.world}-acc{self.accum}"
                 f"{'-' + sync if self.accum > 1 else ''}{'-noclip' if self.clip is None or self.clip >= 1e9 else ''}"
+                f"{'-clipsome' if self.clip_some else ''}{'-chunk' + self.chunk_size if self.chunk_size else ''}"
                 f"{'-cpu' + self.cpu_budget if self.cpu_budget != '256MiB' else ''}"
                 f"{'-flow_' + self.flow if self.flow else ''}"
                 f"{'-update_in_backward' if self.update_in_backward else ''}"
                 f"{'-reduce_' + self.reduce_dtype if self.reduce_dtype != 'fp32' else ''}"
                 f"{'-' + self.family if self.family != 'adamw' else ''}"
                 f"{'-slow_' + self.delay.replace('=', '') if self.delay else ''}")
+
+
+def max_norm(case: Case, s: int) -> float:
+    """The clip threshold of the s-th clipped step."""
+    return case.clip if not case.clip_some or s % 3 == 2 else 1e9
 
 
 def optimizer_class(case: Case, reference: bool = False):
@@ -184,11 +200,21 @@ def _data(case: Case) -> torch.Tensor:
     return torch.randint(0, VOCAB, (case.steps, case.accum, case.world * MICRO, SEQ), generator=g)
 
 
-def _step_flow(case: Case, s: int) -> tuple[int, tuple, bool]:
-    """(micro-batches, blocks skipped, eval forward first) of step s."""
-    micro = 1 + s % case.accum if case.flow == "accum" else case.accum
-    skip = (1,) if case.flow == "skip" and s % 2 else ()
-    return micro, skip, case.flow == "eval" and s > 0
+@dataclasses.dataclass(frozen=True)
+class StepFlow:
+    micro: int  # micro-batches
+    skip: tuple  # blocks that do not run
+    evaluate: bool  # a forward under no_grad before the step's first
+    late_eval: bool  # a forward under no_grad between the backward and opt.step()
+    no_step: bool  # the step ends with zero_grad(), without opt.step()
+
+
+def _step_flow(case: Case, s: int) -> StepFlow:
+    return StepFlow(micro=1 + s % case.accum if case.flow == "accum" else case.accum,
+                    skip=(1,) if case.flow == "skip" and s % 2 else (),
+                    evaluate=case.flow == "eval" and s > 0,
+                    late_eval=case.flow == "lateeval" and s > 0,
+                    no_step=case.flow == "skipstep" and s % 3 == 1)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -202,7 +228,7 @@ def _clip(params, case: Case, norms: list) -> float:
     scaled by the previous step's coefficient instead (its stated bound; the first step is exact). Returns
     this step's norm."""
     if not case.update_in_backward or not norms:
-        return float(torch.nn.utils.clip_grad_norm_(params, case.clip))
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm(case, len(norms))))
     norm = float(torch.nn.utils.clip_grad_norm_(params, math.inf))  # (coefficient min(1, inf) = 1: unscaled)
     previous = torch.clamp(case.clip / (torch.tensor(norms[-1], dtype=torch.float32) + 1e-6), max=1.0)
     for p in params:
@@ -218,24 +244,28 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor, device: torc
     losses, snaps, norms = [], {}, []
     data = data.to(device)
     W = case.world
-    if case.flow and (case.dtype != "fp32" or case.model != "tiny"):
-        raise ValueError("control-flow cases run the fp32 tiny model")
+    if case.flow and (case.dtype != "fp32" or not case.model.startswith("tiny")):
+        raise ValueError("control-flow cases run an fp32 tiny model")
     if case.dtype == "fp32":
         model = model.to(device)
         opt = optimizer_class(case, reference=True)(param_groups(model.named_parameters()), lr=case.lr)
         for s in range(case.steps):
-            A, skip, evaluate = _step_flow(case, s)
-            if evaluate:
+            flow = _step_flow(case, s)
+            if flow.evaluate:
                 with torch.no_grad():
                     losses.append(compute_loss(model, data[s, 0], case.model).item())
             total = 0.0
-            for k in range(A):
-                loss = compute_loss(model, data[s, k], case.model, skip) / A
+            for k in range(flow.micro):
+                loss = compute_loss(model, data[s, k], case.model, flow.skip) / flow.micro
                 loss.backward()
                 total += loss.item()
-            if case.clip is not None:
-                norms.append(_clip([p for p in model.parameters() if p.requires_grad], case, norms))
-            opt.step()
+            if flow.late_eval:
+                with torch.no_grad():
+                    losses.append(compute_loss(model, data[s, 0], case.model).item())
+            if not flow.no_step:
+                if case.clip is not None:
+                    norms.append(_clip([p for p in model.parameters() if p.requires_grad], case, norms))
+                opt.step()
             opt.zero_grad()
             losses.append(total)
             snaps[s] = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
@@ -303,33 +333,39 @@ def offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str,
                          nvme_path=nvme_dir if "nvme" in (case.params, case.optimizer, case.grads) else None,
                          device_budget="256MiB", cpu_budget=case.cpu_budget, pipeline=pipeline,
                          update_in_backward=case.update_in_backward, reduce_dtype=case.reduce_dtype,
-                         optimizer_states=case.family)
+                         optimizer_states=case.family, chunk_size=case.chunk_size)
     losses, snaps, norms = [], {}, []
     mine = slice(rank * MICRO, (rank + 1) * MICRO)
     with offload.init(cfg) as rt:
         data = data.to(rt.device)
         rt.wrap(model)
         opt = optimizer_class(case)(param_groups(model.named_parameters()), lr=case.lr)
+        def evaluate(s):
+            with torch.no_grad():
+                seen = compute_loss(model, data[s, 0, mine], case.model).detach()
+            if world > 1:
+                dist.all_reduce(seen)
+            losses.append(seen.item() / world)
+
         for s in range(case.steps):
-            A, skip, evaluate = _step_flow(case, s)
-            if evaluate:
-                with torch.no_grad():
-                    seen = compute_loss(model, data[s, 0, mine], case.model).detach()
-                if world > 1:
-                    dist.all_reduce(seen)
-                losses.append(seen.item() / world)
+            flow = _step_flow(case, s)
+            if flow.evaluate:
+                evaluate(s)
             total = torch.zeros((), device=rt.device)
-            for k in range(A):
+            for k in range(flow.micro):
                 ctx = contextlib.nullcontext()
-                if k < A - 1:  # a micro-batch before the step's last
+                if k < flow.micro - 1:  # a micro-batch before the step's last
                     ctx = rt.no_sync() if case.no_sync else rt.accumulating()
                 with ctx:
-                    loss = compute_loss(model, data[s, k, mine], case.model, skip) / A
+                    loss = compute_loss(model, data[s, k, mine], case.model, flow.skip) / flow.micro
                     loss.backward()
                 total += loss.detach()
-            if case.clip is not None:
-                norms.append(float(rt.clip_grad_norm_(case.clip)))
-            opt.step()
+            if flow.late_eval:
+                evaluate(s)
+            if not flow.no_step:
+                if case.clip is not None:
+                    norms.append(float(rt.clip_grad_norm_(max_norm(case, len(norms)))))
+                opt.step()
             opt.zero_grad()
             if world > 1:
                 dist.all_reduce(total)
@@ -398,7 +434,8 @@ def _run_case(case: Case, nvme_dir: str) -> dict:
             "peak_cpu": stats["peak_resident_bytes"]["cpu"], "cpu_budget": stats["budgets"]["cpu"],
             "peak_device": stats["peak_resident_bytes"]["device"], "device_budget": stats["budgets"]["device"],
             "grads_tier": stats["grads_tier"],
-            "updated_in_backward": (stats["last_step"].get("clip") or {}).get("in_backward", 0)}
+            "updated_in_backward": (stats["last_step"].get("clip") or {}).get("in_backward", 0),
+            "speculation": stats["speculation"]}
 
 
 def worst_param_error(ours: dict, reference: dict) -> tuple[float, str]:

@@ -387,6 +387,27 @@ class TieredStore:
         kick()  # outside the lock: may run the move right here
         return fut
 
+    def exchange_slots(self, name, spare) -> None:
+        """Swap the swap-file slots (and their checksums) of two nvme-homed shards of one size and class, so
+        that `name`'s next write lands beside its last one, which `spare` then holds: a write that may have to be
+        taken back (exchange again, once it has landed, and `name` reads its old bytes). Metadata only, no I/O.
+        No move of either may be in flight: `spare` is at rest (no working copy), `name` at rest or holding a
+        working copy already read (a waited lease: its release writes into the new slot)."""
+        a, b = self._get(name), self._get(spare)
+        if a is b or a.home is not Tier.NVME or b.home is not Tier.NVME:
+            raise ValueError(f"exchange_slots({name!r}, {spare!r}): two distinct nvme-homed shards")
+        if (a.nbytes, a.tier_class) != (b.nbytes, b.tier_class):
+            raise ValueError(f"exchange_slots({name!r}, {spare!r}): {a.nbytes} B of {a.tier_class!r} against "
+                             f"{b.nbytes} B of {b.tier_class!r}: the slots must be alike")
+        with self._lock:
+            busy = [s.name for s in (a, b) if s.last is not None and not s.last.done()]
+            if busy or a.residency not in (R.NVME, R.CPU) or b.residency is not R.NVME:
+                raise StoreError(f"exchange_slots({name!r}, {spare!r}): a move is in flight or {spare!r} has a "
+                                 f"working copy ({a.residency.name}, {b.residency.name}, busy: {busy})")
+            a.swap, b.swap = b.swap, a.swap
+            a.slot, b.slot = b.slot, a.slot
+            a.digest, b.digest = b.digest, a.digest
+
     def swap_location(self, name) -> tuple[int, int] | None:
         """(file descriptor, offset) of an nvme-homed shard's swap slot (page-aligned, readable to the page after
         its bytes); None for another home. The slot holds the shard's value only while no working copy

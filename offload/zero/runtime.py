@@ -50,6 +50,7 @@ from .collectives import comm
 from . import placement
 from .activations import ActivationOffloader
 from .update.backward_updates import BackwardUpdates
+from .update.speculation import Speculation
 from .context import Counters, LaneContext, Lanes, UnitContext
 from .host_memory import peak_rss_bytes, rss_bytes, tune_malloc, untune_malloc
 from .lanes import WorkLane
@@ -114,8 +115,10 @@ class Runtime:
         self.last_checkpoint_seconds: float | None = None
         self.watchdog: Watchdog | None = None
         self.activations: ActivationOffloader | None = None  # Config.activations != "none"
-        self.backward_updates = BackwardUpdates(config.update_in_backward, self._queue_backward_update,
-                                                self.live_optimizers)
+        self.backward_updates = BackwardUpdates(
+            config.update_in_backward, self._queue_backward_update, self.live_optimizers,
+            Speculation(config.speculative_updates and config.pipeline, lambda: self.states, lambda: self.pipeline),
+            on_void=lambda unit: self.updates.taken_back(unit))
         self.updates: UpdatePath | None = None
 
     # ---- lifetime ---------------------------------------------------------------------------
@@ -168,7 +171,11 @@ class Runtime:
         self.pipeline = OptimizerPipeline(shared, read_ahead=placement.PIPELINE_CHUNKS - 1 if cfg.pipeline else 0)
         self.schedule = Schedule(shared, {}, self._reserve_bytes, prefetch=cfg.pipeline, gather_ahead=False,
                                  on_new_backward=self._on_new_backward, pipeline=self.pipeline,
-                                 states_in_backward=not cfg.update_in_backward,  # (the updates read them)
+                                 # updates queued in the backward read their own states: read the next ones
+                                 # under the forward then
+                                 updates_in_backward=self.backward_updates.expects_updates_in_backward,
+                                 plan_for_updates_in_backward=cfg.update_in_backward or cfg.speculative_updates,
+                                 before_gather=self.backward_updates.before_gather,
                                  activation_room=lambda: self.activations.cpu_demand if self.activations else 0)
         self.ctx = UnitContext(self.device, self.compute_dtype, self.group, gather_group, reduce_group, self.states,
                                lanes, self.meter, Counters(), schedule=self.schedule, streams=streams,
@@ -302,6 +309,7 @@ class Runtime:
         if self.activations is not None:
             self.activations.drain()
         self.pipeline.drop_states_read_ahead()  # whoever quiesces may read or replace those states whole
+        self.schedule.release_prefetched()  # (so may it the params: reads ahead issued as the updates ended)
         self.states.wait_moves()
 
     # ---- wrapping ---------------------------------------------------------------------------
@@ -453,6 +461,7 @@ class Runtime:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every unit's gradient (set_to_none=False: keep zero gradients, as torch)."""
+        self.backward_updates.void_all()  # a step skipped: speculative updates of its gradients are taken back
         for unit in self.units:
             unit.zero_grad(None, set_to_none)
         self.grad_scale = 1.0
@@ -467,6 +476,8 @@ class Runtime:
             if unit is None or getattr(p, "_offload_rt", None) is not self:
                 continue
             by_unit.setdefault(id(unit), (unit, set()))[1].add(p._offload_slot)
+        if by_unit:
+            self.backward_updates.void_all()  # as zero_grad()
         for unit, slots in by_unit.values():
             unit.zero_grad(slots, set_to_none)
 
@@ -488,8 +499,9 @@ class Runtime:
         with this step's clip coefficient."""
         self.updates.step(work, schema, self.grad_scale)
 
-    def _queue_backward_update(self, unit: ShardedUnit, runs: list, grad_scale: float, schema) -> None:
-        self.updates.queue_one(unit, runs, grad_scale, schema)  # (the backward's updates are built before the path)
+    def _queue_backward_update(self, unit: ShardedUnit, runs: list, grad_scale: float, schema, chunks):
+        # (the backward's updates are built before the path)
+        return self.updates.queue_one(unit, runs, grad_scale, schema, chunks)
 
     def check_schema(self, schema, who: str) -> None:
         """An optimizer of family `schema` joins: refused when it stores more per parameter than the placement
@@ -610,6 +622,7 @@ class Runtime:
             "last_step": self.step_stats.last,
             "memory": self._memory(s),
             "activations": self.activations.report() if self.activations is not None else None,
+            "speculation": self.backward_updates.speculation.report(),
         }
 
     def _memory(self, store_stats: dict) -> dict:

@@ -51,14 +51,19 @@ class Plan:
 
 class Schedule:
     def __init__(self, ctx: LaneContext, units_by_uid: dict, reserve_bytes, prefetch: bool, gather_ahead: bool,
-                 on_new_backward=lambda: None, pipeline=None, states_in_backward: bool = True,
+                 on_new_backward=lambda: None, pipeline=None, updates_in_backward=lambda: False,
+                 plan_for_updates_in_backward: bool = False, before_gather=lambda unit: None,
                  activation_room=lambda: 0):
         self.ctx = ctx
         self.activation_room = activation_room  # () -> cpu bytes the offloaded activations take (kept free)
         self.pipeline = pipeline  # OptimizerPipeline: reads the next update's states during the backward
         # the next update's first states are read while the backward computes; with the updates in the backward
-        # (Config.update_in_backward) the disk is idle under the forward instead: read them then, backward order
-        self.states_in_backward = states_in_backward
+        # (speculative, or Config.update_in_backward) the disk is idle under the forward instead: read them then,
+        # in backward order. () -> the next backward queues updates (asked as each pass starts)
+        self.updates_in_backward = updates_in_backward
+        # the plan's state read-ahead leaves the optimizer lane's working set free for updates in the backward
+        self.plan_for_updates_in_backward = plan_for_updates_in_backward
+        self.before_gather = before_gather  # (unit) -> None: before any gather is issued (speculation's void)
         self.on_new_backward = on_new_backward  # the runtime forgets the last clip coefficient
         self.units = units_by_uid  # uid -> ShardedUnit (the runtime adds units as it wraps models)
         self.reserve_bytes = reserve_bytes  # () -> cpu bytes the pipelines need besides what stays resident
@@ -92,6 +97,7 @@ class Schedule:
     def pre_forward(self, unit) -> None:
         unit.check_alive()
         self._close_failed_backward()
+        self.before_gather(unit)
         unit.unshard(async_op=True)  # its own gather first: the lane runs gathers in the order issued
         self.on_forward(unit)  # trace it; issue what the plan puts here (reads and the next gather)
         unit.wait_for_unshard()
@@ -99,6 +105,7 @@ class Schedule:
     def recompute(self, unit) -> None:
         """Activation checkpointing re-runs the unit's forward inside backward: it must be gathered."""
         unit.check_alive()
+        self.before_gather(unit)
         unit.unshard(async_op=True)
         self.on_backward(unit)
         unit.wait_for_unshard()
@@ -113,6 +120,7 @@ class Schedule:
             self.on_new_backward()
             # runs when the whole backward pass has finished: free what no post-backward freed
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+        self.before_gather(unit)
         unit.unshard(async_op=True)
         self.on_backward(unit)
         unit.wait_for_unshard()
@@ -145,14 +153,14 @@ class Schedule:
             return  # eval / generate under no_grad: not part of a training step's trace
         if self.state is not TrainingState.FORWARD:
             self._enter(TrainingState.FORWARD)
-            if not self.states_in_backward:
+            if self.updates_in_backward():
                 self._read_states_ahead(self.plan.trace.units(Phase.BACKWARD) if self.plan else [])
         self._use(Use(Phase.FORWARD, unit.uid))
 
     def on_backward(self, unit) -> None:
         if self.state is not TrainingState.BACKWARD:
             self._enter(TrainingState.BACKWARD)
-            if self.states_in_backward:  # the disk is idle while the backward computes
+            if not self.updates_in_backward():  # the disk is idle while the backward computes
                 self._read_states_ahead(self.plan.step_order if self.plan else [])
             elif self.pipeline is not None:
                 self.pipeline.prefer_forward_order(None)  # updates queued in the backward: oldest first
@@ -167,7 +175,7 @@ class Schedule:
             self.pipeline.read_states_ahead([self.units[u] for u in uids if u in self.units], self.plan.state_budget)
 
     def on_backward_end(self) -> None:
-        if not self.states_in_backward and self.pipeline is not None and self.plan is not None:
+        if self.updates_in_backward() and self.pipeline is not None and self.plan is not None:
             self.pipeline.prefer_forward_order(self.plan.step_order)  # the forward waits for its first units first
         self._backward_seen.clear()
         self._enter(TrainingState.IDLE)
@@ -190,7 +198,7 @@ class Schedule:
             return
         self._following = False  # the step left the plan: no more reads or gathers ahead this step
         self._matched = False
-        self._release_prefetched()
+        self.release_prefetched()
 
     def _total_wait(self) -> float:
         return sum(self.ctx.meter.snapshot().wait_s.values())
@@ -205,6 +213,7 @@ class Schedule:
             if j is not None:
                 nxt = self.units.get(plan.trace.uses[j].unit)
                 if nxt is not None and not nxt.fresh and nxt.state is not UnitState.FREED:
+                    self.before_gather(nxt)
                     nxt.unshard(async_op=True)
 
     def _read_ahead(self, read: Read) -> None:
@@ -250,7 +259,10 @@ class Schedule:
         for lease in self.take_prefetched(unit).values():
             lease.release()
 
-    def _release_prefetched(self) -> None:
+    def release_prefetched(self) -> None:
+        """Give back every param chunk read ahead (a use left the plan, or the runtime is made quiet: a reader of
+        whole shards then takes leases of its own, and two leases on one paged shard share its working copy,
+        which the first release frees)."""
         with self._lock:
             held, self._prefetched, self._prefetched_bytes = self._prefetched, {}, 0
             for uid in self.units:
@@ -290,7 +302,7 @@ class Schedule:
 
     def forget(self) -> None:
         """Drop the plan and everything read ahead (a quiet point: before a checkpoint, at close)."""
-        self._release_prefetched()
+        self.release_prefetched()
         if self.pipeline is not None:
             self.pipeline.drop_states_read_ahead()
         self.plan = None
@@ -300,7 +312,7 @@ class Schedule:
         with span("replan"):
             for lane in self.ctx.lanes.all():
                 lane.drain()  # residency changes below: nothing may be moving
-            self._release_prefetched()
+            self.release_prefetched()
             if self.pipeline is not None:
                 self.pipeline.drop_states_read_ahead()
             self.ctx.states.wait_moves()  # write-behinds too: what the cpu tier holds now is held for good
@@ -353,7 +365,7 @@ class Schedule:
             # the optimizer lane's share (working set and read-ahead) is idle between updates; so is the params'
             # read-ahead budget when no param is read ahead. Read during the forward (updates in the backward), the
             # lane's working set stays free: an update runs while later units' states wait in the read-ahead.
-            working_step = working.step if self.states_in_backward else 0
+            working_step = 0 if self.plan_for_updates_in_backward else working.step
             state_budget = working_step + step_ahead + (0 if any(needs) else read_budget) if self.prefetch else 0
             self.plan = Plan(trace, issue, planner.step_order(trace), resident, read_budget, state_budget, reserve)
             self.plans_made += 1

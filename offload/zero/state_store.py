@@ -179,6 +179,11 @@ class UnitStateStore:
         self._registered.add(spec.key)
         return fut
 
+    def exchange(self, spec: ShardSpec, spare: ShardSpec) -> None:
+        """Swap the nvme slots of `spec` and its registered `spare` (TieredStore.exchange_slots): `spec`'s next
+        write lands beside its last one, which the spare keeps until exchanged back."""
+        self.store.exchange_slots(spec.key, spare.key)
+
     def tier_for(self, spec: ShardSpec, use: Use) -> Tier:
         if use is Use.COMPUTE and self.device.type != "cpu":
             return Tier.DEVICE
@@ -200,6 +205,9 @@ class UnitStateStore:
     # ---- residency across steps ---------------------------------------------------------------
     def resident_keys(self) -> frozenset:
         return frozenset(self._resident)
+
+    def is_resident(self, spec: ShardSpec) -> bool:
+        return spec.key in self._resident
 
     def keep_resident(self, specs: list[ShardSpec]) -> None:
         """Hold these nvme-homed shards in the cpu tier from now on (their bytes read in once)."""

@@ -36,9 +36,10 @@ class ShardKey:
     unit: str  # the unit's stable id
     kind: StateKind | StoredState
     chunk: int
+    spare: bool = False  # the slot a speculative update writes beside the shard's (update/speculation.py)
 
     def __str__(self) -> str:
-        return f"{self.unit or '<root>'}/{self.kind.value}[{self.chunk}]"
+        return f"{self.unit or '<root>'}/{self.kind.value}[{self.chunk}]" + ("~spare" if self.spare else "")
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,12 @@ class ShardSpec:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+    def spare(self) -> "ShardSpec":
+        """The same shard's spare: a second nvme slot of its size, which a speculative update writes beside
+        the shard's own (exchanged with it, update/speculation.py)."""
+        return ShardSpec(ShardKey(self.key.unit, self.key.kind, self.key.chunk, spare=True), self.numel, self.dtype,
+                         Tier.NVME, self.tier_class)
 
 
 @dataclass

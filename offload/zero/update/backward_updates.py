@@ -1,9 +1,14 @@
-"""Config.update_in_backward (opt-in): each unit's AdamW update queued in the backward, when its gradient is final.
+"""Updates queued in the backward, each when its unit's gradient is final, in one of two modes.
 
-By default a unit's update waits for opt.step(), after the whole backward, because global-norm clipping
-needs every gradient first: the optimizer's nvme reads and writes then run while the disk would be idle
-only under the next forward, never under the backward. This mode queues unit u's update right after u's
-gradient reduce, so the update's I/O and the fused AdamW overlap the rest of the backward.
+Speculative (the default, Config.speculative_updates; speculation.py): at a step whose previous step did not
+clip, the updates run in the backward as if the coefficient were 1.0, their new states written beside the old;
+opt.step() keeps them if it is exactly 1.0, else takes them back and updates from the old states. Exact, bitwise,
+in every case; the contract below does not apply (a breach takes the updates back instead of raising).
+
+Config.update_in_backward (opt-in): by default a unit's update waits for opt.step(), after the whole backward,
+because global-norm clipping needs every gradient first: the optimizer's nvme reads and writes then run while
+the disk would be idle only under the next forward, never under the backward. This mode queues unit u's update
+right after u's gradient reduce, so the update's I/O and the fused AdamW overlap the rest of the backward.
 
 What it costs, stated: the clip coefficient of step t is not known during step t's backward, so an update
 queued there is scaled by step t-1's coefficient, min(1, max_norm / (norm_{t-1} + 1e-6)) (1 when step t-1
@@ -17,15 +22,18 @@ The contract, each breach raised where it is seen (never trained through):
   - the hyperparameters the update read during the backward (lr, betas, eps, weight decay, step counts)
     are those opt.step() sees: an LR scheduler steps after opt.step(); a change in between raises;
   - checkpoints and optimizer state dicts are taken after opt.step(), not between a backward and its step.
-The mode arms only with one offload optimizer over the runtime (each optimizer's step() ends a step of its
-own). Units with trained parameters outside it, or (with several ranks) that did not give every parameter a
-gradient on this rank, are updated at opt.step() as usual, with the same coefficient: whether a step is
-armed is decided from what every rank saw alike (the last step's reduces, which are collectives).
+Both modes arm only with one offload optimizer over the runtime (each optimizer's step() ends a step of its
+own), after a step whose backward reduced each unit once. Units with trained parameters outside it, or (with
+several ranks) that did not give every parameter a gradient on this rank, are updated at opt.step() as usual,
+with the same coefficient: whether a step is armed is decided from what every rank saw alike (the last step's
+reduces and clip coefficient, which are collectives).
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
+from .speculation import Speculation
 
 log = logging.getLogger("offload")
 
@@ -36,16 +44,22 @@ class Issued:
 
     unit: object  # ShardedUnit
     runs: tuple  # optimizer_pipeline.Run, captured when queued
+    speculative: object = None  # the UnitUpdate of a speculative update (speculation.py); None: update_in_backward's
 
 
 class BackwardUpdates:
     """The mode's bookkeeping for one runtime: when it is armed, which units it updated this step, and the
     clip coefficient it applies. Called from the training thread only (reduce hooks, clip, opt.step)."""
 
-    def __init__(self, enabled: bool, queue, optimizers):
+    def __init__(self, enabled: bool, queue, optimizers, speculation: Speculation, on_void=lambda unit: None):
         self.enabled = enabled
-        self._queue = queue  # (unit, runs, grad_scale, schema) -> None: queue one unit's update on the optimizer lane
+        # (unit, runs, grad_scale, schema, chunks) -> UnitUpdate: queue one unit's update on the optimizer lane
+        # (chunks: the indices a speculative update steps; None: an update_in_backward one, every chunk)
+        self._queue = queue
         self._optimizers = optimizers  # () -> the live offload optimizers of the runtime
+        self.speculation = speculation  # without update_in_backward: updates in the backward at steps that do not
+        #                                 clip, taken back if the step clips after all (speculation.py)
+        self._on_void = on_void  # (unit) -> None: a speculative update was taken back (drop what was read of it)
         self._previous_coef: float | None = None  # the last finished step's clip coefficient (None: no step yet)
         self._single_reduce = False  # the last finished step reduced every unit at most once
         self._armed: bool | None = None  # decided at this step's first reduce
@@ -56,21 +70,37 @@ class BackwardUpdates:
         self.last: dict | None = None  # the last step's coefficients, for rt.stats()
         self._warned = False
         self.accumulating = False  # inside rt.accumulating(): this backward is not its step's last
+        self._speculated = False  # this step's backward queued a speculative update
 
     @property
     def armed(self) -> bool:
-        """This step's updates are queued in the backward with the previous step's coefficient."""
+        """This step's updates are queued in the backward: with the previous step's coefficient
+        (update_in_backward), or speculatively with 1.0 (speculation.py)."""
         return bool(self._armed)
 
     def scale(self, exact: float) -> float:
-        """The clip coefficient every update of this step uses: the previous step's when armed, else `exact`."""
-        return self._previous_coef if self.armed else exact
+        """The clip coefficient the updates opt.step() queues use: the previous step's when update_in_backward
+        is armed, else `exact`."""
+        return self._previous_coef if self.armed and self.enabled else exact
+
+    def _may_arm(self) -> bool:
+        """Every condition of arming but the optimizer count: a step before, whose backward reduced each unit once,
+        and the mode on (speculation: that step did not clip)."""
+        return (self._previous_coef is not None and self._single_reduce
+                and (self.enabled or self.speculation.allowed()))
+
+    def expects_updates_in_backward(self) -> bool:
+        """The next backward will (most likely) queue updates: the schedule reads their states ahead under the
+        forward instead of the backward. Speculation: if the last step's did (some chunk qualified)."""
+        return self._may_arm() and (self.enabled or self.speculation.last_speculated)
 
     def on_reduce(self, unit) -> None:
         """Unit `unit`'s gradient reduce was just queued (its `grads` future is the reduce)."""
         if unit.uid in self._reduced:
             self._reduced_twice = True
-            if id(unit) in self.issued:
+            if id(unit) in self.issued and self.issued[id(unit)].speculative is not None:
+                self.void(unit)  # its gradient changes again: the step will update it from scratch
+            elif id(unit) in self.issued:
                 raise RuntimeError(
                     f"offload.Config.update_in_backward: {unit.label}'s gradient was reduced again after its update "
                     "ran in the backward (a second backward, or gradient accumulation outside rt.no_sync() / "
@@ -83,23 +113,53 @@ class BackwardUpdates:
         self._reduced.add(unit.uid)
         optimizers = self._optimizers() if self._armed is None or self._armed else []
         if self._armed is None:
-            self._armed = (self.enabled and self._previous_coef is not None and self._single_reduce
-                           and len(optimizers) == 1)
+            self._armed = self._may_arm() and len(optimizers) == 1
         if not self._armed:
             return
         opt = optimizers[0]
-        runs = opt.backward_runs(unit) if opt.holds_all_of(unit) else None
-        if runs:
-            self._queue(unit, runs, self._previous_coef, opt.schema)
+        runs = opt.backward_runs(unit, checked_at_step=not self.enabled) if opt.holds_all_of(unit) else None
+        if not runs:
+            return
+        if self.enabled:
+            self._queue(unit, runs, self._previous_coef, opt.schema, None)
             self.issued[id(unit)] = Issued(unit, tuple(runs))
+            return
+        chunks = self.speculation.chunks_for(unit)
+        if chunks:
+            update = self._queue(unit, runs, 1.0, opt.schema, chunks)  # as if the step does not clip
+            self.issued[id(unit)] = Issued(unit, tuple(runs), update)
+            self._speculated = True
 
     def on_clip(self, coefficient: float) -> None:
         self._clip_coef = coefficient
 
+    # ---- speculative updates taken back (speculation.py) ----------------------------------------------------
+    def void(self, unit) -> None:
+        """`unit`'s speculative update is taken back: its step is not coming for this backward's gradient."""
+        entry = self.issued.pop(id(unit))
+        self.speculation.void(entry.speculative)
+        self._on_void(unit)
+
+    def void_all(self) -> None:
+        for key in [k for k, e in self.issued.items() if e.speculative is not None]:
+            self.void(self.issued[key].unit)
+
+    def before_gather(self, unit) -> None:
+        """A gather of `unit` is about to be issued: one between its speculative update and opt.step() (a forward
+        or backward before the step: accumulation outside rt.accumulating(), eval, a skipped step) must read
+        the param as it was, so the update is taken back first."""
+        entry = self.issued.get(id(unit)) if self.issued else None
+        if entry is not None and entry.speculative is not None:
+            self.void(unit)
+
     def check_all_stepped(self, units) -> None:
         """opt.step() steps `units`: every unit the backward updated must be among them (else its update ran on
-        a gradient the step no longer sees, e.g. zero_grad() between backward and step)."""
-        missed = set(self.issued) - {id(u) for u in units}
+        a gradient the step no longer sees, e.g. zero_grad() between backward and step). A speculative update
+        is taken back instead."""
+        stepped = {id(u) for u in units}
+        for key in [k for k, e in self.issued.items() if e.speculative is not None and k not in stepped]:
+            self.void(self.issued[key].unit)
+        missed = set(self.issued) - stepped
         if missed:
             label = self.issued[next(iter(missed))].unit.label
             raise RuntimeError(
@@ -108,27 +168,40 @@ class BackwardUpdates:
                 "opt.step()). Leave the gradients alone between loss.backward() and opt.step(), or set "
                 "update_in_backward=False.")
 
-    def check_step(self, unit, runs) -> bool:
-        """opt.step() is about to update `unit` with `runs`: True when the backward already did (the same runs),
-        False when it is left to the step; raises when the backward's update read other hyperparameters."""
+    def check_step(self, unit, runs, coefficient: float) -> frozenset:
+        """opt.step() is about to update `unit` with `runs` and clip `coefficient`: the indices of its chunks the
+        backward already updated for good (empty: the step updates them all). update_in_backward: every chunk,
+        or raises when the backward's update read other hyperparameters. Speculative: the chunks it stepped if
+        the coefficient is exactly 1.0 and the runs are the same (commit), else none, once it is taken back
+        (miss)."""
         done = self.issued.get(id(unit))
         if done is None:
-            return False
+            return frozenset()
+        if done.speculative is not None:
+            if coefficient == 1.0 and tuple(runs) == done.runs:
+                self.speculation.counts.committed += 1
+                return done.speculative.chunks
+            self.speculation.undo(done.speculative)
+            self.speculation.counts.missed += 1
+            del self.issued[id(unit)]
+            return frozenset()
         if tuple(runs) != done.runs:
             raise RuntimeError(
                 f"offload.Config.update_in_backward: {unit.label} was updated during the backward with "
                 "hyperparameters or step counts that differ from those opt.step() sees now (an LR or weight decay "
                 "changed between loss.backward() and opt.step()). Change them before the backward (step LR "
                 "schedulers after opt.step()), or set update_in_backward=False.")
-        return True
+        return frozenset(c.index for c in unit.shards.chunks)
 
-    def end_step(self) -> None:
-        """opt.step() has queued every update of this step."""
+    def end_step(self, coefficient: float) -> None:
+        """opt.step() has queued every update of this step, with clip `coefficient` (rt.grad_scale)."""
+        exact = self._clip_coef if self._clip_coef is not None else 1.0
+        self.speculation.end_step(coefficient, speculated=self._speculated)
         if self.enabled:
-            exact = self._clip_coef if self._clip_coef is not None else 1.0
             self.last = {"applied": self.scale(exact), "exact": exact, "in_backward": len(self.issued)}
-            self._previous_coef = exact
-            self._single_reduce = not self._reduced_twice
+        self._previous_coef = exact
+        self._single_reduce = not self._reduced_twice
+        if self.enabled:
             if self._reduced_twice and not self._warned:
                 self._warned = True
                 log.warning("offload: Config.update_in_backward stays off while a step reduces a unit's gradient "
@@ -136,10 +209,12 @@ class BackwardUpdates:
                             "updates wait for opt.step(). Run the micro-batches before a step's last inside "
                             "`with rt.accumulating():` to use it.")
         self._armed, self._reduced, self._reduced_twice = None, set(), False
-        self.issued, self._clip_coef = {}, None
+        self.issued, self._clip_coef, self._speculated = {}, None, False
 
     def check_quiet(self, what: str) -> None:
-        """`what` reads optimizer states: refused between a backward that updated units and its opt.step()."""
+        """`what` reads optimizer states: between a backward that updated units and its opt.step(), speculative
+        updates are taken back (the states are the step's before); update_in_backward's are refused."""
+        self.void_all()
         if self.issued:
             raise RuntimeError(
                 f"offload: {what} was called between a backward whose updates already ran "

@@ -134,15 +134,17 @@ class ShardedOptimizer:
         mine = self._slot_index()
         return all((id(unit), slot.index) in mine for slot in unit.layout.slots if slot.requires_grad)
 
-    def backward_runs(self, unit) -> list[Run] | None:
-        """Config.update_in_backward: the runs opt.step() will give `unit` (captured now, in its backward), or
-        None to leave it to opt.step(): with several ranks, a parameter with no gradient here may have one on
-        another rank (opt.step() ORs the flags first), so only a unit whose every trained parameter got one."""
+    def backward_runs(self, unit, checked_at_step: bool = False) -> list[Run] | None:
+        """An update in the backward: the runs opt.step() will give `unit` (captured now), or None to leave it
+        to opt.step(). With several ranks, a parameter with no gradient here may have one on another rank
+        (opt.step() ORs the flags first), so only a unit whose every trained parameter got one, unless
+        `checked_at_step` (a speculative update: opt.step() compares the runs again and redoes a unit whose runs
+        differ)."""
         plan = self._unit_plan([unit])
         if not plan:
             return None
         trained = [s.index for s in unit.layout.slots if s.requires_grad]
-        if self.rt.world_size > 1 and not all(bool(unit.used[i]) for i in trained):
+        if self.rt.world_size > 1 and not checked_at_step and not all(bool(unit.used[i]) for i in trained):
             return None
         unit.check_requires_grad()
         return self._live_runs(unit, plan[0][1], ahead=1)

@@ -62,6 +62,12 @@ class UnitUpdate:
     grads_ready: cf.Future | None = None  # the last gradient work queued before step() (a later zero_grad
     #                                       waits for this update: reading unit.grads on the lane would deadlock)
     done: cf.Future = field(default_factory=cf.Future)
+    chunks: frozenset | None = None  # indices of the chunks this update steps (None: every chunk)
+    # speculative (speculation.py): the master and optimizer states are written beside their old bytes, in the
+    # shard's spare slot: `exchanged` lists the specs whose slots the lane exchanged, `written` their writes
+    speculative: bool = False
+    exchanged: list = field(default_factory=list)
+    written: list = field(default_factory=list)
 
     def runs_in(self, c: Chunk) -> list[tuple[int, int, Run]]:
         """(chunk-local lo, hi, run) for the runs that meet chunk c."""
@@ -144,6 +150,14 @@ class OptimizerPipeline:
         for lease in dropped:
             lease.release()
 
+    def give_back_read_ahead(self, keys) -> list[cf.Future]:
+        """Give back the states read ahead under `keys` (a speculative update taken back: what was read of its
+        new states is not the shard's value any more); their release futures. Safe beside a running lane: the
+        lane takes a read-ahead lease out of the table under the same lock, or leases afresh."""
+        with self._ahead_lock:
+            dropped = [self._ahead.pop(k)[0] for k in keys if k in self._ahead]
+        return [lease.release() for lease in dropped]
+
     def submit(self, updates: list[UnitUpdate]) -> None:
         """Queue the updates (in order) on the optimizer lane; each unit's `update` is its future. States read
         ahead for chunks they do not step are given back first."""
@@ -186,7 +200,8 @@ class OptimizerPipeline:
     def _run(self, updates: list[UnitUpdate], keep_read_ahead: bool) -> None:
         items: list[_Item] = []
         for u in updates:
-            mine = [_Item(u, c, u.runs_in(c), False) for c in u.unit.shards.chunks]
+            mine = [_Item(u, c, u.runs_in(c), False) for c in u.unit.shards.chunks
+                    if u.chunks is None or c.index in u.chunks]
             mine = [it for it in mine if it.runs]
             if mine:
                 mine[-1].last_of_unit = True
@@ -225,7 +240,9 @@ class OptimizerPipeline:
                 if item.last_of_unit:
                     item.update.done.set_exception(e)
                 continue
-            self._release(item)
+            written = self._release(item)
+            if item.update.speculative:
+                item.update.written.extend(written)  # a miss takes the slots back once these landed
             if item.last_of_unit:
                 item.update.done.set_result(None)
         if failed is not None:
@@ -279,6 +296,8 @@ class OptimizerPipeline:
         schema: Schema = u.unit.shards.schema
         name = f"{schema.name}:{u.unit.uid or '<root>'}[{item.chunk.index}]"
         t = {slot: lease.wait() for slot, lease in item.leases.items()}  # the kernel needs every state now
+        if u.speculative:
+            self._write_beside(item)
         inject.pause(Queue.OPTIMIZER)  # a slow kernel (tests)
         with self.ctx.meter.working(self.ctx.lanes.optimizer.lane, name):
             states = {s.name: t[s] for s in schema.states}
@@ -291,11 +310,23 @@ class OptimizerPipeline:
                 schema.step_chunk(t[StateKind.MASTER], t[StateKind.GRAD], states, out, a, b, r.hyper, r.step,
                                   u.grad_scale)
 
+    def _write_beside(self, item: _Item) -> None:
+        """A speculative update (speculation.py): its master and optimizer states are read (waited); exchange each
+        one's slot with its spare's, so the write-behind lands beside the old bytes, which the spare now holds."""
+        u, shards, states = item.update, item.update.unit.shards, self.ctx.states
+        for slot, kind, _ in self._wanted(item):
+            if slot is StateKind.MASTER or slot in shards.schema.states:
+                spec = shards.spec(kind, item.chunk)
+                if states.is_resident(spec):  # chosen when not resident; residency changes only at a step
+                    raise RuntimeError(f"offload: {spec.key} became resident under a speculative update")
+                states.exchange(spec, spec.spare())
+                u.exchanged.append(spec)
+
     @staticmethod
-    def _release(item: _Item) -> None:
-        for lease in item.leases.values():
-            lease.release()  # write-behind: the lane goes on; moves of one shard stay in order
-        item.leases.clear()
+    def _release(item: _Item) -> list:
+        out = [lease.release() for lease in item.leases.values()]  # write-behind: the lane goes on; moves of one
+        item.leases.clear()  # shard stay in order
+        return out
 
 
 def _zero_outside(t: torch.Tensor, runs: list) -> None:

@@ -8,8 +8,8 @@
            each unit: its states created at its first step (optim_states.register), anything read ahead of
            its shard dropped, and its UnitUpdate queued on the pipeline (optimizer_pipeline.py); a unit's next
            gather waits on its `update` future
-    a unit's reduce in the backward (Config.update_in_backward)
-      -> UpdatePath.queue_one(unit, runs, clip, schema)
+    a unit's reduce in the backward (speculative, or Config.update_in_backward: backward_updates.py)
+      -> UpdatePath.queue_one(unit, runs, clip, schema, chunks)
 
 It holds what it touches and nothing else: the rank, the schedule, the pipeline, the backward's updates and
 the step statistics (no back-pointer to the Runtime).
@@ -41,33 +41,46 @@ class UpdatePath:
         early = self.backward_updates
         scale = early.scale(grad_scale)
         early.check_all_stepped([unit for unit, _ in work])
-        done = [unit for unit, runs in work if early.check_step(unit, runs)]
-        updates = [self._update(unit, runs, scale, schema) for unit, runs in work if id(unit) not in early.issued]
-        order = self.schedule.before_step(done + [u.unit for u in updates])
+        updates = []
+        for unit, runs in work:
+            # the chunks the backward already updated for good (speculative ones: kept only if nothing clipped)
+            stepped = early.check_step(unit, runs, grad_scale)
+            rest = frozenset(c.index for c in unit.shards.chunks) - stepped
+            if rest:
+                updates.append(self._update(unit, runs, scale, schema, rest if stepped else None))
+        order = self.schedule.before_step([unit for unit, _ in work])  # (the trace: the same order every step)
         rank = {id(u): k for k, u in enumerate(order)}
         updates.sort(key=lambda u: rank[id(u.unit)])
         for u in updates:
             self._before_update(u.unit)
         self.pipeline.submit(updates)
         self.schedule.after_step()
-        early.end_step()
+        early.end_step(grad_scale)
         self.step_stats.end_step()
         if early.last is not None:
             self.step_stats.last["clip"] = early.last  # the coefficient applied and the step's own
 
-    def queue_one(self, unit, runs: list, grad_scale: float, schema: Schema) -> None:
-        """Config.update_in_backward: `unit`'s gradient is final (its reduce is queued): queue its update now."""
-        update = self._update(unit, runs, grad_scale, schema)
+    def queue_one(self, unit, runs: list, grad_scale: float, schema: Schema, chunks: frozenset | None) -> UnitUpdate:
+        """`unit`'s gradient is final (its reduce is queued): queue its update now, over every chunk
+        (Config.update_in_backward), or speculatively over `chunks` (speculation.py)."""
+        update = self._update(unit, runs, grad_scale, schema, chunks)
+        update.speculative = chunks is not None
         self._before_update(unit)
         self.pipeline.submit_one(update)
+        return update
 
-    def _update(self, unit, runs: list, grad_scale: float, schema: Schema) -> UnitUpdate:
+    def _update(self, unit, runs: list, grad_scale: float, schema: Schema, chunks: frozenset | None = None
+                ) -> UnitUpdate:
         first = optim_states.register(unit, schema)
         real = sum(p.hi - p.lo for p in unit.layout.pieces(self.rank))
         covered = sum(r.hi - r.lo for r in runs)
         overwrite = not unit.shards.master_is_param and covered == real
         return UnitUpdate(unit, runs, grad_scale, zero_moments=first, param_overwrite=overwrite,
-                          grads_ready=unit.grads)
+                          grads_ready=unit.grads, chunks=chunks)
+
+    def taken_back(self, unit) -> None:
+        """A speculative update of `unit` was taken back (its param rewritten): what was read of it goes."""
+        self._before_update(unit)
 
     def _before_update(self, unit) -> None:
         self.schedule.drop_prefetched(unit)  # nothing read ahead of a shard about to be written

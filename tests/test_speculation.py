@@ -1,0 +1,186 @@
+"""Speculative exact updates (Config.speculative_updates, offload/zero/update/speculation.py): a step that does not
+clip updates its nvme-paged states under the backward, a step that clips after all is redone from the old states,
+and every way a step can fail to come takes the updates back; in every case the results are those of the
+path without speculation, bit for bit. The parity grid (tests/test_zero_parity.py, speculation_cases) runs the
+same against plain PyTorch on 1 and 2 ranks with every queue slowed; these tests check the cases one at a time
+and what rt.stats() says about them."""
+import contextlib
+import logging
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+import offload
+from offload import inject
+from offload.telemetry import Queue
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero_common import TinyTransformer, compute_loss, one_torch_thread, token_ids  # noqa: E402
+
+NEVER = 1e9  # a max norm no gradient reaches: the clip coefficient is exactly 1.0
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    yield from one_torch_thread()
+
+
+def _config(nvme_path, speculate=True, **kw):
+    os.makedirs(nvme_path, exist_ok=True)
+    # bf16 compute, every state on nvme and a cpu budget that keeps little resident: the states page every step
+    kw = dict(params="nvme", optimizer="nvme", nvme_path=str(nvme_path), cpu_budget="128KiB",
+              device_budget="64MiB", compute_dtype="bf16", speculative_updates=speculate) | kw
+    return offload.Config(**kw)
+
+
+@contextlib.contextmanager
+def _training(nvme_path, speculate=True, layers=2, **kw):
+    torch.manual_seed(0)
+    model = TinyTransformer(layers=layers)
+    with offload.init(_config(nvme_path, speculate, **kw)) as rt:
+        rt.wrap(model)
+        yield rt, model, offload.AdamW(model.parameters(), lr=1e-2)
+
+
+def _step(rt, model, opt, s, max_norm=NEVER, before_step=lambda: None):
+    loss = compute_loss(model, token_ids(s), "tiny")
+    loss.backward()
+    before_step()
+    rt.clip_grad_norm_(max_norm)
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _run(nvme_path, speculate, steps, **kw):
+    """(losses, final full state dict, rt.stats()["speculation"]) of `steps`: [(max_norm, before_step(rt, model,
+    opt) or None)]."""
+    with _training(nvme_path, speculate, **kw) as (rt, model, opt):
+        losses = [_step(rt, model, opt, s, norm, (lambda: hook(rt, model, opt)) if hook else lambda: None)
+                  for s, (norm, hook) in enumerate(steps)]
+        final = rt.full_state_dict(model)
+        report = rt.stats()["speculation"]
+    return losses, final, report
+
+
+def _assert_same(a, b):
+    assert a[0] == b[0]  # every step's loss, bit for bit
+    assert a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def test_a_step_that_clips_after_speculating_is_redone_exactly(tmp_path):
+    """Three steps that do not clip (the second and third speculate and commit), one that clips (speculated, then
+    redone from the old states with its coefficient), one after it (no speculation: the last step clipped), and
+    speculation resumes. Every queue that a speculative update goes through is slowed."""
+    steps = [(NEVER, None)] * 3 + [(1e-3, None)] + [(NEVER, None)] * 3
+    with inject.delay(Queue.NVME_WRITE, 0.003), inject.delay(Queue.OPTIMIZER, 0.003):
+        fast = _run(tmp_path / "a", True, steps)
+    exact = _run(tmp_path / "b", False, steps)
+    _assert_same(fast, exact)
+    report = fast[2]
+    assert report["steps"] == 5  # steps 1, 2, 3, 5, 6: not 0 (nothing before it), not 4 (step 3 clipped)
+    per_step = report["committed"] // 4
+    assert per_step >= 1 and report["committed"] == 4 * per_step and report["missed"] == per_step, report
+    assert report["commit_rate"] == pytest.approx(0.8)
+    assert exact[2]["steps"] == 0 and not exact[2]["enabled"]
+
+
+def test_speculation_waits_while_steps_clip(tmp_path):
+    """A run that clips every step never speculates (no update is done twice)."""
+    with _training(tmp_path) as (rt, model, opt):
+        for s in range(4):
+            _step(rt, model, opt, s, max_norm=1e-3)
+        report = rt.stats()["speculation"]
+    assert report["steps"] == report["committed"] == report["missed"] == 0 and report["commit_rate"] is None
+
+
+@pytest.mark.parametrize("breach", ["state_dict", "eval_forward", "zero_grad_no_step"])
+def test_taken_back_when_the_step_does_not_come_first(tmp_path, breach):
+    """Between a speculating backward and its opt.step(): the optimizer's state dict (the states are read as they
+    were before the step), a forward under no_grad (it reads the params as they were), or zero_grad() with no
+    step at all (a skipped step). Each takes the updates back; the run stays bitwise the exact path's."""
+    def hook(rt, model, opt):
+        if breach == "state_dict":
+            opt.state_dict()
+        elif breach == "eval_forward":
+            with torch.no_grad():
+                compute_loss(model, token_ids(99), "tiny")
+        else:
+            opt.zero_grad()  # the step is skipped: clip and step below find no gradient and do nothing
+
+    steps = [(NEVER, None), (NEVER, None), (NEVER, hook), (NEVER, None), (NEVER, None)]
+    fast = _run(tmp_path / "a", True, steps)
+    _assert_same(fast, _run(tmp_path / "b", False, steps))
+    assert fast[2]["voided"] >= 1 and fast[2]["committed"] >= 1, fast[2]
+
+
+def test_taken_back_by_accumulation_outside_accumulating(tmp_path):
+    """A step of one micro-batch arms speculation; the next accumulates two micro-batches without
+    rt.accumulating(): the second forward gathers units the first backward already updated, so those updates are
+    taken back first (the params it reads are the old ones) and the step updates from scratch."""
+    def run(speculate):
+        with _training(tmp_path / str(speculate), speculate) as (rt, model, opt):
+            losses = [_step(rt, model, opt, 0), _step(rt, model, opt, 1)]
+            for k in (2, 3):  # two micro-batches, each reduced (no rt.no_sync(), no rt.accumulating())
+                loss = compute_loss(model, token_ids(k), "tiny") / 2
+                loss.backward()
+                losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+            losses.append(_step(rt, model, opt, 4))
+            return losses, rt.full_state_dict(model), rt.stats()["speculation"]
+
+    fast = run(True)
+    _assert_same(fast, run(False))
+    assert fast[2]["voided"] >= 1, fast[2]
+
+
+def test_the_updates_overlap_a_slow_backward(tmp_path):
+    """FSDP2's overlap test, for the default path: every block's backward made 30 ms slow (a sleep: compute the
+    cores are free for) and each unit's update 25 ms (one chunk each). Without speculation the 9 updates wait for
+    opt.step() and follow the backward (about 240 + 225 ms); with it, a step that does not clip updates under the
+    backward, and only the last two reduced (block 0, the root) follow it. Asserted as a ratio of the two runs
+    side by side, over the steps after the second (the first speculating step is the second)."""
+    def run(speculate):
+        torch.manual_seed(0)
+        model = TinyTransformer(layers=8)
+        for block in model.layers:
+            block.register_full_backward_hook(lambda *_: time.sleep(0.03))
+        times = []
+        with offload.init(_config(tmp_path / str(speculate), speculate)) as rt:
+            rt.wrap(model)
+            opt = offload.AdamW(model.parameters(), lr=1e-2)
+            with inject.delay(Queue.OPTIMIZER, 0.025):
+                for s in range(6):
+                    t0 = time.perf_counter()
+                    _step(rt, model, opt, s)
+                    times.append(time.perf_counter() - t0)
+            rt.quiesce()
+            report = rt.stats()["speculation"]
+        return sum(times[2:]), report
+
+    t_exact, _ = run(False)
+    t_fast, report = run(True)
+    assert report["steps"] == 5 and report["missed"] == 0 and report["committed"] >= 5 * 8, report
+    assert t_fast < 0.85 * t_exact, (t_fast, t_exact)  # measured here: 0.63-0.66
+
+
+def test_no_room_for_the_spare_slots_turns_it_off_with_one_warning(tmp_path, caplog):
+    """The spare slots take nvme budget beside the states (12 bytes per speculated bf16 parameter against the
+    states' 14): a budget with a little room above what the placement asks for the states turns speculation off
+    at the first spare it cannot hold, says so once, and trains the same."""
+    steps = [(NEVER, None)] * 4
+    exact = _run(tmp_path / "a", False, steps)
+    with _training(tmp_path / "b", False) as (rt, model, opt):
+        _step(rt, model, opt, 0)
+        states_bytes = rt.states.stats()["nvme"]["bytes_in_use"]
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        tight = _run(tmp_path / "c", True, steps, nvme_budget=int(states_bytes * 1.3))  # (the placement's check
+        # counts 18 bytes per parameter: the gradient's too)
+    _assert_same(tight, exact)
+    assert not tight[2]["enabled"]
+    warnings = [r for r in caplog.records if "speculative updates are off" in r.getMessage()]
+    assert len(warnings) == 1 and "nvme_budget" in warnings[0].getMessage()
