@@ -114,7 +114,7 @@ def test_plan_70b_on_one_node(tmp_path, capsys):
 
     def written(option) -> float:  # master + moments (and gradients when on nvme) beyond the host's room
         room = 0.8 * (1 << 40) / 8 - sum(option["tiers"]["cpu"].values())
-        states = option["tiers"]["nvme"]
+        states = {k: v for k, v in option["tiers"]["nvme"].items() if k != "spares"}  # (spare slots: no traffic)
         return 8 * max(0.0, sum(states.values()) - room) / 12e9
 
     assert plan["chosen"]["prediction"]["resources"]["nvme write"] == pytest.approx(written(plan["chosen"]))
@@ -135,9 +135,29 @@ def test_plan_update_in_backward(tmp_path, capsys):
     assert "predicted step" in capsys.readouterr().out
 
 
+def test_plan_speculative_updates(tmp_path, capsys):
+    """Speculative updates (Config.speculative_updates, the default): their spare slots count on nvme, the
+    optimizer states' size again (none with --no-speculative-updates); at steps that do not clip (--unclipped)
+    the step is predicted as with the update in the backward, which is what they do there, exactly."""
+    args = ["plan", "--model", "llama-70b", "--gpus", "8", "--gpu-mem", "80GiB", "--cpu-mem", "1TiB",
+            "--nvme-read", "25GB/s", "--nvme-write", "12GB/s", "--json", str(tmp_path / "p.json")]
+
+    def chosen(*extra):
+        assert main(args + list(extra)) == 0
+        return json.loads((tmp_path / "p.json").read_text())["chosen"]
+
+    default, without = chosen(), chosen("--no-speculative-updates")
+    nvme = default["tiers"]["nvme"]
+    assert nvme["spares"] == nvme["master"] + nvme["moments"] and "spares" not in without["tiers"]["nvme"]
+    unclipped, in_backward = chosen("--unclipped"), chosen("--update-in-backward")
+    assert unclipped["prediction"]["step_s"] == in_backward["prediction"]["step_s"] < default["prediction"]["step_s"]
+    assert chosen("--unclipped", "--no-speculative-updates")["prediction"]["step_s"] == default["prediction"]["step_s"]
+    capsys.readouterr()
+
+
 def test_plan_says_what_is_short(capsys):
     rc = main(["plan", "--model", "llama-70b", "--gpus", "1", "--gpu-mem", "24GiB", "--cpu-mem", "64GiB",
-               "--nvme-size", "200GiB"])
+               "--nvme-size", "1TiB"])  # (the states and the spare slots speculative updates write into)
     out = capsys.readouterr().out
     assert rc == 0
     assert "does NOT fit" in out and re.search(r"short on .*nvme by [0-9.]+ GiB", out)

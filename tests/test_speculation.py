@@ -8,7 +8,6 @@ import contextlib
 import logging
 import os
 import sys
-import time
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from offload import inject
 from offload.telemetry import Queue
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import TinyTransformer, compute_loss, one_torch_thread, token_ids  # noqa: E402
+from zero_common import TinyTransformer, compute_loss, one_torch_thread, slow_backward_steps, token_ids  # noqa: E402
 
 NEVER = 1e9  # a max norm no gradient reaches: the clip coefficient is exactly 1.0
 
@@ -145,22 +144,9 @@ def test_the_updates_overlap_a_slow_backward(tmp_path):
     backward, and only the last two reduced (block 0, the root) follow it. Asserted as a ratio of the two runs
     side by side, over the steps after the second (the first speculating step is the second)."""
     def run(speculate):
-        torch.manual_seed(0)
-        model = TinyTransformer(layers=8)
-        for block in model.layers:
-            block.register_full_backward_hook(lambda *_: time.sleep(0.03))
-        times = []
-        with offload.init(_config(tmp_path / str(speculate), speculate)) as rt:
-            rt.wrap(model)
-            opt = offload.AdamW(model.parameters(), lr=1e-2)
-            with inject.delay(Queue.OPTIMIZER, 0.025):
-                for s in range(6):
-                    t0 = time.perf_counter()
-                    _step(rt, model, opt, s)
-                    times.append(time.perf_counter() - t0)
-            rt.quiesce()
-            report = rt.stats()["speculation"]
-        return sum(times[2:]), report
+        seconds, stats = slow_backward_steps(_config(tmp_path / str(speculate), speculate), _step, steps=6,
+                                             update_s=0.025)
+        return seconds, stats["speculation"]
 
     t_exact, _ = run(False)
     t_fast, report = run(True)

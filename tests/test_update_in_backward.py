@@ -4,7 +4,6 @@ clipped with the previous step's coefficient, 1 and 2 ranks, slowed queues) is i
 import contextlib
 import os
 import sys
-import time
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ from offload import inject
 from offload.telemetry import Queue
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import TinyTransformer, compute_loss, one_torch_thread, small_config, token_ids  # noqa: E402
+from zero_common import (TinyTransformer, compute_loss, one_torch_thread, slow_backward_steps,  # noqa: E402
+                         small_config, token_ids)
 
 
 @pytest.fixture(autouse=True)
@@ -55,22 +55,8 @@ def test_the_updates_overlap_a_slow_backward(tmp_path):
     8 blocks: about 420 against 280 ms. Asserted as a ratio of the two runs, measured side by side, over the
     steps after the second (step 1's forward still waits for step 0's updates, queued by opt.step() in both)."""
     def run(in_backward):
-        torch.manual_seed(0)
-        model = TinyTransformer(layers=8)
-        for block in model.layers:
-            block.register_full_backward_hook(lambda *_: time.sleep(0.03))
-        times = []
-        with offload.init(_config(tmp_path, in_backward)) as rt:
-            rt.wrap(model)
-            opt = offload.AdamW(model.parameters(), lr=1e-2)
-            with inject.delay(Queue.OPTIMIZER, 0.02):
-                for s in range(5):
-                    t0 = time.perf_counter()
-                    _step(rt, model, opt, s)
-                    times.append(time.perf_counter() - t0)
-            rt.quiesce()
-            issued = rt.stats()["last_step"].get("clip", {}).get("in_backward", 0)
-        return sum(times[2:]), issued
+        seconds, stats = slow_backward_steps(_config(tmp_path, in_backward), _step, steps=5, update_s=0.02)
+        return seconds, stats["last_step"].get("clip", {}).get("in_backward", 0)
 
     t_default, _ = run(False)
     t_early, issued = run(True)

@@ -507,6 +507,34 @@ def one_torch_thread():
     torch.set_num_threads(n)
 
 
+def slow_backward_steps(cfg, step, steps: int, update_s: float, layers: int = 8, block_s: float = 0.03):
+    """FSDP2-style overlap runs: a TinyTransformer of `layers` blocks whose backward each sleeps `block_s` (compute
+    the cores are free for), every optimizer lane item `update_s` slow, trained `steps` steps under `cfg` with
+    step(rt, model, opt, s). (seconds the steps after the second took, rt.stats() after a quiesce)."""
+    import time
+
+    import offload
+    from offload import inject
+    from offload.telemetry import Queue
+
+    torch.manual_seed(0)
+    model = TinyTransformer(layers=layers)
+    for block in model.layers:
+        block.register_full_backward_hook(lambda *_: time.sleep(block_s))
+    times = []
+    with offload.init(cfg) as rt:
+        rt.wrap(model)
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        with inject.delay(Queue.OPTIMIZER, update_s):
+            for s in range(steps):
+                t0 = time.perf_counter()
+                step(rt, model, opt, s)
+                times.append(time.perf_counter() - t0)
+        rt.quiesce()
+        stats = rt.stats()
+    return sum(times[2:]), stats
+
+
 def small_config(**kw):
     """A cpu/cpu offload.Config with budgets that fit the tiny test models."""
     import offload

@@ -97,6 +97,7 @@ def plan_from_args(args: argparse.Namespace) -> dict:
     w = Workload(micro_batch=args.micro_batch, seq_len=args.seq_len if args.seq_len is not None else min(m.max_seq, 4096),
                  grad_accum=args.grad_accum, checkpointing=not args.no_checkpointing,
                  update_in_backward=args.update_in_backward, activations=args.activations,
+                 speculative_updates=not args.no_speculative_updates, unclipped=args.unclipped,
                  optimizer_states=args.optimizer_states)
     cap = capacity(parse_size(args.gpu_mem or dev["memory"], "--gpu-mem"), parse_size(args.cpu_mem, "--cpu-mem"),
                    parse_size(args.nvme_size, "--nvme-size") if args.nvme_size else None)
@@ -212,6 +213,11 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--update-in-backward", action="store_true",
                    help="model Config.update_in_backward (opt-in: each update under the backward, clipped by the "
                         "previous step's coefficient)")
+    p.add_argument("--unclipped", action="store_true",
+                   help="model steps whose gradient norm stays under the clip (most of a settled fine-tune): the "
+                        "default's speculative updates run under the backward, exactly")
+    p.add_argument("--no-speculative-updates", action="store_true",
+                   help="model Config.speculative_updates=False (no spare nvme slots; every update waits for the step)")
     p.add_argument("--activations", choices=("none", "cpu", "nvme", "auto"), default="none",
                    help="model Config.activations: the saved activations wait in host memory or on nvme instead of "
                         "the GPU, or (auto) in host memory where they fit there, else on nvme (default none)")

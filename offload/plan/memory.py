@@ -67,6 +67,8 @@ class Workload:
     grad_accum: int = 1
     checkpointing: bool = True
     update_in_backward: bool = False  # Config.update_in_backward: the update runs under the last backward
+    speculative_updates: bool = True  # Config.speculative_updates: a spare nvme slot per paged optimizer state
+    unclipped: bool = False  # steps whose norm stays under the clip: speculative updates run under the backward
     activations: str = "none"  # Config.activations: where saved activations wait (none: on the device)
     optimizer_states: str = "adamw"  # Config.optimizer_states: the optimizer family (its schema's bytes)
 
@@ -149,6 +151,8 @@ def tier_bytes(m: ModelSpec, w: Workload, ranks: int, place: Placement, sb: Stat
     out["device"]["activations"] = activation_bytes(m, w)
     if w.activations != "none":  # one micro-batch's at a time (each backward takes its own back)
         out[w.activations]["activations"] = offloaded_activation_bytes(m, w)
+    if place.optimizer == "nvme" and w.speculative_updates:  # what a speculative update writes beside the old
+        out["nvme"]["spares"] = states["master"] + states["moments"]
     out["device"]["gathered"] = gathered_bytes(m, sb.params)
     if "nvme" in (place.params, place.optimizer):
         # staging: the lanes' working copies (about four units' shards, read-ahead included)

@@ -30,7 +30,8 @@ clipping needs every gradient before any update, and each unit's next gather wai
                     nvme reads + the update's nvme traffic, all-gathers, cpu adam)
 (the update runs under the next step's first forward, unit by unit). With Config.update_in_backward (opt-in:
 clipped by the previous step's coefficient) each unit's update runs as soon as its gradient is final, so it
-spreads over the last backward and the next first forward:
+spreads over the last backward and the next first forward; so do the default's speculative updates at steps
+that do not clip (Workload.unclipped; exact):
     last     = the last forward + backward + the update, each resource's seconds summed: max(compute,
                pcie, nvme, collectives, cpu adam)
     step     = (grad_accum - 1) x (forward + backward) + last
@@ -187,7 +188,8 @@ def predict(m: ModelSpec, w: Workload, place: Placement, mc: Machine, sb: StateB
     rs = coll * 4 * m.params / mc.interconnect_Bps  # fp32 gradient reduce-scatter
 
     a = w.grad_accum
-    fwd, bwd, step = phases(mv, a, w.update_in_backward, c_fwd, c_bwd, ag, rs)
+    in_backward = w.update_in_backward or (w.unclipped and w.speculative_updates)  # (the same phases, exact)
+    fwd, bwd, step = phases(mv, a, in_backward, c_fwd, c_bwd, ag, rs)
     resources = {
         "compute": a * compute,
         "pcie": a * (mv.pcie_fwd + mv.pcie_bwd + 2 * mv.act_pcie) + mv.pcie_upd,

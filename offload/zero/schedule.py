@@ -384,11 +384,13 @@ class Schedule:
                 f.result()
 
     def _nvme_specs(self) -> list:
-        """Every registered nvme-homed shard of every unit, in unit order."""
+        """Every registered nvme-homed shard of every unit, in unit order, chunk by chunk: the residency plan
+        breaks ties in this order, so a chunk's master and moments (alike per byte) stay resident together or
+        page together, and a paged chunk's update can run in the backward (update/speculation.py)."""
         out = []
         for unit in self.units.values():
-            for kind in unit.shards.kinds():
-                for c in unit.shards.chunks:
+            for c in unit.shards.chunks:
+                for kind in unit.shards.kinds():
                     spec = unit.shards.spec(kind, c)
                     if spec.home is Tier.NVME and self.ctx.states.has(spec):
                         out.append(spec)
