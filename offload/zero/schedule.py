@@ -160,10 +160,10 @@ class Schedule:
     def on_backward(self, unit) -> None:
         if self.state is not TrainingState.BACKWARD:
             self._enter(TrainingState.BACKWARD)
+            if self.pipeline is not None:
+                self.pipeline.prefer_forward_order(None)  # updates queued in the backward: oldest first
             if not self.updates_in_backward():  # the disk is idle while the backward computes
                 self._read_states_ahead(self.plan.step_order if self.plan else [])
-            elif self.pipeline is not None:
-                self.pipeline.prefer_forward_order(None)  # updates queued in the backward: oldest first
         if unit.uid in self._backward_seen:
             return  # a unit's backward use is its first need in the pass (pre-backward or recompute)
         self._backward_seen.add(unit.uid)

@@ -16,6 +16,8 @@ the step statistics (no back-pointer to the Runtime).
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
+import threading
 from dataclasses import dataclass
 
 from ...optim.schema import Schema
@@ -53,7 +55,16 @@ class UpdatePath:
         updates.sort(key=lambda u: rank[id(u.unit)])
         for u in updates:
             self._before_update(u.unit)
-        self.pipeline.submit(updates)
+        if early.armed:  # the backward queued updates, still running: with these, one at a time, the one the next
+            # forward needs first (a unit's chunks held resident wait for no I/O: not behind the others' I/O)
+            self.pipeline.prefer_forward_order([u.uid for u in order])
+            for u in updates:
+                speculated = u.unit.update  # (a unit's speculative update and the rest of its chunks: both)
+                self.pipeline.submit_one(u)
+                if u.chunks is not None and speculated is not None:
+                    u.unit.update = _both(speculated, u.done)
+        else:
+            self.pipeline.submit(updates)
         self.schedule.after_step()
         early.end_step(grad_scale)
         self.step_stats.end_step()
@@ -88,3 +99,23 @@ class UpdatePath:
             unit.wait_for_unshard()  # a gather ahead that the step did not use: it read the shard, let it land first
         if unit.state is UnitState.UNSHARDED:
             unit.stale = True  # persistent units re-gather before their next use
+
+
+def _both(a: cf.Future, b: cf.Future) -> cf.Future:
+    """A future that resolves once `a` and `b` have (with the first failure, if either fails)."""
+    out: cf.Future = cf.Future()
+    lock = threading.Lock()  # (the two callbacks may run at once, on two threads)
+
+    def settle(_):
+        with lock:
+            if not (a.done() and b.done()) or out.done():
+                return
+            failed = next((f.exception() for f in (a, b) if f.exception() is not None), None)
+            if failed is not None:
+                out.set_exception(failed)
+            else:
+                out.set_result(None)
+
+    a.add_done_callback(settle)
+    b.add_done_callback(settle)
+    return out
