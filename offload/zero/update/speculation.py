@@ -44,7 +44,7 @@ log = logging.getLogger("offload")
 
 @dataclass
 class SpeculationCounts:
-    """Cumulative, per unit update (rt.stats()["speculation"])."""
+    """Cumulative counts for rt.stats()["speculation"]: steps that speculated, and unit updates by outcome."""
 
     steps: int = 0  # steps whose backward speculated
     committed: int = 0  # unit updates that stood at opt.step()
