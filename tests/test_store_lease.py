@@ -183,3 +183,24 @@ def test_exchange_slots_refuses_moves_in_flight_and_unlike_slots(store):
     held.release().result()
     lease.release().result()
     store.exchange_slots("home", "spare")
+
+
+def test_two_leases_share_a_working_copy_until_the_last_release(store):
+    """Two leases of one paged shard share its working copy: the first release must not free it under the
+    second (its buffer would go to the next shard read, and the second holder would read that shard's bytes).
+    An UPDATE holder's release writes home while a reader still holds the copy."""
+    x, y = torch.randn(N), torch.randn(N)
+    store.register("a", N, home="nvme", init=x).result()
+    store.register("b", N, home="nvme", init=y).result()
+    first = store.lease("a", "cpu", LeaseMode.UPDATE)
+    second = store.lease("a", "cpu", LeaseMode.READ)
+    first.wait().add_(1)
+    first.release().result()  # written home; the copy stays for `second`
+    assert store.residency("a") is R.CPU
+    other = store.lease("b", "cpu", LeaseMode.READ)  # would take the freed buffer
+    assert torch.equal(other.wait(), y)
+    assert torch.equal(second.wait(), x + 1)
+    other.release().result()
+    second.release().result()
+    assert store.residency("a") is R.NVME and store.stats()["cpu"]["bytes_in_use"] == 0
+    assert torch.equal(_read(store, "a"), x + 1)

@@ -9,7 +9,8 @@
 Issue and wait are separate calls, as FSDP2's unshard(async_op) / wait_for_unshard. The tensor is valid
 from wait() until release(); after release() the holder must not touch it (the write-behind reads it, and
 its buffer goes back to the tier's budget once the write is over). Moves of one shard run in the order
-they were asked for, so a lease taken after a release of the same shard sees the released bytes.
+they were asked for, so a lease taken after a release of the same shard sees the released bytes. Leases of
+one shard held at once share its working copy, which is freed after the last of them is released.
 """
 from __future__ import annotations
 
@@ -85,5 +86,5 @@ class Lease:
                     and self._ready.exception() is None):
                 retire(self._ready.result())  # read or written on the holder's stream: reused only after it
             writeback = self.mode is not LeaseMode.READ
-            self._released = self.store.release(self.key, writeback=writeback)
+            self._released = self.store.release_lease(self.key, writeback=writeback)
         return self._released

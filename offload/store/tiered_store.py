@@ -145,6 +145,7 @@ class _Shard:
     target: Tier | None = None  # where the working copy will be once queued moves ran (None: home only)
     last: cf.Future | None = None  # the last move queued for this shard
     digest: int | None = None  # XXH3-64 of the slot's bytes as last written (StoreConfig.checksums)
+    leases: int = 0  # leases handed out and not released: they share the working copy (freed after the last)
 
 
 def _view(block, s: _Shard) -> torch.Tensor:
@@ -351,7 +352,21 @@ class TieredStore:
             if block:
                 raise
             return None
+        s = self._get(name)
+        with self._lock:
+            s.leases += 1
         return Lease(self, name, Tier(tier), mode, ready)
+
+    def release_lease(self, name, writeback: bool) -> cf.Future:
+        """A lease's release (Lease.release): as release(), but while another lease of the shard is held (they
+        share its working copy) the copy stays, written home first if `writeback`."""
+        s = self._get(name)
+        with self._lock:
+            s.leases = max(0, s.leases - 1)
+            shared = s.leases > 0
+        if shared:
+            return self.writeback(name) if writeback else resolved()
+        return self.release(name, writeback=writeback)
 
     def writeback(self, name, timeout: float | None = None) -> cf.Future:
         """Future[None]: copy the working copy to the home copy (no-op without a working copy)."""
