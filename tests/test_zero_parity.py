@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import Case, _step_flow, inblock_values_check, run_case, transformers_available  # noqa: E402
+from zero_common import Case, step_flow, inblock_values_check, run_case, transformers_available  # noqa: E402
 
 TIERS = ("device", "cpu", "nvme")
 
@@ -150,7 +150,7 @@ def check(result, case):
     assert result["peak_cpu"] <= result["cpu_budget"] and result["peak_device"] <= result["device_budget"], result
     tol = (1e-5 if case.world == 1 else 2e-5) if case.dtype == "fp32" else 1e-4
     tols = QUANTIZED_TOL if case.family == "adamw8bit" else {"loss": tol, "param": tol, "norm": tol}
-    skipped = sum(_step_flow(case, s).no_step for s in range(case.steps))
+    skipped = sum(step_flow(case, s).no_step for s in range(case.steps))
     assert result["steps"] == case.steps - skipped and case.steps >= 10
     assert result["loss_err"] <= tols["loss"], result
     assert result["param_err"] <= tols["param"], result

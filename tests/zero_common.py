@@ -209,7 +209,7 @@ class StepFlow:
     no_step: bool  # the step ends with zero_grad(), without opt.step()
 
 
-def _step_flow(case: Case, s: int) -> StepFlow:
+def step_flow(case: Case, s: int) -> StepFlow:
     return StepFlow(micro=1 + s % case.accum if case.flow == "accum" else case.accum,
                     skip=(1,) if case.flow == "skip" and s % 2 else (),
                     evaluate=case.flow == "eval" and s > 0,
@@ -250,7 +250,7 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor, device: torc
         model = model.to(device)
         opt = optimizer_class(case, reference=True)(param_groups(model.named_parameters()), lr=case.lr)
         for s in range(case.steps):
-            flow = _step_flow(case, s)
+            flow = step_flow(case, s)
             if flow.evaluate:
                 with torch.no_grad():
                     losses.append(compute_loss(model, data[s, 0], case.model).item())
@@ -348,7 +348,7 @@ def offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str,
             losses.append(seen.item() / world)
 
         for s in range(case.steps):
-            flow = _step_flow(case, s)
+            flow = step_flow(case, s)
             if flow.evaluate:
                 evaluate(s)
             total = torch.zeros((), device=rt.device)

@@ -309,7 +309,7 @@ class Runtime:
         if self.activations is not None:
             self.activations.drain()
         self.pipeline.drop_states_read_ahead()  # whoever quiesces may read or replace those states whole
-        self.schedule.release_prefetched()  # (so may it the params: reads ahead issued as the updates ended)
+        self.schedule.release_prefetched()  # (and the params: reads ahead issued as the updates ended)
         self.states.wait_moves()
 
     # ---- wrapping ---------------------------------------------------------------------------

@@ -260,9 +260,8 @@ class Schedule:
             lease.release()
 
     def release_prefetched(self) -> None:
-        """Give back every param chunk read ahead (a use left the plan, or the runtime is made quiet: a reader of
-        whole shards then takes leases of its own, and two leases on one paged shard share its working copy,
-        which the first release frees)."""
+        """Give back every param chunk read ahead (a use left the plan, or the runtime is made quiet: whoever
+        quiesces may replace shards whole, a checkpoint load, and bytes read ahead before that would be stale)."""
         with self._lock:
             held, self._prefetched, self._prefetched_bytes = self._prefetched, {}, 0
             for uid in self.units:
