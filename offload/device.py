@@ -11,6 +11,7 @@ code. On the CPU every stream is None and every event call is a no-op, so the or
     wait(done, device)                   # the current stream waits for it (the host does not)
     sync(done)                           # the host waits for it (a lane, for bytes it reads next)
     retire(t)                            # t was used on the current stream: the allocator reuses it after
+    take_peak_allocated(device)          # the most the compute device's allocator held since the last call
 
 Why record_stream (retire): a tensor allocated on one stream and read on another must not be handed out
 again by the caching allocator until the reader's stream has passed its use. Freeing it after a wait is not
@@ -24,7 +25,7 @@ import threading
 
 import torch
 
-__all__ = ["compute_device", "bind_thread", "Streams", "record", "wait", "sync", "retire"]
+__all__ = ["compute_device", "bind_thread", "Streams", "record", "wait", "sync", "retire", "take_peak_allocated"]
 
 
 def compute_device() -> torch.device:
@@ -112,3 +113,18 @@ def retire(t: torch.Tensor | None) -> None:
     this stream has passed what is queued now (no-op off CUDA)."""
     if t is not None and t.is_cuda and t.untyped_storage().nbytes():
         t.record_stream(torch.cuda.current_stream(t.device))
+
+
+def take_peak_allocated(device: torch.device) -> int | None:
+    """The most the compute device's allocator had handed out since the last call (a step's device peak: the
+    device tier's blocks, gathered units, activations, autograd's buffers), the window restarted now. CUDA:
+    max_memory_allocated, whose peak statistics this resets (as DeepSpeed's see_memory_usage does). CPU: the
+    host pool's window peak (tensors of 128 KiB and up; None when the pool is not torch's CPU allocator; the
+    device tier's own region is not in it there, it is reported as that tier's occupancy)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+    from .store import host_pool
+
+    return host_pool.take_window_peak() if host_pool.installed() else None

@@ -1,7 +1,8 @@
 """The host pool (csrc/memory/host_pool.cpp, offload/store/host_pool.py): torch's CPU allocator while a runtime
 computes on the CPU. A freed block is reused by the next request of its size class, what it maps stays within its
-peak in use plus the headroom (huge-page blocks evicted first), tensors that outlive it free to the OS, small and raw allocations keep working, threads with
-delays and fork() neither corrupt nor deadlock it, and the training it serves is bit for bit the same."""
+peak in use plus the headroom (huge-page blocks evicted first), tensors that outlive it free to the OS, small and
+raw allocations keep working, threads with delays and fork() neither corrupt nor deadlock it, the training it
+serves is bit for bit the same, and its window peak (a step's) restarts where it is taken."""
 from __future__ import annotations
 
 import os
@@ -79,6 +80,22 @@ def test_what_the_pool_maps_stays_within_its_peak_in_use_plus_the_headroom(pool)
     s = host_pool.stats()
     assert s["hits"] > 200 and s["unmaps"] > 0, s  # reuse, and the bound did evict
     assert host_pool.trim() == s["cached_bytes"] and host_pool.stats()["cached_bytes"] == 0
+
+
+def test_the_window_peak_is_the_most_in_use_since_it_was_last_taken(pool):
+    """take_window_peak(): a step's peak, restarted from what is in use at each call, apart from the peak that
+    sizes the cache (which it leaves alone)."""
+    kept = torch.empty(2 * MiB, dtype=torch.uint8)
+    host_pool.take_window_peak()
+    base = host_pool.stats()["in_use_bytes"]
+    burst = [torch.empty(5 * MiB, dtype=torch.uint8) for _ in range(3)]
+    del burst
+    small = torch.empty(MiB, dtype=torch.uint8)
+    assert host_pool.take_window_peak() == base + 15 * MiB
+    assert host_pool.take_window_peak() == base + MiB  # the window restarted from what was in use: `small`
+    overall = host_pool.stats()["peak_in_use_bytes"]
+    assert overall >= base + 15 * MiB  # untouched by the windows
+    del small, kept
 
 
 def test_huge_page_blocks_are_evicted_before_small_ones(pool):

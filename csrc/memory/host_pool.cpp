@@ -55,6 +55,7 @@ size_t size_class(size_t n) {
 
 struct Stats {
   size_t in_use = 0, cached = 0, peak_in_use = 0, peak_mapped = 0;
+  size_t window_peak_in_use = 0;  // the peak since take_window_peak() last restarted it (a step's, say)
   uint64_t hits = 0, misses = 0, maps = 0, unmaps = 0, small = 0;  // small: read from small_ by stats()
 };
 
@@ -93,6 +94,13 @@ class HostPool final : public c10::Allocator {
     evict_to(0);
     stats_.peak_in_use = stats_.in_use;
     return before;
+  }
+
+  size_t take_window_peak() {  // the peak in use since the last call, restarted from what is in use now
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t peak = stats_.window_peak_in_use;
+    stats_.window_peak_in_use = stats_.in_use;
+    return peak;
   }
 
   Stats stats() {
@@ -156,7 +164,7 @@ class HostPool final : public c10::Allocator {
       lru_of(size).erase(it);
       stats_.cached -= size;
       stats_.in_use += size;
-      stats_.peak_in_use = std::max(stats_.peak_in_use, stats_.in_use);
+      note_peak();
       ++stats_.hits;
       live_.emplace(p, size);
       return p;
@@ -173,11 +181,16 @@ class HostPool final : public c10::Allocator {
                   " bytes are in use by the pool. Lower the batch size or sequence length, or the cpu_budget.");
     }
     stats_.in_use += size;
-    stats_.peak_in_use = std::max(stats_.peak_in_use, stats_.in_use);
+    note_peak();
     evict_to(cache_limit());  // a new class at the peak: blocks of other classes make room
     stats_.peak_mapped = std::max(stats_.peak_mapped, stats_.in_use + stats_.cached);
     live_.emplace(p, size);
     return p;
+  }
+
+  void note_peak() {  // under mu_, after in_use grew
+    stats_.peak_in_use = std::max(stats_.peak_in_use, stats_.in_use);
+    stats_.window_peak_in_use = std::max(stats_.window_peak_in_use, stats_.in_use);
   }
 
   void* map(size_t size) {
@@ -271,6 +284,8 @@ void register_host_pool(pybind11::module_& m) {
   m.def("host_pool_installed", [] { return HostPool::get().installed(); });
   m.def("host_pool_trim", [] { return HostPool::get().trim(); },
         "Unmap every cached block and restart the peak in use from now; the bytes released");
+  m.def("host_pool_take_window_peak", [] { return HostPool::get().take_window_peak(); },
+        "The most the pool had in use since the last call (a step's peak), restarted from what is in use now");
   m.def("host_pool_size_class", &size_class, py::arg("nbytes"), "The block size a request of nbytes takes");
   m.def("host_pool_stats", [] {
     Stats s = HostPool::get().stats();

@@ -6,6 +6,8 @@
     release()           the last holder gives torch its previous allocator back and the cache to the OS
     stats()             in use, cached, their peaks, hits and misses
     trim()              the cache back to the OS now, the peak in use restarted (after loading a model, say)
+    take_window_peak()  the most in use since the last call (a step's peak, what a GPU's max_memory_allocated
+                        would say of the same tensors), restarted from what is in use now
 
 Why a pool: a step frees and re-allocates the same transients every step (activations, autograd's gradients,
 gathered units, reduce outputs). glibc either maps each one fresh and faults its pages in again every step, or
@@ -83,6 +85,13 @@ def trim() -> int:
     """Unmap every cached block now and restart the peak in use from what is in use; the bytes given back."""
     mod = _ext.get()
     return mod.host_pool_trim() if mod is not None else 0
+
+
+def take_window_peak() -> int | None:
+    """The bytes in use at the pool's busiest since the last call (None without the extension); the window
+    restarts from what is in use now. Independent of stats()' peak, which sizes the cache."""
+    mod = _ext.get()
+    return mod.host_pool_take_window_peak() if mod is not None else None
 
 
 def size_class(nbytes: int) -> int:

@@ -189,7 +189,8 @@ class Runtime:
                 self.states.store, self.device, homes, cfg.bytes_of("activations_min_size"), lane,
                 self.meter, reserve=self._lanes_host_bytes, is_param=self._holds_parameter_bytes,
                 setting=cfg.activations)
-        self.step_stats = StepStats(self.meter, self.states, self.ctx.counters, log_every=cfg.log_every)
+        self.step_stats = StepStats(self.meter, self.states, self.ctx.counters, self.device,
+                                    log_every=cfg.log_every)
         self.updates = UpdatePath(self.group.rank, self.schedule, self.pipeline, self.backward_updates, self.step_stats)
         # a module was built: the next forward may need to materialize it
         self._capture = ConstructionCapture(on_module=self._note_module,
