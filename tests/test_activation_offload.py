@@ -4,7 +4,8 @@ same run without offload (a transformers Llama with and without gradient checkpo
 accumulation, the synchronous path, 2 ranks, a slow activation lane), that something really moved and nothing is
 left in the store after the step, the budgets (a cpu tier with no room keeps the tensors where they are and still
 trains), swap slots reused step after step, a forward without a backward cleaned up, bad settings named, and a
-killed run's activation swap removed by the next start."""
+killed run's activation swap removed by the next start, and the compute device's peak against block sizes (flat
+in depth when offloaded, also with a slow lane)."""
 import contextlib
 import os
 import signal
@@ -22,17 +23,19 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import offload  # noqa: E402
 from offload import inject  # noqa: E402
+from offload.device import take_peak_allocated  # noqa: E402
+from offload.store import host_pool  # noqa: E402
 from offload.store.swap_file import page_bytes  # noqa: E402
 from offload.telemetry import Queue  # noqa: E402
-from offload.zero.activations import ActivationKey  # noqa: E402
+from offload.zero.activations import OUT_WINDOW, READ_AHEAD, ActivationKey  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero_common import run_torchrun  # noqa: E402
 
 
-def llama(layers: int = 3) -> LlamaForCausalLM:
+def llama(layers: int = 3, hidden: int = 64) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+    return LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=hidden, intermediate_size=2 * hidden,
                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2))
 
 
@@ -45,25 +48,25 @@ def checkpoint_blocks(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def batches(n: int, rank: int = 0):
+def batches(n: int, rank: int = 0, seq: int = 64):
     g = torch.Generator().manual_seed(100 + rank)
-    return [torch.randint(0, 300, (4, 64), generator=g) for _ in range(n)]
+    return [torch.randint(0, 300, (4, seq), generator=g) for _ in range(n)]
 
 
 def train(tmp, activations="none", checkpointing=True, compute_dtype="fp32", accumulate=1, steps=3, pipeline=True,
-          cpu_budget="256MiB", min_size="16KiB", rank=0):
-    """Losses, final fp32 weights and rt.stats() of `steps` AdamW steps of a small Llama."""
+          cpu_budget="256MiB", min_size="16KiB", rank=0, layers=3, hidden=64, seq=64):
+    """Losses, final fp32 weights and rt.stats() of `steps` AdamW steps of a small Llama (batch 4 x seq)."""
     cfg = offload.Config(params="cpu", optimizer="nvme", nvme_path=str(tmp), cpu_budget=cpu_budget,
                          device_budget="256MiB", compute_dtype=compute_dtype, pipeline=pipeline,
                          activations=activations, activations_min_size=min_size)
     with offload.init(cfg) as rt:
-        model = llama()
+        model = llama(layers, hidden)
         if checkpointing:
             checkpoint_blocks(model)
         model.train()
         opt = offload.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
         losses = []
-        data = batches(steps * accumulate, rank)
+        data = batches(steps * accumulate, rank, seq)
         for step in range(steps):
             for micro in range(accumulate):
                 ids = data[step * accumulate + micro].to(rt.device)
@@ -145,6 +148,67 @@ def test_a_full_cpu_tier_keeps_the_tensors_where_they_are(tmp_path, reference):
     acts, peak = run[2]["activations"], run[2]["peak_resident_bytes"]["cpu"]
     assert acts["kept_bytes"] > 0 and acts["in_store"] == 0
     assert peak <= run[2]["budgets"]["cpu"]
+
+
+# The compute device's peak against block sizes (FSDP2's memory tests). With checkpointing, what a block leaves
+# saved for the backward is its input: BLOCK_INPUT bytes (batch 4 x seq x hidden, fp32), a pool size class of its
+# own above the host pool's 128 KiB floor, so on the CPU the pool counts it exactly as CUDA's allocator would.
+PEAK_SEQ, PEAK_HIDDEN = 256, 128
+BLOCK_INPUT = 4 * PEAK_SEQ * PEAK_HIDDEN * 4
+
+
+def allocated(device) -> int:
+    """What the compute device's allocator has handed out now (CPU: the host pool's blocks in use)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else host_pool.stats()["in_use_bytes"]
+
+
+def device_peaks(tmp, activations, layers, slow_lane=0.0, steps=3):
+    """(forward, backward) peaks of the compute device's allocator in the last step, above what it held before
+    the run: the forward's read here, the backward's and the step's from rt.stats() (its window starts where this
+    one ends)."""
+    cfg = offload.Config(params="cpu", optimizer="nvme", nvme_path=str(tmp), cpu_budget="256MiB",
+                         device_budget="256MiB", activations=activations, activations_min_size="256KiB")
+    base = allocated(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    with offload.init(cfg) as rt, inject.delay(Queue.ACTIVATION, slow_lane) if slow_lane else contextlib.nullcontext():
+        if take_peak_allocated(rt.device) is None:
+            pytest.skip("the host pool is not torch's CPU allocator here (no C++ extension)")
+        model = llama(layers, PEAK_HIDDEN)
+        checkpoint_blocks(model)
+        opt = offload.AdamW(model.parameters(), lr=1e-3)
+        for ids in batches(steps, seq=PEAK_SEQ):
+            ids = ids.to(rt.device)
+            take_peak_allocated(rt.device)  # the forward's window starts here
+            loss = model(input_ids=ids, labels=ids).loss
+            forward = take_peak_allocated(rt.device) - base
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            backward = rt.stats()["last_step"]["device_peak_bytes"] - base
+        acts = rt.stats()["activations"]
+    if activations != "none":
+        assert acts["moved_tensors"] > 0 and acts["kept_bytes"] == 0, acts
+    return forward, backward
+
+
+def test_offloaded_activations_hold_the_device_peak_whatever_the_depth(tmp_path):
+    """Left in place, a checkpointed model's device peak grows by a block's input per layer, in the forward and in
+    the backward. Offloaded (cpu tier; nvme with a slow lane), 8 layers peak within a 2-layer model's in-place peak
+    plus what the offloader may hold by design (OUT_WINDOW originals waiting for their copies out in the forward,
+    READ_AHEAD tensors back early in the backward) and one block's parameters (a deeper model has one more block
+    gathered ahead). The slow lane is what the forward's window is for: without it
+    the forward piles up every block's input while the copies lag."""
+    unit = sum(p.numel() for p in llama(1, PEAK_HIDDEN).model.layers[0].parameters()) * 4  # a block's fp32 params
+    peaks = {}
+    for activations, layers, slow in (("none", 2, 0), ("none", 8, 0), ("cpu", 8, 0), ("nvme", 8, 0.02)):
+        (tmp_path / f"{activations}{layers}").mkdir()
+        peaks[activations, layers] = device_peaks(tmp_path / f"{activations}{layers}", activations, layers, slow)
+    for phase, name in enumerate(("forward", "backward")):
+        grown = peaks["none", 8][phase] - peaks["none", 2][phase]
+        assert grown >= 6 * BLOCK_INPUT - BLOCK_INPUT // 2, (name, peaks)  # each block's input held, 6 more blocks
+        held = OUT_WINDOW if phase == 0 else READ_AHEAD
+        bound = peaks["none", 2][phase] + held * BLOCK_INPUT + unit  # (8 layers: one more block gathered ahead)
+        for home in ("cpu", "nvme"):
+            assert peaks[home, 8][phase] <= bound, (name, home, peaks)
 
 
 @pytest.mark.parametrize("delay", [None, Queue.NVME_WRITE])

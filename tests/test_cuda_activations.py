@@ -15,7 +15,8 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_common import record_figure  # noqa: E402
-from test_activation_offload import assert_same, train  # noqa: E402
+from test_activation_offload import (  # noqa: E402
+    assert_same, test_offloaded_activations_hold_the_device_peak_whatever_the_depth as device_peak_test, train)
 
 from offload import inject  # noqa: E402
 from offload.telemetry import Queue  # noqa: E402
@@ -35,3 +36,10 @@ def test_offloaded_activations_on_the_gpu_train_bitwise_as_without(tmp_path, hom
     assert acts["moved_tensors"] > 0 and acts["kept_bytes"] == 0 and acts["in_store"] == 0
     record_figure("activations_gpu", home=home, compute_dtype=compute_dtype, **{k: acts[k] for k in
                   ("moved_bytes", "moved_tensors", "read_ahead_hits", "wait_s")})
+
+
+def test_the_device_peak_on_the_gpu_holds_whatever_the_depth(tmp_path):
+    """The CPU suite's device-peak test (max_memory_allocated against block sizes) on the GPU, where the device
+    memory it bounds is what activation offload is for."""
+    assert torch.cuda.is_available()
+    device_peak_test(tmp_path)

@@ -23,7 +23,13 @@ are removed from the store as soon as they are back (their swap slots are reused
 Where the bytes are, per saved tensor (`_Ticket`): OUT (the lane is copying it, piece by piece, into the store;
 the original is held by that work) -> STORED (the store holds its pieces: cpu tier or swap file; or, when the lane
 found no room after all, `kept`: the original itself) -> BACK (the lane has copied the pieces into a fresh
-compute-device tensor and removed their shards) -> the tensor belongs to autograd. A ticket whose handle autograd
+compute-device tensor and removed their shards) -> the tensor belongs to autograd (the ticket keeps no reference:
+it is freed with its node's saved variables, as an unmoved one would be).
+
+The compute device's peak, by design: the forward holds at most OUT_WINDOW originals whose copies out are
+unfinished (past that it waits, so a slow lane or disk cannot pile them up), the backward at most READ_AHEAD
+tensors back early; a checkpointed model's peak is then its states' working set plus one block's activations
+plus those, whatever its depth (tests/test_activation_offload.py asserts it against block sizes). A ticket whose handle autograd
 dropped unused (a forward without backward) has its shards removed by the lane. Counters (`stats`) are written
 by both threads, under the lock.
 """
@@ -45,6 +51,7 @@ from ..device import record, retire, sync, wait
 from ..ops.copy import copy_ as host_copy
 from ..store import LeaseMode
 from ..store.arena import ArenaFullError
+from ..store.lease import resolved
 from ..store.residency import Tier
 from ..store.swap_file import SwapSpaceError, page_bytes
 from ..telemetry import Queue
@@ -54,6 +61,8 @@ __all__ = ["ActivationKey", "ActivationOffloader", "READ_AHEAD", "WRITE_WINDOW"]
 
 READ_AHEAD = 2  # saved tensors brought back ahead of the one autograd asks for (bounds the device memory it takes)
 WRITE_WINDOW = 4  # pieces written to nvme at once: bounds the staging the copies out take from the cpu tier
+OUT_WINDOW = 2  # saved tensors whose copies out are unfinished at once: the forward waits past that, so a slow
+#                 lane (a slow disk behind it) cannot pile the originals up on the compute device
 MIN_PIECE_BYTES = 1 << 20  # a piece is at least this (or the store's staging slot, when larger)
 
 
@@ -68,6 +77,9 @@ class ActivationKey:
     piece: int = 0
 
 
+_HANDED_OVER = resolved(None)  # ticket.back once the tensor is autograd's
+
+
 @dataclass(eq=False)
 class _Ticket:
     keys: list  # ActivationKey per piece
@@ -75,7 +87,8 @@ class _Ticket:
     nbytes: int
     home: Tier  # where its pieces live: the cpu tier or the swap file
     out: cf.Future | None = None  # resolves once every piece is in the store (the lane's copy out)
-    back: cf.Future | None = None  # the lane's copy back into a fresh tensor: issued once, by unpack or read-ahead
+    back: cf.Future | None = None  # the lane's copy back into a fresh tensor: issued once, by unpack or read-ahead;
+    #                                _HANDED_OVER once autograd has it (the ticket outlives it: no reference kept)
     kept: torch.Tensor | None = None  # the lane found no room after all: the tensor itself, never moved
 
 
@@ -125,6 +138,8 @@ class ActivationOffloader:
         self._seen = WeakIdKeyDictionary()  # tensor -> (its version, handle): one copy of a tensor saved twice
         self._dropped: collections.deque = collections.deque()  # tickets autograd dropped (appended by finalizers)
         self._writes: collections.deque = collections.deque()  # the lane's write-behinds in flight (nvme), oldest first
+        self._outs: collections.deque = collections.deque()  # copies out not known finished, oldest first (training
+        #                                                      thread): each holds its original on the device
         self._lock = threading.Lock()
         self._forward_demand = 0  # cpu-tier bytes this forward's saved tensors took or wanted (training thread)
         self._forward_window = 0  # and the staging of its writes to the swap file
@@ -214,12 +229,26 @@ class ActivationOffloader:
             return t
         ready = record(self.device)  # the forward's kernels that wrote t, queued before this point
         ticket.out = self.lane.submit("activation out", self._copy_out, ticket, t, ready)
+        self._bound_outs(ticket.out)
         saved = _Saved(ticket, t.shape, t.dtype)
         weakref.finalize(saved, self._dropped.append, ticket)  # autograd dropped it: its shard goes (flush_dropped)
         self._seen[t] = (t._version, weakref.ref(saved))
         with self._lock:
             self._order.setdefault(self._forward_no, []).append(weakref.ref(saved))
         return saved
+
+    def _bound_outs(self, out: cf.Future) -> None:
+        """At most OUT_WINDOW copies out unfinished: past that, the forward waits for the oldest (its original is
+        then freed), so what the forward holds on the device is bounded whatever the lane's speed."""
+        self._outs.append(out)
+        while self._outs and self._outs[0].done():
+            self._outs.popleft()
+        while len(self._outs) > OUT_WINDOW:
+            oldest = self._outs.popleft()
+            if not oldest.done():
+                with self.meter.waiting(Queue.ACTIVATION):
+                    cf.wait([oldest])  # the lane is OUT_WINDOW tensors behind: its original must go before more pile up
+            # a failure is raised where the backward asks for the tensor (its copy back), not in the forward
 
     def _claim(self, index: int, t: torch.Tensor, nbytes: int) -> _Ticket | None:
         """Shards for `t`'s pieces in the first of `homes` with room now, or None when none has."""
@@ -306,7 +335,9 @@ class ActivationOffloader:
                 cf.wait([fut])  # autograd needs this tensor now
         t = fut.result()
         retire(t)  # made on the lane's stream, used and freed on this one
-        saved.value = t
+        with self._lock:
+            saved.value = t  # held as long as autograd holds `saved` (its node's saved variables), no longer:
+            ticket.back = _HANDED_OVER  # the future would keep t alive in the ticket past the node's backward
         return t
 
     def _bring_back(self, saved: _Saved) -> cf.Future:
@@ -379,6 +410,7 @@ class ActivationOffloader:
 
     def drain(self) -> None:
         """Wait for every copy and removal asked for so far (raises the first failure)."""
+        self._outs.clear()
         self.flush_dropped()
         self.lane.drain()
 
