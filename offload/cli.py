@@ -53,22 +53,31 @@ def _cmd_env(args: argparse.Namespace) -> int:
 def _host_memory_info() -> dict:
     """What the budgets are sized against: host memory (capped by the cgroup's limit), how much may be
     page-locked (the cpu arena is mlock'ed when it fits under RLIMIT_MEMLOCK, else registered with CUDA or left
-    pageable), and the NUMA nodes pinned pages could land on."""
+    pageable), the NUMA nodes pinned pages could land on, each GPU's node, and the node the first rank's arena
+    will prefer (None: the kernel's default placement). A running job says what it pinned and where in
+    rt.stats()["memory"]["pinned"]."""
     import resource
 
-    from .store import format_bytes, host_memory
+    import torch
+
+    from .device import compute_device
+    from .store import format_bytes, host_memory, numa
 
     total, available = host_memory()
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    try:
-        nodes = sorted(p for p in os.listdir("/sys/devices/system/node") if p.startswith("node"))
-    except OSError:
-        nodes = []
-    return {
+    info = {
         "host_memory": f"{format_bytes(total)} total, {format_bytes(available)} available (cgroup limit included)",
         "memlock_limit": "unlimited" if soft == resource.RLIM_INFINITY else format_bytes(soft),
-        "numa_nodes": len(nodes) or 1,
+        "numa_nodes": len(numa.online_nodes()),
     }
+    if torch.cuda.is_available():
+        info["gpu_numa_nodes"] = {f"cuda:{i}": numa.gpu_node(torch.device("cuda", i))
+                                  for i in range(torch.cuda.device_count())}
+    try:
+        info["arena_numa_node"] = numa.arena_node(compute_device())  # this process's (LOCAL_RANK's GPU)
+    except ValueError as exc:  # OFFLOAD_NUMA_NODE set wrong: env is where a user looks
+        info["arena_numa_node"] = str(exc)
+    return info
 
 
 def build_parser() -> argparse.ArgumentParser:

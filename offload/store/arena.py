@@ -5,7 +5,7 @@
     blk = arena.alloc(nbytes, slot=S)      # a short-lived buffer: S bytes (>= nbytes), first fit
     t = blk.view(torch.bfloat16, numel)    # or blk.tensor (uint8, exactly nbytes)
     blk.free()                             # or `with arena.alloc(n) as blk:`
-    arena.bytes_in_use, arena.peak_bytes, arena.locked, arena.lock_kind
+    arena.bytes_in_use, arena.peak_bytes, arena.locked, arena.lock_kind, arena.numa_node
     arena.close()                          # unlocks / unregisters and drops the allocation
 
 Why one allocation: torch's pinned allocator rounds every block up to a power of two and pins each
@@ -19,6 +19,7 @@ lock=True locks regardless of the soft limit where the process may (root / CAP_I
 otherwise; lock=False never locks. pin_memory() is never called: CPU-only torch refuses it. Both locks fault
 every page in on one thread before pinning it; the arena faults them in first from several threads
 (prefault(): MADV_POPULATE_WRITE on 256 MiB segments), so a 100+ GiB arena pins in a fraction of the time.
+numa_node=N: its pages prefer that NUMA node (numa.py: mbind before the first touch), the GPU's socket.
 
 Free ranges are kept sorted by offset; a free coalesces with both neighbours, so a fully freed arena
 is one free range again. `alloc` waits on a condition variable for a free(), so a buffer is only handed
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import numa
 from .sizes import format_bytes, parse_size
 
 __all__ = ["PinnedArena", "ArenaBlock", "ArenaFullError", "ArenaBusyError", "ALIGN"]
@@ -135,7 +137,8 @@ class ArenaBlock:
 class PinnedArena:
     """See the module docstring."""
 
-    def __init__(self, capacity: int | str, *, lock: bool | str = "auto", name: str = "arena"):
+    def __init__(self, capacity: int | str, *, lock: bool | str = "auto", name: str = "arena",
+                 numa_node: int | None = None):
         self.capacity = _round_up(parse_size(capacity, "capacity"))
         self.name = name
         self._cv = threading.Condition()
@@ -149,9 +152,15 @@ class PinnedArena:
         self.lock_kind = "none"
         self.lock_error: str | None = None
         self.prefault_s: float | None = None  # seconds the parallel pre-fault before locking took (None: not done)
+        self.numa_node: int | None = None  # the node its pages prefer (numa.py), None: the kernel's default
+        self.numa_error: str | None = None  # why a node asked for is not set
         self._raw = _page_aligned_bytes(self.capacity)  # one allocation
         self.buffer = self._raw
         self.base_ptr = self.buffer.data_ptr()
+        if numa_node is not None and self.capacity:
+            # before any page is touched (the pre-fault and the lock fault them all in): they land on the node
+            self.numa_error = numa.prefer(self.base_ptr, self.capacity, numa_node)
+            self.numa_node = numa_node if self.numa_error is None else None
         if self.capacity:
             self._free_offsets = [0]
             self._free_sizes = {0: self.capacity}

@@ -69,6 +69,7 @@ from ..device import wait as device_wait
 from ..ops.copy import copy_ as _host_copy
 from .. import inject
 from ..telemetry import Queue
+from . import numa
 from .arena import ArenaBusyError, ArenaFullError, PinnedArena
 from .budget import DeviceTier, resolve_budget
 from .lease import Lease, LeaseMode, resolved
@@ -108,6 +109,7 @@ class StoreConfig:
     rank: int = 0  # names the swap files: rank{rank}-{tier_class}.swap
     device: str | None = None  # compute device; default "cuda" when available, else "cpu"
     lock_memory: bool | str = "auto"  # page-lock the arena: "auto" where allowed, True required, False never
+    numa_node: int | str | None = "auto"  # the arena's pages prefer this node; "auto": numa.arena_node(device)
     io_workers: int = 16  # threads running moves (each waits on its own I/O or copy; enough to keep the aio queue full)
     alloc_timeout: float | None = None  # default wait for budget space (None: until a release frees it)
     aio_block_size: int | str = "1MiB"
@@ -192,7 +194,9 @@ class TieredStore:
                 self._engine = AioEngine(cfg.aio_block_size, cfg.aio_queue_depth, cfg.aio_workers, cfg.aio_backend)
             with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
                 # registered from this GPU's context (not the calling thread's current device's)
-                self._arena = PinnedArena(cpu_cap, lock=cfg.lock_memory, name="cpu tier (pinned arena)")
+                node = numa.arena_node(self.device) if cfg.numa_node == "auto" else cfg.numa_node
+                self._arena = PinnedArena(cpu_cap, lock=cfg.lock_memory, name="cpu tier (pinned arena)",
+                                          numa_node=node)
             # device blocks are allocated on the host->device stream that fills them (device.py)
             self._dev = DeviceTier(dev_cap, self.device, alloc_stream=self._streams.get(Link.CPU_TO_DEVICE))
             self._pool = cf.ThreadPoolExecutor(max(1, cfg.io_workers), thread_name_prefix="offload-store",
@@ -468,6 +472,15 @@ class TieredStore:
             "shards": len(self._shards),
             "in_flight": inflight,
         }
+
+    def pinned(self) -> dict:
+        """The cpu tier's arena: its bytes, how they are locked ("cuda": registered, "mlock", "none"; then
+        locked_bytes 0), the NUMA node they prefer and why not where one was asked for, and {node: pages} of a
+        sample of 64 of its pages that have been touched (numa.nodes_of: what the kernel says, not the policy)."""
+        a = self._arena
+        return {"arena_bytes": a.capacity, "locked_bytes": a.capacity if a.locked else 0, "lock_kind": a.lock_kind,
+                "numa_node": a.numa_node, "numa_error": a.numa_error,
+                "pages_by_node": numa.nodes_of(a.base_ptr, a.capacity)}
 
     def held(self) -> dict:
         """{tier: {"homes": {tier_class: bytes}, "copies": {tier_class: bytes}, "moving": bytes, "other": bytes}}

@@ -633,7 +633,8 @@ class Runtime:
         gathered units, and outside_budgets_bytes = RSS growth since open not explained by the host budgets even
         at their peak (the cpu tier; on a machine without a GPU the device tier too, a region of host memory):
         full gradients and their casts, reduce buffers, activations, allocator caches (with the host pool, its
-        `cached_bytes`: freed blocks kept for reuse)."""
+        `cached_bytes`: freed blocks kept for reuse); and `pinned`: the cpu tier's arena, how much of it is locked
+        and on which NUMA node its pages are (TieredStore.pinned)."""
         host_tiers = ("cpu",) if self.device.type == "cuda" else ("cpu", "device")
         rss = rss_bytes()
         explained = sum(store_stats[t]["peak_bytes"] for t in host_tiers)
@@ -648,6 +649,7 @@ class Runtime:
             "outside_budgets_bytes": max(0, rss - self._rss_at_open - explained),
             "malloc_mode": self._malloc_mode,
             "host_pool": host_pool.stats() if self._malloc_mode == "pool" else None,
+            "pinned": self.states.store.pinned(),
         }
 
     def _resident_sizes(self):
