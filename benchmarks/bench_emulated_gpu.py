@@ -18,7 +18,9 @@ norm is above 1: clipping at 1.0 scales every step). A block is `EmulatedCompute
 So the runtime's gradient hooks, reduces, clip norms and optimizer see real tensors of the real size.
 Default: 8 blocks of d=1024, ff=4096 (100.7M params), micro-batch 2 x seq 1024 per rank, bf16, clip 1.0
 every step, AdamW (lr 1e-4, wd 0.01). --clip 1e9: a max norm the gradients never reach (the coefficient is
-exactly 1, the default's speculative updates run under the backward and commit).
+exactly 1, the default's speculative updates run under the backward and commit). --clip 1e9 --clip-every 2:
+every second step clips at 1.0, right after one that did not: each of those is speculated and missed (the update
+paid twice), the figure of what a miss costs against offload-nospec on the same steps.
 
 Contenders (each in its own child process, interleaved rounds, bench_offload_step's machinery):
   offload        Config(params="nvme", optimizer="nvme", cpu_budget="512MiB", device_budget="1GiB",
@@ -107,6 +109,11 @@ class EmuSettings(bso.Settings):
     cpu_budget_all: str = "3GiB"  # offload-cpu: params and optimizer states in host memory
     probe_bytes: int = 1 << 30    # the nvme bandwidth probe's file
     ds_prefetch: bool = True
+    clip_every: int = 0       # > 0: every clip_every-th step clips at 1.0 (the others at `clip`): speculation misses
+
+    def clip_at(self, i: int) -> float:
+        """The max norm of step i (from 0, warm-up included)."""
+        return 1.0 if self.clip_every and i % self.clip_every == self.clip_every - 1 else self.clip
 
 
 # ---- the emulated accelerator -------------------------------------------------------------------
@@ -279,7 +286,7 @@ def run_torch(s: EmuSettings) -> dict:
         loss = loss_of(model(make_input(s, i, 0, s.world_size)))
         loss.backward()
         grad_shapes_ok.append(all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters()))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip_at(i))
         opt.step()
         opt.zero_grad()
         return loss.item()
@@ -333,7 +340,7 @@ def run_offload(s: EmuSettings, name: str) -> dict:
         def step(i):
             loss = loss_of(model(make_input(s, i, rt.rank, rt.world_size).to(rt.device)))
             loss.backward()
-            rt.clip_grad_norm_(s.clip)
+            rt.clip_grad_norm_(s.clip_at(i))
             opt.step()
             opt.zero_grad()
             splits.append(rt.stats()["last_step"])
@@ -648,6 +655,9 @@ def parse_args(argv=None):
     ap.add_argument("--ds-no-prefetch", action="store_true", help="DeepSpeed with stage3_prefetch_bucket_size 0")
     ap.add_argument("--clip", type=float, default=1.0,
                     help="max gradient norm (the model's is about 65: 1.0 clips every step, 1e9 never does)")
+    ap.add_argument("--clip-every", type=int, default=0, metavar="N",
+                    help="every N-th step clips at 1.0, the others at --clip: with --clip 1e9, a step after one "
+                         "that did not clip is speculated and then clips (a miss, redone); not for deepspeed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--nvme-path", default=None, help="swap directory (default: a temp dir under /tmp, removed)")
     ap.add_argument("--out-dir", default=None, help="traces and timeline PNGs of the default contender, per rate")
@@ -691,11 +701,14 @@ def main(argv=None) -> int:
     unknown = [c for c in contenders + plan_extra if c not in CONTENDERS + PLAN_CONTENDERS + OPT_IN]
     if unknown:
         raise SystemExit(f"unknown contender(s) {unknown}; choose from {CONTENDERS + PLAN_CONTENDERS + OPT_IN}")
+    if args.clip_every and "deepspeed" in contenders:
+        raise SystemExit("--clip-every: DeepSpeed's clipping is one gradient_clipping for the run; leave deepspeed "
+                         "out of --contenders")
     base = EmuSettings(layers=args.layers, dim=args.dim, ff=args.ff, seq=args.seq, batch=args.batch,
                        world_size=args.world_size, warmup=args.warmup, steps=args.steps, threads=args.threads,
                        seed=args.seed, cpu_budget=args.cpu_budget, device_budget=args.device_budget,
                        cpu_budget_all=args.cpu_budget_all, probe_bytes=parse_size(args.probe_bytes, "--probe-bytes"),
-                       ds_prefetch=not args.ds_no_prefetch, clip=args.clip)
+                       ds_prefetch=not args.ds_no_prefetch, clip=args.clip, clip_every=args.clip_every)
     n_block_params = args.layers * block_params(args.dim, args.ff)
     n_params = n_block_params + args.dim
     tokens = args.batch * args.seq

@@ -72,18 +72,30 @@ def _assert_same(a, b):
 
 def test_a_step_that_clips_after_speculating_is_redone_exactly(tmp_path):
     """Three steps that do not clip (the second and third speculate and commit), one that clips (speculated, then
-    redone from the old states with its coefficient), one after it (no speculation: the last step clipped), and
-    speculation resumes. Every queue that a speculative update goes through is slowed."""
+    redone from the old states with its coefficient), two after it (no speculation: after a miss it waits for two
+    steps in a row that do not clip), and speculation resumes. Every queue a speculative update goes through is
+    slowed."""
     steps = [(NEVER, None)] * 3 + [(1e-3, None)] + [(NEVER, None)] * 3
     with inject.delay(Queue.NVME_WRITE, 0.003), inject.delay(Queue.OPTIMIZER, 0.003):
         fast = _run(tmp_path / "a", True, steps)
     exact = _run(tmp_path / "b", False, steps)
     _assert_same(fast, exact)
     report = fast[2]
-    assert report["steps"] == 5  # steps 1, 2, 3, 5, 6: not 0 (nothing before it), not 4 (step 3 clipped)
-    per_step = report["committed"] // 4
-    assert per_step >= 1 and report["committed"] == 4 * per_step and report["missed"] == per_step, report
-    assert report["commit_rate"] == pytest.approx(0.8)
+    assert report["steps"] == 4  # steps 1, 2, 3, 6: not 0 (nothing before it), not 4 and 5 (the miss's back-off)
+    per_step = report["committed"] // 3
+    assert per_step >= 1 and report["committed"] == 3 * per_step and report["missed"] == per_step, report
+    assert report["commit_rate"] == pytest.approx(0.75)
+
+
+def test_clipping_that_comes_and_goes_stops_the_misses(tmp_path):
+    """Every other step clips: the first speculation misses, and the next would need two calm steps in a row,
+    which never come, so no update is paid twice again (exact all along)."""
+    steps = [(NEVER, None), (1e-3, None)] * 5
+    fast = _run(tmp_path / "a", True, steps)
+    exact = _run(tmp_path / "b", False, steps)
+    _assert_same(fast, exact)
+    report = fast[2]
+    assert report["steps"] == 1 and report["committed"] == 0 and report["missed"] >= 1, report
     assert exact[2]["steps"] == 0 and not exact[2]["enabled"]
 
 
