@@ -239,6 +239,16 @@ def test_offloaded_activations_leave_the_device_but_a_window():
     assert "activations" not in tier_bytes(m, none, 8, Placement("cpu", "cpu"))["cpu"]
 
 
+def test_the_plans_activation_window_is_the_runtimes():
+    """What `offload plan` leaves on the device of offloaded activations is what the offloader may hold by design:
+    the tensor in use and READ_AHEAD brought back early in the backward, OUT_WINDOW waiting to leave in the
+    forward (tests/test_activation_offload.py measures the runtime against the same window)."""
+    from offload.plan.memory import ACTIVATION_WINDOW
+    from offload.zero.activations import OUT_WINDOW, READ_AHEAD
+
+    assert ACTIVATION_WINDOW == READ_AHEAD + 1 == OUT_WINDOW + 1
+
+
 def test_offloaded_activations_cost_their_transfers():
     """One rank, params and optimizer on the device: the only transfers are the activations', out over pcie in the
     forward and back in the backward, and to nvme written in the forward and read in the backward."""

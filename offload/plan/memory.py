@@ -83,6 +83,7 @@ def state_bytes(w: Workload) -> StateBytes:
 
 
 ACTIVATION_WINDOW = 3  # layers' saved tensors on the device while offloaded: the current one and two read ahead
+#                       (offload.zero.activations: READ_AHEAD + 1, and OUT_WINDOW + 1 in the forward; tests/test_plan.py)
 
 
 def offloaded_activation_bytes(m: ModelSpec, w: Workload) -> int:
