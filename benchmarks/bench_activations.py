@@ -5,8 +5,10 @@ swap file ("nvme"), or the cpu tier while it has room and the swap file after it
 Each (sequence length, contender) runs in its own subprocess, so its peak RSS (VmHWM) is its own; rounds are
 interleaved, each round in an order rotated by its number. Model states live in the cpu tier (params and
 optimizer "cpu"), so what differs between contenders is only where the activations wait. On a machine without a
-GPU the compute device is the CPU: the "device" memory the offload frees is host memory too, so peak RSS is the
-figure to read (on a GPU, torch.cuda.max_memory_allocated, also reported). `moved` is what the saved-tensor hooks
+GPU the compute device is the CPU: the "device" memory the offload frees is host memory too, so peak RSS cannot
+fall; `device peak` is the figure the offload lowers: the compute device's allocator at its busiest in a timed step
+(rt.stats()["last_step"]["device_peak_bytes"]: on a GPU max_memory_allocated, on the CPU the host pool's tensors
+of 128 KiB and up, the device tier's own region not included). `moved` is what the saved-tensor hooks
 sent to the store per step, `kept` what stayed for want of room, `wait` the training thread's seconds waiting for
 a tensor to come back.
 
@@ -50,7 +52,7 @@ def child(args) -> dict:
         opt = offload.AdamW(model.parameters(), lr=1e-4)
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(rt.device)
-        times, losses = [], []
+        times, losses, device_peaks = [], [], []
         for i in range(args.warmup + args.steps):
             rt.quiesce()
             t0 = time.perf_counter()
@@ -61,13 +63,14 @@ def child(args) -> dict:
             rt.quiesce()  # every copy and removal of this step paid for inside its window
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
+                device_peaks.append(rt.stats()["last_step"]["device_peak_bytes"])
             losses.append(loss.item())
         acts = rt.stats()["activations"] or {}
         steps = args.warmup + args.steps
         out = {"s_per_step": statistics.median(times), "loss": losses[-1], "peak_rss": peak_rss_bytes(),
                "moved_per_step": acts.get("moved_bytes", 0) / steps, "kept_per_step": acts.get("kept_bytes", 0) / steps,
                "wait_per_step": acts.get("wait_s", 0.0) / steps,
-               "gpu_peak": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}
+               "device_peak": None if None in device_peaks else max(device_peaks)}
     return out
 
 
@@ -123,7 +126,7 @@ def main() -> None:
     print(f"# Llama {args.layers} x d{args.dim} (vocab {args.vocab}), batch {args.batch}, bf16, activation checkpointing, "
           f"params/optimizer in the cpu tier; medians over {args.rounds} round(s) of {args.steps} step(s)")
     print(f"{'seq':>5} {'activations':11} {'s/step':>7} {'vs none':>7} {'peak RSS':>9} {'vs none':>8} "
-          f"{'moved/step':>10} {'kept/step':>9} {'wait/step':>9} {'GPU peak':>9} {'loss':>7}")
+          f"{'moved/step':>10} {'kept/step':>9} {'wait/step':>9} {'dev peak':>9} {'vs none':>8} {'loss':>7}")
     table = []
     for seq in seqs:
         base = results.get((seq, "none"))
@@ -134,13 +137,15 @@ def main() -> None:
             med = {k: statistics.median(r[k] for r in rs) for k in ("s_per_step", "peak_rss", "moved_per_step",
                                                                       "kept_per_step", "wait_per_step")}
             b = {k: statistics.median(r[k] for r in base) for k in ("s_per_step", "peak_rss")} if base else None
-            row = {"seq": seq, "activations": name, **med, "loss": rs[-1]["loss"], "gpu_peak": rs[-1]["gpu_peak"]}
+            peak, base_peak = rs[-1]["device_peak"], base[-1]["device_peak"] if base else None
+            row = {"seq": seq, "activations": name, **med, "loss": rs[-1]["loss"], "device_peak": peak}
             table.append(row)
             print(f"{seq:5d} {name:11} {med['s_per_step']:7.3f} "
                   f"{(med['s_per_step'] / b['s_per_step'] if b else float('nan')):7.2f} {fmt(med['peak_rss']):>9} "
                   f"{(med['peak_rss'] - b['peak_rss']) / 2**20 if b else float('nan'):+7.0f}M "
                   f"{fmt(med['moved_per_step']):>10} {fmt(med['kept_per_step']):>9} {med['wait_per_step']:8.3f}s "
-                  f"{fmt(row['gpu_peak']):>9} {row['loss']:7.4f}")
+                  f"{fmt(peak):>9} {(peak - base_peak) / 2**20 if peak and base_peak else float('nan'):+7.0f}M "
+                  f"{row['loss']:7.4f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": table}, f, indent=1)
