@@ -25,7 +25,7 @@ While steps clip, speculation waits: it runs at a step only when the one before 
 clips every step never speculates and one that never clips always commits (rt.stats()["speculation"]). A miss
 doubles the calm it waits for next time (steps in a row that did not clip: 1, then 2, 4, ... up to MAX_CALM); a
 commit brings it back to 1. So a run whose clipping comes and goes (every other step, say) stops paying twice:
-measured on the emulated bench's worst pattern, each miss cost 46% more nvme traffic that step.
+on the emulated bench, a miss every other step moved 46% more nvme bytes per step (benchmarks/RESULTS.md).
 
 What is speculated: the chunks of a unit whose master (the param itself with fp32 compute) and optimizer states
 are on nvme and not held resident; chunks held in the cpu tier are updated at opt.step(), in memory, without I/O.
