@@ -11,7 +11,9 @@ is on the compute device, holds at least `min_bytes`, is contiguous, and is not 
 the units' gathered buffers come back by their own gather). With activation checkpointing (torch.utils.checkpoint
 non-reentrant, as a Hugging Face model's gradient_checkpointing_enable() uses) the tensors saved outside the
 checkpointed blocks are each block's inputs: those travel, the activations recomputed in the backward never leave.
-The bytes move exactly: the backward sees bit for bit what the forward saved.
+From the second forward on, its last KEEP_LAST such tensors stay (the backward needs them first: moving them frees
+nothing at the peak and costs a round trip). The bytes move exactly: the backward sees bit for bit what the forward
+saved.
 
 Budgets: a tensor moves only if the store has room for it beside what the runtime's lanes need to make progress
 (`reserve()` bytes of the cpu tier; the states' own pipeline must never wait on activations, which are freed only
@@ -64,6 +66,10 @@ WRITE_WINDOW = 4  # pieces written to nvme at once: bounds the staging the copie
 OUT_WINDOW = 2  # saved tensors whose copies out are unfinished at once: the forward waits past that, so a slow
 #                 lane (a slow disk behind it) cannot pile the originals up on the compute device
 MIN_PIECE_BYTES = 1 << 20  # a piece is at least this (or the store's staging slot, when larger)
+# the forward's last saved tensors (by the previous forward's count) stay where they are: the backward asks for them
+# first, so moving them frees no device memory at its peak (the read-ahead would bring them straight back) and
+# costs a round trip; the loss's logits, the largest, are among them
+KEEP_LAST = READ_AHEAD + 1
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,7 @@ class ActivationStats:
     moved_to_nvme_bytes: int = 0  # the part of them that went on to the swap file
     kept_bytes: int = 0  # saved bytes that qualified but stayed (no room in the budgets)
     moved_tensors: int = 0
+    left_last_bytes: int = 0  # the forward's last KEEP_LAST tensors, needed first by the backward: not moved
     read_ahead_hits: int = 0  # tensors already back (or on their way) when autograd asked
 
 
@@ -131,6 +138,7 @@ class ActivationOffloader:
         self.stats = ActivationStats()
         self._forward_no = -1
         self._count = 0
+        self._last_count: int | None = None  # qualifying tensors the last forward saved (KEEP_LAST)
         self._depth = 0
         self._reserved = 0
         self._hooks = None
@@ -168,6 +176,7 @@ class ActivationOffloader:
             hooks, self._hooks = self._hooks, None
             hooks.__exit__(None, None, None)
             self.cpu_demand = max(self.cpu_demand, self._forward_demand + self._forward_window)
+            self._last_count = self._count
 
     @contextlib.contextmanager
     def forward(self):
@@ -220,6 +229,10 @@ class ActivationOffloader:
         nbytes = t.numel() * t.element_size()
         index = self._count
         self._count += 1
+        if self._last_count is not None and index >= self._last_count - KEEP_LAST:
+            with self._lock:  # (the lane counts too)
+                self.stats.left_last_bytes += nbytes
+            return t  # needed first by the backward: see KEEP_LAST
         ticket = self._claim(index, t, nbytes)
         # what it takes of the cpu tier (in its home), or would have taken in the first (kept for want of room)
         self._note_demand(nbytes, ticket.home if ticket is not None else self.homes[0])
@@ -425,12 +438,14 @@ class ActivationOffloader:
             self.lane.close()
 
     def report(self) -> dict:
-        """rt.stats()["activations"]: bytes and tensors moved, bytes kept for want of room, read-ahead hits,
+        """rt.stats()["activations"]: bytes and tensors moved, bytes kept for want of room, bytes of the forward's
+        last tensors left in place (KEEP_LAST), read-ahead hits,
         the seconds the training thread waited for one to come back, and the saved tensors the store holds now."""
         return {"home": self.setting, "moved_bytes": self.stats.moved_bytes,
                 "moved_to_nvme_bytes": self.stats.moved_to_nvme_bytes,
                 "moved_tensors": self.stats.moved_tensors,
-                "kept_bytes": self.stats.kept_bytes, "read_ahead_hits": self.stats.read_ahead_hits,
+                "kept_bytes": self.stats.kept_bytes, "left_last_bytes": self.stats.left_last_bytes,
+                "read_ahead_hits": self.stats.read_ahead_hits,
                 "wait_s": self.meter.snapshot().wait_s[Queue.ACTIVATION],
                 "in_store": self.in_store()}
 
