@@ -190,25 +190,35 @@ def device_peaks(tmp, activations, layers, slow_lane=0.0, steps=3):
     return forward, backward
 
 
+def measure_device_peaks(tmp_path) -> dict:
+    """{(activations, layers): (forward, backward) peaks} of the runs the device-peak test compares."""
+    peaks = {}
+    for activations, layers, slow in (("none", 2, 0), ("none", 8, 0), ("cpu", 8, 0), ("nvme", 8, 0.02)):
+        (tmp_path / f"{activations}{layers}").mkdir()
+        peaks[activations, layers] = device_peaks(tmp_path / f"{activations}{layers}", activations, layers, slow)
+    return peaks
+
+
+def check_device_peaks(peaks: dict) -> None:
+    unit = sum(p.numel() for p in llama(1, PEAK_HIDDEN).model.layers[0].parameters()) * 4  # a block's fp32 params
+    for phase, name in enumerate(("forward", "backward")):
+        grown = peaks["none", 8][phase] - peaks["none", 2][phase]
+        assert grown >= 6 * BLOCK_INPUT - BLOCK_INPUT // 2, (name, peaks)  # each block's input held, 6 more blocks
+        held = OUT_WINDOW if phase == 0 else READ_AHEAD
+        # (8 layers: one more block gathered ahead)
+        bound = peaks["none", 2][phase] + held * BLOCK_INPUT + unit
+        for home in ("cpu", "nvme"):
+            assert peaks[home, 8][phase] <= bound, (name, home, peaks)
+
+
 def test_offloaded_activations_hold_the_device_peak_whatever_the_depth(tmp_path):
     """Left in place, a checkpointed model's device peak grows by a block's input per layer, in the forward and in
     the backward. Offloaded (cpu tier; nvme with a slow lane), 8 layers peak within a 2-layer model's in-place peak
     plus what the offloader may hold by design (OUT_WINDOW originals waiting for their copies out in the forward,
     READ_AHEAD tensors back early in the backward) and one block's parameters (a deeper model has one more block
-    gathered ahead). The slow lane is what the forward's window is for: without it
-    the forward piles up every block's input while the copies lag."""
-    unit = sum(p.numel() for p in llama(1, PEAK_HIDDEN).model.layers[0].parameters()) * 4  # a block's fp32 params
-    peaks = {}
-    for activations, layers, slow in (("none", 2, 0), ("none", 8, 0), ("cpu", 8, 0), ("nvme", 8, 0.02)):
-        (tmp_path / f"{activations}{layers}").mkdir()
-        peaks[activations, layers] = device_peaks(tmp_path / f"{activations}{layers}", activations, layers, slow)
-    for phase, name in enumerate(("forward", "backward")):
-        grown = peaks["none", 8][phase] - peaks["none", 2][phase]
-        assert grown >= 6 * BLOCK_INPUT - BLOCK_INPUT // 2, (name, peaks)  # each block's input held, 6 more blocks
-        held = OUT_WINDOW if phase == 0 else READ_AHEAD
-        bound = peaks["none", 2][phase] + held * BLOCK_INPUT + unit  # (8 layers: one more block gathered ahead)
-        for home in ("cpu", "nvme"):
-            assert peaks[home, 8][phase] <= bound, (name, home, peaks)
+    gathered ahead). The slow lane is what the forward's window is for: without it the forward piles up every
+    block's input while the copies lag."""
+    check_device_peaks(measure_device_peaks(tmp_path))
 
 
 @pytest.mark.parametrize("delay", [None, Queue.NVME_WRITE])

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_common import record_figure  # noqa: E402
 from test_activation_offload import (  # noqa: E402
-    assert_same, test_offloaded_activations_hold_the_device_peak_whatever_the_depth as device_peak_test, train)
+    BLOCK_INPUT, assert_same, check_device_peaks, measure_device_peaks, train)
 
 from offload import inject  # noqa: E402
 from offload.telemetry import Queue  # noqa: E402
@@ -42,4 +42,7 @@ def test_the_device_peak_on_the_gpu_holds_whatever_the_depth(tmp_path):
     """The CPU suite's device-peak test (max_memory_allocated against block sizes) on the GPU, where the device
     memory it bounds is what activation offload is for."""
     assert torch.cuda.is_available()
-    device_peak_test(tmp_path)
+    peaks = measure_device_peaks(tmp_path)
+    record_figure("activations_device_peak_gpu", block_input_bytes=BLOCK_INPUT,
+                  **{f"{home}_{layers}_layers": list(v) for (home, layers), v in peaks.items()})
+    check_device_peaks(peaks)
