@@ -72,6 +72,7 @@ class StepStats:
         links = " ".join(f"{k} {format_bytes(v['bytes'])}" + (f" @{v['GBps']:.2f}GB/s" if v["GBps"] else "")
                          for k, v in s["links"].items())
         cpu = s["occupancy"]["cpu"]
+        device = "" if s["device_peak_bytes"] is None else f" | device peak {format_bytes(s['device_peak_bytes'])}"
         return (f"offload step {s['step']}: {s['wall_s']:.3f}s = compute {s['compute_s']:.3f}s + waits [{waits}] | "
                 f"{links} | cpu tier {format_bytes(cpu['bytes_in_use'])}/{format_bytes(cpu['capacity'])} "
-                f"(peak {format_bytes(cpu['peak_bytes'])}) | {time.strftime('%H:%M:%S')}")
+                f"(peak {format_bytes(cpu['peak_bytes'])}){device} | {time.strftime('%H:%M:%S')}")
