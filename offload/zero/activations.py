@@ -26,14 +26,14 @@ Where the bytes are, per saved tensor (`_Ticket`): OUT (the lane is copying it, 
 the original is held by that work) -> STORED (the store holds its pieces: cpu tier or swap file; or, when the lane
 found no room after all, `kept`: the original itself) -> BACK (the lane has copied the pieces into a fresh
 compute-device tensor and removed their shards) -> the tensor belongs to autograd (the ticket keeps no reference:
-it is freed with its node's saved variables, as an unmoved one would be).
+it is freed with its node's saved variables, as an unmoved one would be). A ticket whose handle autograd dropped
+unused (a forward without backward) has its shards removed by the lane. Counters (`stats`) are written by both
+threads, under the lock.
 
 The compute device's peak, by design: the forward holds at most OUT_WINDOW originals whose copies out are
 unfinished (past that it waits, so a slow lane or disk cannot pile them up), the backward at most READ_AHEAD
 tensors back early; a checkpointed model's peak is then its states' working set plus one block's activations
-plus those, whatever its depth (tests/test_activation_offload.py asserts it against block sizes). A ticket whose handle autograd
-dropped unused (a forward without backward) has its shards removed by the lane. Counters (`stats`) are written
-by both threads, under the lock.
+plus those, whatever its depth (tests/test_activation_offload.py asserts it against block sizes).
 """
 from __future__ import annotations
 
@@ -252,7 +252,8 @@ class ActivationOffloader:
 
     def _bound_outs(self, out: cf.Future) -> None:
         """At most OUT_WINDOW copies out unfinished: past that, the forward waits for the oldest (its original is
-        then freed), so what the forward holds on the device is bounded whatever the lane's speed."""
+        then freed), so what the forward holds on the device is bounded whatever the lane's speed. A copy that
+        failed is not raised here: the backward raises it where it asks for the tensor (its copy back)."""
         self._outs.append(out)
         while self._outs and self._outs[0].done():
             self._outs.popleft()
@@ -261,7 +262,6 @@ class ActivationOffloader:
             if not oldest.done():
                 with self.meter.waiting(Queue.ACTIVATION):
                     cf.wait([oldest])  # the lane is OUT_WINDOW tensors behind: its original must go before more pile up
-            # a failure is raised where the backward asks for the tensor (its copy back), not in the forward
 
     def _claim(self, index: int, t: torch.Tensor, nbytes: int) -> _Ticket | None:
         """Shards for `t`'s pieces in the first of `homes` with room now, or None when none has."""
