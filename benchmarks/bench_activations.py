@@ -7,8 +7,8 @@ interleaved, each round in an order rotated by its number. Model states live in 
 optimizer "cpu"), so what differs between contenders is only where the activations wait. On a machine without a
 GPU the compute device is the CPU: the "device" memory the offload frees is host memory too, so peak RSS cannot
 fall; `device peak` is the figure the offload lowers: the compute device's allocator at its busiest in a timed step
-(rt.stats()["last_step"]["device_peak_bytes"]: on a GPU max_memory_allocated, on the CPU the host pool's tensors
-of 128 KiB and up, the device tier's own region not included). `moved` is what the saved-tensor hooks
+(offload.device.take_peak_allocated over the timed steps: on a GPU max_memory_allocated, on the CPU the host
+pool's tensors of 128 KiB and up, the device tier's own region not included). `moved` is what the saved-tensor hooks
 sent to the store per step, `kept` what stayed for want of room, `wait` the training thread's seconds waiting for
 a tensor to come back.
 
@@ -33,6 +33,7 @@ def child(args) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import offload
+    from offload.device import take_peak_allocated
     from offload.zero.host_memory import peak_rss_bytes
 
     torch.set_num_threads(args.threads)
@@ -55,6 +56,7 @@ def child(args) -> dict:
         times, losses, device_peaks = [], [], []
         for i in range(args.warmup + args.steps):
             rt.quiesce()
+            take_peak_allocated(rt.device)  # this step's window starts here (this process is the bench's own)
             t0 = time.perf_counter()
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
@@ -63,7 +65,7 @@ def child(args) -> dict:
             rt.quiesce()  # every copy and removal of this step paid for inside its window
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
-                device_peaks.append(rt.stats()["last_step"]["device_peak_bytes"])
+                device_peaks.append(take_peak_allocated(rt.device))
             losses.append(loss.item())
         acts = rt.stats()["activations"] or {}
         steps = args.warmup + args.steps

@@ -11,7 +11,8 @@ code. On the CPU every stream is None and every event call is a no-op, so the or
     wait(done, device)                   # the current stream waits for it (the host does not)
     sync(done)                           # the host waits for it (a lane, for bytes it reads next)
     retire(t)                            # t was used on the current stream: the allocator reuses it after
-    take_peak_allocated(device)          # the most the compute device's allocator held since the last call
+    peak_allocated(device)               # the most the compute device's allocator has held (nothing reset)
+    take_peak_allocated(device)          # the same since the last call, the window restarted (tests, benches)
 
 Why record_stream (retire): a tensor allocated on one stream and read on another must not be handed out
 again by the caching allocator until the reader's stream has passed its use. Freeing it after a wait is not
@@ -25,7 +26,8 @@ import threading
 
 import torch
 
-__all__ = ["compute_device", "bind_thread", "Streams", "record", "wait", "sync", "retire", "take_peak_allocated"]
+__all__ = ["compute_device", "bind_thread", "Streams", "record", "wait", "sync", "retire", "peak_allocated",
+           "take_peak_allocated"]
 
 
 def compute_device() -> torch.device:
@@ -115,12 +117,24 @@ def retire(t: torch.Tensor | None) -> None:
         t.record_stream(torch.cuda.current_stream(t.device))
 
 
+def peak_allocated(device: torch.device) -> int | None:
+    """The most the compute device's allocator has handed out (the device tier's blocks, gathered units,
+    activations, autograd's buffers), resetting nothing: the runtime reports it every step, and a user's own
+    torch.cuda.reset_peak_memory_stats / max_memory_allocated measurement stays theirs. CUDA: max_memory_allocated
+    (since the process started or the caller last reset it). CPU: the host pool's peak in use (tensors of 128 KiB
+    and up, since it was installed or trimmed; None when the pool is not torch's CPU allocator; the device tier's
+    own region is not in it there, it is reported as that tier's occupancy)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    from .store import host_pool
+
+    return host_pool.stats()["peak_in_use_bytes"] if host_pool.installed() else None
+
+
 def take_peak_allocated(device: torch.device) -> int | None:
-    """The most the compute device's allocator had handed out since the last call (a step's device peak: the
-    device tier's blocks, gathered units, activations, autograd's buffers), the window restarted now. CUDA:
-    max_memory_allocated, whose peak statistics this resets (as DeepSpeed's see_memory_usage does). CPU: the
-    host pool's window peak (tensors of 128 KiB and up; None when the pool is not torch's CPU allocator; the
-    device tier's own region is not in it there, it is reported as that tier's occupancy)."""
+    """Like peak_allocated, but over a window: the most handed out since the last call, the window restarted now.
+    CUDA: this resets torch's peak statistics, so only a measurement that owns the process (a test, a bench)
+    calls it, never the runtime. CPU: the host pool's own window (independent of its peak in use)."""
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -3,7 +3,8 @@
 A step is the time from one opt.step() to the next. Its wall time splits into the training thread's waits
 per queue (telemetry.Queue) and compute (the rest); each lane reports its busy time; each link the bytes it
 moved and the bandwidth it achieved while busy; each tier its occupancy; the compute device's allocator its peak
-(`device_peak_bytes`, device.take_peak_allocated: on a GPU what max_memory_allocated says of the step).
+so far (`device_peak_bytes`, device.peak_allocated: on a GPU max_memory_allocated, whose statistics the runtime
+never resets: a user's own peak measurement stays theirs).
 Background work of a step (the optimizer's write-behind) lands in the next step's window: in steady state the
 sums are per step.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ..device import take_peak_allocated
+from ..device import peak_allocated
 from ..store import format_bytes
 
 log = logging.getLogger("offload")
@@ -21,14 +22,13 @@ log = logging.getLogger("offload")
 class StepStats:
     def __init__(self, meter, states, counters, device, log_every: int = 0):
         self.meter = meter
-        self.device = device  # the compute device, whose allocator's peak each step reports
+        self.device = device  # the compute device, whose allocator's peak so far each step reports
         self.states = states
         self.counters = counters
         self.log_every = log_every
         self.steps = 0
         self.last: dict | None = None
         self._mark = self._snapshot()
-        take_peak_allocated(device)  # the first step's window starts here
 
     def _snapshot(self):
         s = self.states.stats()
@@ -58,7 +58,7 @@ class StepStats:
             "links": links,
             "allgather_bytes": comm[0] - comm0[0],
             "reduce_scatter_bytes": comm[1] - comm0[1],
-            "device_peak_bytes": take_peak_allocated(self.device),
+            "device_peak_bytes": peak_allocated(self.device),
             "occupancy": {t: {"bytes_in_use": tiers[t]["bytes_in_use"], "peak_bytes": tiers[t]["peak_bytes"],
                               "capacity": tiers[t]["capacity"]} for t in ("device", "cpu")},
         }
