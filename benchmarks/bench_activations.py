@@ -12,11 +12,22 @@ pool's tensors of 128 KiB and up, the device tier's own region not included). `m
 sent to the store per step, `kept` what stayed for want of room, `wait` the training thread's seconds waiting for
 a tensor to come back.
 
+Two peers, with the same model states in the cpu tier and Config.activations "none", so each differs from the
+"none" row only in what its checkpointing does with the saved block inputs (not in the default list; add them
+with --contenders):
+  hf  transformers' own `activation_checkpointing_enable(offload=True)` (transformers 5.x): each block's saved
+      inputs to pinned host memory through torch.autograd.graph.save_on_cpu, copied on the compute stream.
+  ds  DeepSpeed's activation checkpointing with `cpu_checkpointing` (deepspeed.checkpointing.configure:
+      partition_activations and checkpoint_in_cpu) as the model's checkpoint function.
+On a CPU both copy host memory to host memory: their device peak and step cost mean something on a GPU only.
+
     PYTHONPATH=. python benchmarks/bench_activations.py --seqs 512,2048,4096 --rounds 2 --steps 3
+    PYTHONPATH=. python benchmarks/bench_activations.py --seqs 4096,16384 --dim 1024 --contenders none,cpu,auto,hf,ds
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -25,7 +36,8 @@ import sys
 import tempfile
 import time
 
-CONTENDERS = ("none", "cpu", "nvme", "auto")
+CONTENDERS = ("none", "cpu", "nvme", "auto")  # Config.activations
+PEERS = ("hf", "ds")  # another library's activation offload, Config.activations "none"
 
 
 def child(args) -> dict:
@@ -37,18 +49,16 @@ def child(args) -> dict:
     from offload.zero.host_memory import peak_rss_bytes
 
     torch.set_num_threads(args.threads)
+    ours = args.activations not in PEERS
     cfg = offload.Config(params="cpu", optimizer="cpu", cpu_budget=args.cpu_budget, device_budget=args.device_budget,
-                         nvme_path=args.nvme_path, activations=args.activations, compute_dtype="bf16")
+                         nvme_path=args.nvme_path, activations=args.activations if ours else "none",
+                         compute_dtype="bf16")
     with offload.init(cfg) as rt:
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=4 * args.dim,
                                              num_hidden_layers=args.layers, num_attention_heads=args.dim // 64,
                                              num_key_value_heads=args.dim // 64, max_position_embeddings=args.seq))
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        enable_checkpointing(model, args.activations)
         model.train()
         opt = offload.AdamW(model.parameters(), lr=1e-4)
         g = torch.Generator().manual_seed(1)
@@ -74,6 +84,39 @@ def child(args) -> dict:
                "wait_per_step": acts.get("wait_s", 0.0) / steps,
                "device_peak": None if None in device_peaks else max(device_peaks)}
     return out
+
+
+def enable_checkpointing(model, contender: str) -> None:
+    """Activation checkpointing of every decoder block, non-reentrant, by whichever name this transformers has;
+    for a peer, with that peer's offload of the saved inputs (DeepSpeed's function is reentrant)."""
+    import torch
+
+    kwargs = {"use_reentrant": False}
+    if contender == "ds":
+        import deepspeed
+        from deepspeed.runtime.activation_checkpointing import checkpointing
+
+        for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                           ("MASTER_PORT", "29547")):
+            os.environ.setdefault(var, value)  # one process: no launcher set them (else DeepSpeed asks MPI)
+        # its checkpointing logs through deepspeed.comm, which wraps torch.distributed's group (one rank)
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        checkpointing.configure(None, partition_activations=True, checkpoint_in_cpu=True)
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers' own set-up (input grads), then
+            model.activation_checkpointing_enable()  # DeepSpeed's function in place of torch's
+        else:
+            model.gradient_checkpointing_enable()
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpointing.checkpoint)
+    elif contender == "hf":
+        if "offload" not in inspect.signature(getattr(model, "activation_checkpointing_enable", len)).parameters:
+            raise SystemExit("hf: this transformers has no activation_checkpointing_enable(offload=True)")
+        if not torch.cuda.is_available():
+            raise SystemExit("hf: transformers' offload pins host memory, which needs a GPU")
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=True)
+    elif hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def fmt(n) -> str:
@@ -106,6 +149,9 @@ def main() -> None:
     nvme = args.nvme_path or tempfile.mkdtemp(prefix="offload-bench-act-")
     seqs = [int(s) for s in args.seqs.split(",")]
     contenders = args.contenders.split(",")
+    unknown = sorted(set(contenders) - set(CONTENDERS) - set(PEERS))
+    if unknown:
+        p.error(f"--contenders: {', '.join(unknown)} unknown; choose from {', '.join(CONTENDERS + PEERS)}")
     results: dict = {}
     for rnd in range(args.rounds):
         for seq in seqs:
