@@ -1,13 +1,14 @@
 """Host memory of a transformers Llama trained with params and optimizer on nvme, step by step (run as a subprocess
 by test_zero_memory.py, so the peak covers only this run). argv: swap dir, cpu budget, device budget, steps, and
 optionally a JSON object of more offload.Config fields and glibc's mmap threshold in bytes (a diagnostic: which
-allocations stay in the heap). Prints one JSON line: the resident set after the warm-up (rss0), and per step the
-peak so far and the resident set at its end.
+allocations stay in the heap). Prints one JSON line (with RSS_PROBE_OUT=DIR, writes it to DIR/rank{RANK}.json):
+the resident set after the warm-up (rss0), and per step the peak so far and the resident set at its end.
 
     OFFLOAD_MALLOC_TUNE=fast python tests/llama_rss_probe.py /tmp/swap 64MiB 32MiB 5 '{"pipeline": false}'
 """
 import ctypes
 import json
+import os
 import sys
 
 import psutil
@@ -60,8 +61,14 @@ def main():
             per_step.append({"peak": peak_rss_bytes(), "rss": psutil.Process().memory_info().rss,
                              "loss": loss.item()})
         stats = rt.stats()
-    print(json.dumps({"rss0": rss0, "params": n, "steps": per_step, "nvme_read": stats["nvme_read_bytes"],
-                      "budgets": stats["budgets"], "memory": stats["memory"]}))
+    line = json.dumps({"rss0": rss0, "params": n, "steps": per_step, "nvme_read": stats["nvme_read_bytes"],
+                       "budgets": stats["budgets"], "memory": stats["memory"]})
+    out = os.environ.get("RSS_PROBE_OUT")  # a directory: one file per rank (ranks sharing a stdout interleave)
+    if out:
+        with open(os.path.join(out, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+            f.write(line)
+    else:
+        print(line)
 
 
 if __name__ == "__main__":
