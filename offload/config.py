@@ -62,7 +62,10 @@ class Config:
       90% of the GPU's free memory (without a GPU, a quarter of the available host memory: the device tier is
       then a region of host memory), half the available host memory (capped by the cgroup's limit), 90% of
       nvme_path's free space; host memory and the drive split among the node's ranks (LOCAL_WORLD_SIZE).
-      store/budget.py has the rule. `init` refuses budgets the machine cannot hold, and an nvme_budget larger
+      store/budget.py has the rule. An "auto" device budget is fitted once after the first step, when the
+      activations and communicators have been in device memory: the device tier may hold what it holds then
+      plus 90% of what the device had free at that step's peak, if that is less (rt.stats()["memory"]
+      ["device_budget_fit"]). `init` refuses budgets the machine cannot hold, and an nvme_budget larger
       than the free space.
     compute_dtype: "fp32" (like plain PyTorch) or "bf16" (params gathered and computed in bf16; the master
       copy stays fp32).

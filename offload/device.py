@@ -12,6 +12,7 @@ code. On the CPU every stream is None and every event call is a no-op, so the or
     sync(done)                           # the host waits for it (a lane, for bytes it reads next)
     retire(t)                            # t was used on the current stream: the allocator reuses it after
     peak_allocated(device)               # the most the compute device's allocator has held (nothing reset)
+    free_at_peak(device)                 # what the device had free when its allocator held the most
     take_peak_allocated(device)          # the same since the last call, the window restarted (tests, benches)
 
 Why record_stream (retire): a tensor allocated on one stream and read on another must not be handed out
@@ -27,7 +28,7 @@ import threading
 import torch
 
 __all__ = ["compute_device", "bind_thread", "Streams", "record", "wait", "sync", "retire", "peak_allocated",
-           "take_peak_allocated"]
+           "take_peak_allocated", "free_at_peak"]
 
 
 def compute_device() -> torch.device:
@@ -129,6 +130,23 @@ def peak_allocated(device: torch.device) -> int | None:
     from .store import host_pool
 
     return host_pool.stats()["peak_in_use_bytes"] if host_pool.installed() else None
+
+
+def free_at_peak(device: torch.device) -> int:
+    """The bytes the compute device had free at its allocator's busiest (since the process started, or the
+    caller last reset torch's peak statistics): what is free now less what the allocator held then and has
+    given back since. CUDA: the driver's free memory (communicators and other processes counted) less
+    max_memory_reserved - memory_reserved. CPU: the host memory available to this process (its cgroup's limit
+    counted) less the host pool's peak in use over what it holds now (without the pool: available now)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(0, free - (torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device)))
+    from .store import host_pool
+    from .store.budget import host_memory
+
+    available = host_memory()[1]
+    pool = host_pool.stats() if host_pool.installed() else None
+    return max(0, available - (pool["peak_in_use_bytes"] - pool["in_use_bytes"] if pool else 0))
 
 
 def take_peak_allocated(device: torch.device) -> int | None:

@@ -81,6 +81,30 @@ def test_alloc_blocks_until_a_free_and_times_out_with_state():
         got[0].free()
 
 
+def test_a_lowered_limit_makes_requests_wait_and_keeps_what_is_in_use():
+    """set_limit below what is in use keeps those blocks; a request that would pass the limit waits for a free
+    though the arena has room; raising it again lets a waiter in; a request over the limit itself is refused."""
+    with PinnedArena(8 * 4096, lock=False) as a:
+        held = [a.alloc(4096) for _ in range(3)]
+        assert a.set_limit(2 * 4096 + 1) == 3 * 4096  # rounded up to a page
+        assert a.set_limit(2 * 4096) == 2 * 4096 and a.bytes_in_use == 3 * 4096
+        with pytest.raises(ArenaFullError, match=r"timed out after 0.05s"):
+            a.alloc(4096, timeout=0.05)  # 5 pages free in the range, none under the limit
+        got = []
+        th = threading.Thread(target=lambda: got.append(a.alloc(4096, timeout=10)))
+        th.start()
+        held.pop().free()
+        time.sleep(0.1)
+        assert not got  # 2 pages in use: at the limit still
+        held.pop().free()
+        th.join(10)
+        assert len(got) == 1 and a.bytes_in_use == 2 * 4096
+        with pytest.raises(ArenaFullError, match=r"over the arena's limit of 8.00 KiB"):
+            a.alloc(3 * 4096)
+        assert a.set_limit(1 << 40) == a.capacity and a.stats()["limit"] == a.capacity
+        a.alloc(6 * 4096).free()
+
+
 def test_double_free_and_closed_arena():
     a = PinnedArena(4 * 4096, lock=False)
     b = a.alloc(10)

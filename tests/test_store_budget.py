@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from offload.store import (AUTO_FRACTION, ArenaFullError, StoreConfig, SwapSpaceError, TieredStore, parse_size,
                            resolve_budget)
+from offload.store.budget import fit_auto_device_budget
 
 
 def test_parse_size():
@@ -39,6 +40,33 @@ def test_auto_budgets_are_the_stated_fractions(tmp_path):
     got = resolve_budget("auto", "nvme", nvme_path=str(tmp_path / "not-yet" / "created"))
     assert abs(got - AUTO_FRACTION["nvme"] * free) < 0.05 * free
     assert resolve_budget("3GiB", "device") == 3 << 30
+
+
+def test_an_auto_device_budget_is_fitted_to_what_the_first_step_left_free():
+    """The rule (store/budget.py): what the tier holds plus 90% of what was free at the peak, within the budget
+    taken at the start, never under the tier's own peak in that step."""
+    mib = 1 << 20
+    fit = fit_auto_device_budget
+    assert fit(1000 * mib, 100 * mib, 300 * mib, 5000 * mib) == 1000 * mib  # ample room: the budget stays
+    assert fit(1000 * mib, 100 * mib, 300 * mib, 500 * mib) == 550 * mib  # activations took most: 100 + 450
+    assert fit(1000 * mib, 100 * mib, 300 * mib, 100 * mib) == 300 * mib  # under the working set: its floor
+    assert fit(200 * mib, 100 * mib, 300 * mib, 0) == 200 * mib  # never above the budget
+    assert fit(1000 * mib, 0, 0, -5) == 0
+
+
+def test_a_device_tier_limit_holds_on_the_host_device(tmp_path):
+    """TieredStore.limit_device on a CPU run (the device tier a host region): the tier's capacity becomes the
+    limit, a device fetch that would pass it times out, one under it goes through."""
+    with TieredStore(StoreConfig(device_budget="1MiB", cpu_budget="1MiB")) as st:
+        st.register("a", 40_000, torch.float32, home="cpu").result()
+        st.register("b", 40_000, torch.float32, home="cpu").result()
+        st.fetch("a", "device", timeout=5).result()
+        assert st.limit_device(200_000) == 200_704 == st.stats()["device"]["capacity"]  # 49 pages
+        with pytest.raises(ArenaFullError, match=r"timed out after 0.05s"):
+            st.fetch("b", "device", timeout=0.05)  # 160 KiB in use + 160 KiB > 196 KiB
+        st.release("a").result()
+        st.fetch("b", "device", timeout=5).result()
+        assert st.stats()["device"]["peak_bytes"] <= 1 << 20
 
 
 def test_request_that_can_never_fit(tmp_path):

@@ -6,6 +6,7 @@
     t = blk.view(torch.bfloat16, numel)    # or blk.tensor (uint8, exactly nbytes)
     blk.free()                             # or `with arena.alloc(n) as blk:`
     arena.bytes_in_use, arena.peak_bytes, arena.locked, arena.lock_kind, arena.numa_node
+    arena.set_limit(nbytes)                # hold at most nbytes at once from now on (<= capacity)
     arena.close()                          # unlocks / unregisters and drops the allocation
 
 Why one allocation: torch's pinned allocator rounds every block up to a power of two and pins each
@@ -140,6 +141,7 @@ class PinnedArena:
     def __init__(self, capacity: int | str, *, lock: bool | str = "auto", name: str = "arena",
                  numa_node: int | None = None):
         self.capacity = _round_up(parse_size(capacity, "capacity"))
+        self.limit = self.capacity  # what may be in use at once: the capacity, or less once set_limit lowers it
         self.name = name
         self._cv = threading.Condition()
         self._free_offsets: list[int] = []  # sorted starts of free ranges
@@ -236,6 +238,14 @@ class PinnedArena:
                 bisect.insort(self._free_offsets, lo)
                 self._free_sizes[lo] = hi - lo
 
+    def set_limit(self, nbytes: int) -> int:
+        """Hold at most `nbytes` in use from now on (at most the capacity; rounded up to 4096): blocks in use
+        stay, requests that would pass it wait for frees. The limit set."""
+        with self._cv:
+            self.limit = min(self.capacity, _round_up(max(0, int(nbytes))))
+            self._cv.notify_all()  # a raised limit lets waiters in; a lowered one makes waiters re-check
+            return self.limit
+
     def free_slots(self, slot: int) -> int:
         """How many blocks of `slot` bytes the free ranges hold at once (each range: its length // slot)."""
         with self._cv:
@@ -269,8 +279,12 @@ class PinnedArena:
             while True:
                 if self.closed:
                     raise RuntimeError(f"{self.name}: alloc on a closed arena")
+                if span > self.limit:  # a caller that may back off (a prefetch) does; any other never gets it
+                    raise (ArenaFullError if timeout is None else ArenaBusyError)(
+                        f"{self.name}: a request of {format_bytes(nbytes)} ({nbytes} bytes) is over the arena's "
+                        f"limit of {format_bytes(self.limit)} (set_limit, below its capacity)")
                 off = self._find(span) if span else 0
-                if off is not None:
+                if off is not None and self.bytes_in_use + span <= self.limit:
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -329,6 +343,7 @@ class PinnedArena:
         with self._cv:
             return {
                 "capacity": self.capacity,
+                "limit": self.limit,
                 "bytes_in_use": self.bytes_in_use,
                 "bytes_requested": self.bytes_requested,
                 "peak_bytes": self.peak_bytes,

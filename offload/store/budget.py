@@ -8,6 +8,8 @@ rank's own):
     cpu:    50% of the available host memory
     nvme:   90% of the free bytes of the swap directory's filesystem (shutil.disk_usage)
 "Available host memory" is psutil's, capped by the cgroup's memory.max less its use (a container's limit).
+An "auto" device budget is taken before the activations and the communicators exist: after the first step
+the runtime fits it to what that step left free at its peak (fit_auto_device_budget, DeviceTier.set_limit).
 This is the one rule: the runtime's store, its placement, and `offload finetune`'s check before loading a
 model all take their nvme room from nvme_budget_bytes(). A size larger than the machine has is refused
 (check_fits_machine): it could never be honoured, and would fail later inside an allocator.
@@ -28,7 +30,7 @@ from .arena import ArenaBusyError, ArenaFullError, PinnedArena
 from .sizes import format_bytes, parse_size
 
 __all__ = ["AUTO_FRACTION", "resolve_budget", "nvme_budget_bytes", "host_memory", "check_fits_machine",
-           "ranks_on_this_node", "DeviceTier"]
+           "ranks_on_this_node", "fit_auto_device_budget", "DeviceTier"]
 
 AUTO_FRACTION = {"device_cuda": 0.90, "device_host": 0.25, "cpu": 0.50, "nvme": 0.90}
 
@@ -111,6 +113,17 @@ def resolve_budget(value: int | str, tier: str, *, nvme_path: str | None = None,
     raise ValueError(f"unknown tier {tier!r}")
 
 
+def fit_auto_device_budget(budget: int, tier_in_use: int, tier_peak: int, free_at_peak: int,
+                           fraction: float = AUTO_FRACTION["device_cuda"]) -> int:
+    """An "auto" device budget fitted to a step that ran: the tier may hold what it holds now plus `fraction` of
+    what the device had free at the step's peak (activations, autograd's buffers and communicators were all in
+    use then), never more than `budget`, and never less than the tier's own peak in that step (its working set:
+    a limit under it could leave a needed allocation waiting on nothing). The bytes the tier holds now are in
+    both terms' complement: a transient block in use now is not free, so in_use + free does not depend on it."""
+    room = tier_in_use + int(max(0, free_at_peak) * fraction)
+    return min(budget, max(tier_peak, room))
+
+
 def check_fits_machine(device_budget: int, cpu_budget: int, device: torch.device, ranks_sharing: int = 1,
                        names: tuple[str, str] = ("offload.Config.device_budget", "offload.Config.cpu_budget")) -> None:
     """Refuse budgets this machine cannot hold (ValueError naming the setting): a cpu budget above the host
@@ -162,7 +175,8 @@ class DeviceTier:
     def __init__(self, capacity: int, device: torch.device, alloc_stream=None):
         self.device = device
         self.alloc_stream = alloc_stream  # CUDA: blocks come from this stream's pool (the stream that fills them)
-        self.capacity = capacity
+        self.capacity = capacity  # what may be in use at once (set_limit may lower it)
+        self._given = capacity
         self._host = None
         if device.type == "cpu":
             self._host = PinnedArena(capacity, lock=False, name="device tier (host memory)")
@@ -190,11 +204,16 @@ class DeviceTier:
         if self._host is not None:
             return self._host.alloc(nbytes, timeout)
         size = -(-nbytes // 512) * 512
-        if size > self.capacity:
+        if size > self._given:
             raise ArenaFullError(
                 f"device tier: a request of {format_bytes(nbytes)} ({nbytes} bytes) can never fit in the device "
-                f"budget of {format_bytes(self.capacity)}; raise device_budget"
+                f"budget of {format_bytes(self._given)}; raise device_budget"
             )
+        if size > self.capacity:  # over the limit an "auto" budget was fitted to: a prefetch backs off
+            raise (ArenaFullError if timeout is None else ArenaBusyError)(
+                f"device tier: a request of {format_bytes(nbytes)} ({nbytes} bytes) is over the device budget of "
+                f"{format_bytes(self.capacity)} that 'auto' was fitted to after the first step (what it left free "
+                "on the device); give device_budget")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._cv:
@@ -227,6 +246,17 @@ class DeviceTier:
             except Exception:
                 self._release(size)
                 raise
+
+    def set_limit(self, nbytes: int) -> int:
+        """Hold at most `nbytes` from now on (fit_auto_device_budget's figure; never above the budget given at
+        the start): blocks in use stay, requests that would pass it wait for frees or back off. The limit set."""
+        if self._host is not None:
+            self.capacity = self._host.set_limit(nbytes)
+            return self.capacity
+        with self._cv:
+            self.capacity = min(self._given, -(-max(0, int(nbytes)) // 512) * 512)
+            self._cv.notify_all()  # waiters re-check against the new limit
+            return self.capacity
 
     def _gpu_full(self, size: int) -> ArenaBusyError:
         free, _ = torch.cuda.mem_get_info(self.device)

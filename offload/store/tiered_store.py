@@ -294,6 +294,11 @@ class TieredStore:
             self._shards[name] = s
         return resolved()
 
+    def limit_device(self, nbytes: int) -> int:
+        """The device tier holds at most `nbytes` from now on (an "auto" budget fitted after the first step:
+        zero/device_budget_fit.py); what it holds stays. The limit set."""
+        return self._dev.set_limit(nbytes)
+
     def set_staging_slot(self, nbytes: int) -> None:
         """Every short-lived cpu buffer from now on takes `nbytes` (rounded up to a page): the largest such
         buffer the caller will ask for. A larger one takes its own size."""

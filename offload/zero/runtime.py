@@ -29,6 +29,7 @@ each reduce is a collective; so must the order in which units run (each gather i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import importlib
 import math
@@ -52,6 +53,7 @@ from .activations import ActivationOffloader
 from .update.backward_updates import BackwardUpdates
 from .update.speculation import Speculation
 from .context import Counters, LaneContext, Lanes, UnitContext
+from .device_budget_fit import DeviceBudgetFit, fit_device_budget
 from .host_memory import peak_rss_bytes, rss_bytes, tune_malloc, untune_malloc
 from .lanes import WorkLane
 from .units.materialize import ConstructionCapture
@@ -120,6 +122,8 @@ class Runtime:
             Speculation(config.speculative_updates and config.pipeline, lambda: self.states, lambda: self.pipeline),
             on_void=lambda unit: self.updates.taken_back(unit))
         self.updates: UpdatePath | None = None
+        self.device_fit: DeviceBudgetFit | None = None  # an "auto" device budget, fitted after the first step
+        self._fit_device_budget = False
 
     # ---- lifetime ---------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -146,6 +150,9 @@ class Runtime:
         local = ranks_on_this_node(self.group.world_size)  # ranks sharing this host's memory and drive
         self.budgets = {"device": self._budget("device_budget", local), "cpu": self._budget("cpu_budget", local),
                         "nvme": None}
+        self._local_ranks = local
+        # "auto": fitted after the first step to what it left free (the activations, the communicators)
+        self._fit_device_budget = cfg.bytes_of("device_budget") is None
         check_fits_machine(self.budgets["device"], self.budgets["cpu"], self.device, local)
         self.machine = placement.machine_for(self.device, local, cfg.machine)  # what "auto" tiers compare
         if cfg.nvme_path:  # dead runs' swap removed first: the auto budget counts the space they held
@@ -499,6 +506,10 @@ class Runtime:
         """A sharded optimizer's step: [(unit, runs)] with its family's `schema`, onto the update path (step.py)
         with this step's clip coefficient."""
         self.updates.step(work, schema, self.grad_scale)
+        if self._fit_device_budget and self.device_fit is None:
+            later = max(0, self.gathered_bound() - self.ctx.counters.peak_gathered_bytes)  # (gathers ahead)
+            self.device_fit = fit_device_budget(self.device, self.states.store, self.group, self._local_ranks, later)
+            self.budgets["device"] = self.device_fit.budget_after
 
     def _queue_backward_update(self, unit: ShardedUnit, runs: list, grad_scale: float, schema, chunks):
         # (the backward's updates are built before the path)
@@ -633,8 +644,9 @@ class Runtime:
         gathered units, and outside_budgets_bytes = RSS growth since open not explained by the host budgets even
         at their peak (the cpu tier; on a machine without a GPU the device tier too, a region of host memory):
         full gradients and their casts, reduce buffers, activations, allocator caches (with the host pool, its
-        `cached_bytes`: freed blocks kept for reuse); and `pinned`: the cpu tier's arena, how much of it is locked
-        and on which NUMA node its pages are (TieredStore.pinned)."""
+        `cached_bytes`: freed blocks kept for reuse); `pinned`: the cpu tier's arena, how much of it is locked
+        and on which NUMA node its pages are (TieredStore.pinned); and `device_budget_fit`: an "auto" device
+        budget fitted after the first step (device_budget_fit.py), None before it or with a budget given."""
         host_tiers = ("cpu",) if self.device.type == "cuda" else ("cpu", "device")
         rss = rss_bytes()
         explained = sum(store_stats[t]["peak_bytes"] for t in host_tiers)
@@ -650,6 +662,7 @@ class Runtime:
             "malloc_mode": self._malloc_mode,
             "host_pool": host_pool.stats() if self._malloc_mode == "pool" else None,
             "pinned": self.states.store.pinned(),
+            "device_budget_fit": dataclasses.asdict(self.device_fit) if self.device_fit is not None else None,
         }
 
     def _resident_sizes(self):
