@@ -69,6 +69,8 @@ def _host_memory_info() -> dict:
         "host_memory": f"{format_bytes(total)} total, {format_bytes(available)} available (cgroup limit included)",
         "memlock_limit": "unlimited" if soft == resource.RLIM_INFINITY else format_bytes(soft),
         "numa_nodes": len(numa.online_nodes()),
+        # (`offload finetune` sets expandable_segments:True when this is unset: device.prefer_expandable_segments)
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF")),
     }
     if torch.cuda.is_available():
         info["gpu_numa_nodes"] = {f"cuda:{i}": numa.gpu_node(torch.device("cuda", i))
@@ -108,6 +110,10 @@ def debugging() -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is None and args.command == "finetune":  # run as the program (not called by a test): its CUDA work
+        from .device import prefer_expandable_segments  # is all ours, and none has started yet
+
+        prefer_expandable_segments()
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

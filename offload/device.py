@@ -14,6 +14,7 @@ code. On the CPU every stream is None and every event call is a no-op, so the or
     peak_allocated(device)               # the most the compute device's allocator has held (nothing reset)
     free_at_peak(device)                 # what the device had free when its allocator held the most
     take_peak_allocated(device)          # the same since the last call, the window restarted (tests, benches)
+    prefer_expandable_segments()         # a process of ours, before CUDA starts: segments that grow in place
 
 Why record_stream (retire): a tensor allocated on one stream and read on another must not be handed out
 again by the caching allocator until the reader's stream has passed its use. Freeing it after a wait is not
@@ -28,7 +29,22 @@ import threading
 import torch
 
 __all__ = ["compute_device", "bind_thread", "Streams", "record", "wait", "sync", "retire", "peak_allocated",
-           "take_peak_allocated", "free_at_peak"]
+           "take_peak_allocated", "free_at_peak", "prefer_expandable_segments"]
+
+
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def prefer_expandable_segments(environ=os.environ) -> bool:
+    """For a process whose CUDA work is all ours (`offload finetune` run as the program), called before anything
+    starts CUDA: torch's caching allocator then maps memory into segments that grow in place, so the gathered
+    units, full gradients and activations of ever-different sizes do not strand free memory in blocks cut for
+    other sizes (fragmentation: memory reserved but unusable). A PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) the user set is theirs and
+    stays. True when it set the variable. A library call (offload.init) leaves the process's allocator alone."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in environ or "PYTORCH_ALLOC_CONF" in environ:
+        return False
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS  # read when CUDA's allocator starts: not yet
+    return True
 
 
 def compute_device() -> torch.device:

@@ -42,6 +42,20 @@ def test_env_reports_built_extension():
     assert info["memlock_limit"] and info["numa_nodes"] >= 1
 
 
+def test_env_reports_the_cuda_allocator_settings_and_finetune_prefers_expandable_segments():
+    """`offload env` shows PYTORCH_CUDA_ALLOC_CONF; `offload finetune` (a process whose CUDA work is all ours) sets
+    expandable_segments:True when the user set nothing, and leaves a user's setting alone."""
+    from offload.device import EXPANDABLE_SEGMENTS, prefer_expandable_segments
+
+    out = run_cli("env", "--json", env={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"})
+    assert json.loads(out.stdout)["cuda_alloc_conf"] == "max_split_size_mb:64"
+    environ = {}
+    assert prefer_expandable_segments(environ) and environ == {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE_SEGMENTS}
+    for theirs in ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}, {"PYTORCH_ALLOC_CONF": "backend:native"}):
+        environ = dict(theirs)
+        assert not prefer_expandable_segments(environ) and environ == theirs
+
+
 def test_env_without_extension_says_why():
     out = run_cli("env", "--json", env={"OFFLOAD_DISABLE_EXT": "1"})
     assert out.returncode == 0, out.stderr

@@ -147,6 +147,25 @@ def test_offload_finetune_runs_10_steps_on_the_gpu(tmp_path):
     assert math.isfinite(r["eval_loss_before"]) and math.isfinite(r["eval_loss_after"]), r
 
 
+def test_finetunes_allocator_grows_segments_in_place():
+    """What `offload finetune` run as the program does first (device.prefer_expandable_segments, from
+    offload.cli.main after offload's imports, before any CUDA work) reaches torch's allocator: its segments are
+    expandable."""
+    code = ("import json, os\n"
+            "os.environ.pop('PYTORCH_CUDA_ALLOC_CONF', None); os.environ.pop('PYTORCH_ALLOC_CONF', None)\n"
+            "import offload.cli, offload.finetune.cli\n"
+            "from offload.device import prefer_expandable_segments\n"
+            "assert prefer_expandable_segments()\n"
+            "import torch\n"
+            "x = torch.ones(64 << 20, device='cuda')\n"
+            "print(json.dumps([s.get('is_expandable') for s in torch.cuda.memory._snapshot()['segments']]))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    segments = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert segments and all(segments), segments
+
+
 def test_device_peak_is_within_a_formula_of_the_unit_sizes():
     """FSDP2's memory tests, for the runtime: 6 MLP blocks (8.4M parameters each) with params and optimizer in
     host memory, fp32, 2048 tokens. Over steps 2-3 the GPU's peak allocated bytes above what was allocated before
