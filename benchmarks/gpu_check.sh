@@ -8,6 +8,9 @@
 # 3. offload bench pcie (pinned vs pageable host<->device GB/s), briefly
 # 4. the GPU suite: python -m pytest -m cuda tests (the store, runtime and parity files first)
 # 5. the step bench on the GPU, briefly (torch vs offload, 1 round), if the time budget leaves room
+# 6. activation offload against its peers (bench_activations: none / cpu / auto, transformers' offload=True, and
+#    DeepSpeed's cpu_checkpointing when `import deepspeed` works: the GPU image has no DeepSpeed, so carry its
+#    wheels and put them on PYTHONPATH first), 1 round, if the budget leaves room
 # Every figure goes into ONE file, ${OUT:-.}/gpu_check_results.json, rewritten after each stage (a run cut short
 # still leaves what it measured): versions, extension status, the tests' outcome (counts, failures, slowest),
 # the figures the tests record (tests/cuda_common.record_figure), and the two benches.
@@ -112,6 +115,10 @@ step = load("step.json")
 if step is not None:
     doc["bench_offload_step"] = step
 doc["bench_offload_step_log"] = text("step.log", 4000)
+acts = load("acts.json")
+if acts is not None:
+    doc["bench_activations"] = acts
+doc["bench_activations_log"] = text("acts.log", 4000)
 tmp = out + ".partial"
 json.dump(doc, open(tmp, "w"), indent=1, default=str)
 os.replace(tmp, out)
@@ -203,6 +210,21 @@ if [ "$CUDA_OK" = 1 ] && [ "$(left)" -gt 90 ]; then
   tail -25 "$WORK/step.log"
 else
   status bench_step "skipped: $(left) s of the budget left"
+fi
+merge
+
+# ---- 6. activation offload against its peers ----------------------------------------------------------------------
+if [ "$CUDA_OK" = 1 ] && [ "$(left)" -gt 150 ]; then
+  T_ACT=$(min 300 $(( $(left) - 10 )))
+  PEERS=none,cpu,auto,hf
+  "$PY" -c "import deepspeed" > /dev/null 2>&1 && PEERS="$PEERS,ds"
+  echo "== bench_activations ($PEERS, 1 round; timeout ${T_ACT}s)"
+  timeout -k 10 "$T_ACT" "$PY" benchmarks/bench_activations.py --seqs 4096,16384 --dim 1024 --layers 8 --rounds 1 \
+    --steps 3 --contenders "$PEERS" --json "$WORK/acts.json" > "$WORK/acts.log" 2>&1
+  status bench_activations_rc $?
+  tail -14 "$WORK/acts.log"
+else
+  status bench_activations "skipped: $(left) s of the budget left"
 fi
 merge
 
