@@ -68,6 +68,33 @@ def test_a_working_set_the_first_step_left_no_room_for_is_flagged():
     assert tight.short_of_working_set  # 100 + 0.9 x (300 - 100) = 280 < 300: its floor set the limit
 
 
+def test_a_device_left_full_by_the_first_step_holds_the_tier_to_its_working_set(monkeypatch, caplog):
+    """The device as the first step left it, nearly full (its free-memory report, device.free_at_peak, says
+    1 MiB: the one thing not measured here): the tier's limit drops to its own peak in that step, a warning names
+    the fixes, and the run trains on under it, bit for bit as with the budget given."""
+    import offload.zero.device_budget_fit as fitting
+
+    def run(device_budget):
+        model = mlp()
+        with offload.init(small_config(params="device", device_budget=device_budget)) as rt:
+            rt.wrap(model)
+            fits = []
+            losses = steps(model, rt, 4, fits)
+            weights = rt.full_state_dict(model)
+            peak = rt.stats()["memory"]["budgets_peak_bytes"]["device"]
+        return losses, weights, fits, peak
+
+    given = run("64MiB")
+    monkeypatch.setattr(fitting, "free_at_peak", lambda device: 1 << 20)
+    with caplog.at_level("WARNING", logger="offload"):
+        fitted = run("auto")
+    fit, budget = fitted[2][0]
+    assert 0 < fit["tier_peak"] == budget < fit["budget_before"], fit  # the floor: its own working set
+    assert fitted[3] <= budget  # later steps kept within it
+    assert any("next to no room" in r.getMessage() for r in caplog.records)
+    assert fitted[0] == given[0] and all(torch.equal(fitted[1][k], given[1][k]) for k in given[1])
+
+
 def test_a_device_budget_given_is_kept():
     model = mlp()
     with offload.init(small_config(device_budget="64MiB")) as rt:

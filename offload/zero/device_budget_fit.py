@@ -4,10 +4,11 @@
 autograd's buffers and the communicators exist. The first step is the traced one: once it is over the device
 has held its activation peak and every communicator. The device tier may then hold what it holds plus a
 fraction of what was free at that peak (store/budget.py fit_auto_device_budget), never less than its own
-working set in that step, the smallest over ranks (every rank plans with the same numbers). What later steps
-gather beyond the first (the first, being traced, gathers no unit ahead) is taken off the free bytes first: the
-gathered units are torch's allocations, outside the tier. Lowering the limit only makes later requests wait or
-back off (a prefetch does): no block moves.
+working set in that step, the smallest over ranks (every rank plans with the same numbers). Gathered units are
+torch's allocations, outside the tier: if the first step held fewer gathered bytes at once than the runtime's
+bound allows later steps (gathering ahead follows the plan the first step's trace makes), the difference is taken
+off the free bytes first (in the runs measured so far the first step already reached the bound). Lowering the
+limit only makes later requests wait or back off (a prefetch does): no block moves.
 
     fit = fit_device_budget(device, store, group, ranks_sharing, gathered_later)   # once, after the first step
     fit.budget_after                                               # the device tier's limit from now on
@@ -62,9 +63,9 @@ def fit_device_budget(device: torch.device, store, group, ranks_sharing: int, ga
     limit = store.limit_device(int(agreed[0]))
     fit = DeviceBudgetFit(tier["capacity"], limit, free, tier["bytes_in_use"], tier["peak_bytes"], gathered_later)
     if fit.short_of_working_set:
-        log.warning("offload: the first step left %s free on %s at its peak, and the device tier's working set "
-                    "takes %s: the activations have next to no room. Lower the batch or the sequence length, "
-                    "set Config.activations='cpu', or give device_budget", format_bytes(free), device,
+        log.warning("offload: the first step left %s free on %s at its peak beside the device tier's working set "
+                    "of %s: the activations have next to no room. Lower the batch or the sequence length, set "
+                    "Config.activations='cpu', or give device_budget", format_bytes(max(0, free)), device,
                     format_bytes(fit.tier_peak))
     elif limit < fit.budget_before:
         log.info("offload: device_budget 'auto' fitted after the first step: %s -> %s (%s free on %s at its peak, "
