@@ -211,6 +211,43 @@ def test_transformer_encoder_stack_parity():
 
 
 # ---- states, memory bound, persistence ---------------------------------------------------------
+@pytest.mark.skipif(not transformers_available(), reason="transformers not installed")
+def test_reentrant_checkpointing_gathers_within_the_bound_and_trains_as_non_reentrant():
+    """A 6-block Llama with transformers' checkpointing, reentrant (DeepSpeed's checkpoint function, transformers
+    4.x's default) and not: the recomputing forward inside the backward gathers each block again and frees it
+    after its inner backward, so the gathered bytes stay within the stated bound (root and two blocks, not the
+    seven units), and both train bit for bit alike."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    runs = {}
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2))
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.config.use_cache = False
+        with offload.init(_cfg()) as rt:
+            rt.wrap(model)
+            opt = offload.AdamW(model.parameters(), lr=1e-3)
+            losses = []
+            for s in range(3):
+                ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(s)).to(rt.device)
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            st = rt.stats()
+            every_unit = sum(u.nbytes_full for u in rt.units)
+            runs[reentrant] = (losses, rt.full_state_dict(model))
+        assert len(rt.units) == 7 and st["peak_gathered_bytes"] <= st["gathered_bound_bytes"] < every_unit / 2, st
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[False][1])
+
+
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_states_and_gathered_bound_during_forward_and_backward(pipeline):
     model = TinyTransformer(layers=4)
