@@ -54,8 +54,10 @@ def fit_device_budget(device: torch.device, store, group, ranks_sharing: int, ga
     tier = stats["device"]
     free = free_at_peak(device)
     if device.type != "cuda":  # the device tier is host memory: shared by the node's ranks, and with this rank's
-        # cpu tier, whose budget may still take what it has not touched yet
-        free = free // max(1, ranks_sharing) - (stats["cpu"]["capacity"] - stats["cpu"]["bytes_in_use"])
+        # cpu tier, whose arena may still fault in the pages it has not touched (a locked arena has them all)
+        cpu = stats["cpu"]
+        resident = cpu["capacity"] if store.pinned()["locked_bytes"] else cpu["peak_bytes"]
+        free = free // max(1, ranks_sharing) - max(0, cpu["capacity"] - resident)
     limit = fit_auto_device_budget(tier["capacity"], tier["bytes_in_use"], tier["peak_bytes"],
                                    free - gathered_later)
     agreed = comm.all_reduce_host_(group, torch.tensor([limit], dtype=torch.float64), "min",
