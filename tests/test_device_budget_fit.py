@@ -168,6 +168,9 @@ def test_on_the_gpu_activations_that_take_the_memory_lower_the_auto_budget(tmp_p
         losses = steps(model, rt, 3, fits, width=width, batch=8)
         tier_peak_later = rt.stats()["memory"]["budgets_peak_bytes"]["device"]
     fit, budget = fits[0]
+    from cuda_common import record_figure
+
+    record_figure("device_budget_fit", free_at_open=free, heavy_forward=heavy, tier_peak_later=tier_peak_later, **fit)
     assert fit["budget_before"] >= AUTO_FRACTION["device_cuda"] * free * 0.95  # the start's "auto": ~90% free
     assert budget == fit["budget_after"] < fit["budget_before"] / 2, fit  # what the activations left
     assert fit["free_at_peak"] < 4 << 30, fit
