@@ -54,6 +54,8 @@ def grid(world):
             Case(world=world, model="llama", params="cpu", optimizer="nvme"),
             Case(world=world, model="llama", dtype="bf16", accum=4, params="nvme", optimizer="cpu", clip=clip),
             Case(world=world, model="llama-ckpt", params="nvme", optimizer="cpu"),  # HF activation checkpointing
+            # reentrant: the recompute's gathers and the inner backward's reduces run inside the backward
+            Case(world=world, model="llama-ckpt-reentrant", params="nvme", optimizer="cpu"),
         ]
     cases += delay_cases(world)
     # Config.update_in_backward: each update queued in the backward, clipped by the previous step's coefficient
