@@ -39,9 +39,10 @@ def llama(layers: int = 3, hidden: int = 64) -> LlamaForCausalLM:
                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2))
 
 
-def checkpoint_blocks(model) -> None:
-    """transformers' activation checkpointing, non-reentrant, by whichever name this version has."""
-    kwargs = {"use_reentrant": False}
+def checkpoint_blocks(model, reentrant: bool = False) -> None:
+    """transformers' activation checkpointing (non-reentrant unless asked: DeepSpeed's function and transformers
+    4.x's default are reentrant), by whichever name this version has."""
+    kwargs = {"use_reentrant": reentrant}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -55,14 +56,15 @@ def batches(n: int, rank: int = 0, seq: int = 64):
 
 def train(tmp, activations="none", checkpointing=True, compute_dtype="fp32", accumulate=1, steps=3, pipeline=True,
           cpu_budget="256MiB", min_size="16KiB", rank=0, layers=3, hidden=64, seq=64):
-    """Losses, final fp32 weights and rt.stats() of `steps` AdamW steps of a small Llama (batch 4 x seq)."""
+    """Losses, final fp32 weights and rt.stats() of `steps` AdamW steps of a small Llama (batch 4 x seq);
+    checkpointing: True, False, or "reentrant"."""
     cfg = offload.Config(params="cpu", optimizer="nvme", nvme_path=str(tmp), cpu_budget=cpu_budget,
                          device_budget="256MiB", compute_dtype=compute_dtype, pipeline=pipeline,
                          activations=activations, activations_min_size=min_size)
     with offload.init(cfg) as rt:
         model = llama(layers, hidden)
         if checkpointing:
-            checkpoint_blocks(model)
+            checkpoint_blocks(model, reentrant=checkpointing == "reentrant")
         model.train()
         opt = offload.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
         losses = []
@@ -100,7 +102,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("home", ["cpu", "nvme"])
-@pytest.mark.parametrize("checkpointing", [True, False], ids=["ckpt", "saved"])
+@pytest.mark.parametrize("checkpointing", [True, "reentrant", False], ids=["ckpt", "ckpt-reentrant", "saved"])
 def test_offloaded_activations_train_bitwise_as_without(tmp_path, reference, home, checkpointing):
     run = train(tmp_path, home, checkpointing)
     assert_same(run, reference(checkpointing))
