@@ -269,6 +269,45 @@ def test_a_prefetch_backs_off_when_the_device_tier_is_full(tmp_path):
         assert st.stats()["device"]["bytes_in_use"] == 0
 
 
+def test_a_device_tier_limit_lowered_under_a_waiter_raises_instead_of_hanging(tmp_path):
+    """DeviceTier.set_limit (an "auto" budget fitted after the first step) below what a blocked request asks for:
+    the request raises (naming device_budget) instead of waiting for room that can never come; a request with a
+    timeout backs off (ArenaBusyError); one within the limit still waits for a free and gets its block."""
+    import threading
+
+    from offload.store import ArenaBusyError, ArenaFullError
+    from offload.store.budget import DeviceTier
+
+    kib = 1024
+    tier = DeviceTier(1024 * kib, torch.device("cuda", torch.cuda.current_device()))
+    held = tier.alloc(512 * kib)
+    outcome = []
+
+    def wait_for(nbytes):
+        try:
+            tier.alloc(nbytes).free()
+            outcome.append(("got", nbytes))
+        except ArenaFullError as e:
+            outcome.append((type(e).__name__, nbytes))
+
+    big = threading.Thread(target=wait_for, args=(768 * kib,))
+    big.start()
+    time.sleep(0.2)
+    assert outcome == []  # 512 + 768 KiB > 1 MiB: waiting for a free
+    assert tier.set_limit(640 * kib) == 640 * kib
+    big.join(10)
+    assert outcome == [("ArenaFullError", 768 * kib)]  # over the new limit: raised, not left waiting
+    with pytest.raises(ArenaBusyError):
+        tier.alloc(700 * kib, timeout=0)  # a prefetch over the limit backs off
+    small = threading.Thread(target=wait_for, args=(256 * kib,))
+    small.start()
+    time.sleep(0.2)
+    assert outcome[1:] == []  # 512 + 256 KiB > 640 KiB: waits
+    held.free()
+    small.join(10)
+    assert outcome[1:] == [("got", 256 * kib)] and tier.bytes_in_use == 0
+
+
 def test_a_prefetch_backs_off_when_the_gpu_is_full_below_the_budget(tmp_path):
     """The device budget has room but the GPU has not (activations, NCCL, another process took what the budget
     assumed free): the allocator's OOM inside a non-blocking lease escaped to the training thread. Now it

@@ -209,15 +209,16 @@ class DeviceTier:
                 f"device tier: a request of {format_bytes(nbytes)} ({nbytes} bytes) can never fit in the device "
                 f"budget of {format_bytes(self._given)}; raise device_budget"
             )
-        if size > self.capacity:  # over the limit an "auto" budget was fitted to: a prefetch backs off
-            raise (ArenaFullError if timeout is None else ArenaBusyError)(
-                f"device tier: a request of {format_bytes(nbytes)} ({nbytes} bytes) is over the device budget of "
-                f"{format_bytes(self.capacity)} that 'auto' was fitted to after the first step (what it left free "
-                "on the device); give device_budget")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._cv:
                 while self._in_use + size > self.capacity:
+                    if size > self.capacity:  # over the limit an "auto" budget was fitted to (set_limit, maybe
+                        # while this waited): a prefetch backs off, anything else could wait forever
+                        raise (ArenaFullError if timeout is None else ArenaBusyError)(
+                            f"device tier: a request of {format_bytes(nbytes)} ({nbytes} bytes) is over the device "
+                            f"budget of {format_bytes(self.capacity)} that 'auto' was fitted to after the first "
+                            "step (what it left free on the device); give device_budget")
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise ArenaBusyError(
