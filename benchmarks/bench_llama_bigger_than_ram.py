@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -154,7 +155,7 @@ def run_child(a, name: str) -> dict:
     result = json.loads(line[len("RESULT "):]) if line else {}
     result.update(name=name, returncode=proc.returncode, watched_peak_rss=peak, wall_s=time.perf_counter() - t0,
                   stopped_at_limit=stopped)
-    subprocess.run(["rm", "-rf", nvme])
+    shutil.rmtree(nvme, ignore_errors=True)
     return result
 
 

@@ -56,7 +56,7 @@ def fit_device_budget(device: torch.device, store, group, ranks_sharing: int, ga
     if device.type != "cuda":  # the device tier is host memory: shared by the node's ranks, and with this rank's
         # cpu tier, whose arena may still fault in the pages it has not touched (a locked arena has them all)
         cpu = stats["cpu"]
-        resident = cpu["capacity"] if store.pinned()["locked_bytes"] else cpu["peak_bytes"]
+        resident = cpu["capacity"] if cpu["locked"] else cpu["peak_bytes"]
         free = free // max(1, ranks_sharing) - max(0, cpu["capacity"] - resident)
     limit = fit_auto_device_budget(tier["capacity"], tier["bytes_in_use"], tier["peak_bytes"],
                                    free - gathered_later)
