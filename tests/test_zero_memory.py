@@ -88,8 +88,11 @@ def test_a_transformers_llama_at_5x_the_cpu_budget_stays_within_the_budgets_ever
 
 def test_the_llama_on_two_ranks_stays_within_each_ranks_budgets_every_step(tmp_path):
     """The same Llama on 2 ranks under torchrun (each rank's shards half the states, still 2.6x its cpu budget),
-    4 steps, the CPU default (the host pool): each rank's peak resident set after every step within its own
-    budgets + 256 MiB, and flat from the second step."""
+    6 steps, the CPU default (the host pool): each rank's peak resident set after every step within its own
+    budgets + 256 MiB, and flat from the fourth step. Flat from the second it is not, by chance: the peak is a
+    high-water mark of transients that two ranks' lanes overlap in ways that vary with their timing, and it reaches
+    its plateau at the second to fifth step (measured, 8 steps, 4 rank-runs: 305-318 MiB after step 2, 317-322 at
+    the end, at most 6.4 MiB higher over the last four steps; once 16.5 MiB between steps 2 and 4)."""
     cpu_budget, device_budget = 64 * MiB, 32 * MiB
     swap, out = tmp_path / "swap", tmp_path / "out"
     swap.mkdir()
@@ -99,7 +102,7 @@ def test_the_llama_on_two_ranks_stays_within_each_ranks_budgets_every_step(tmp_p
                RSS_PROBE_OUT=str(out))  # a file per rank: two ranks' lines on one stdout once ran together
     probe = Path(__file__).with_name("llama_rss_probe.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(probe), str(swap), str(cpu_budget), str(device_budget), "4"],
+                           str(probe), str(swap), str(cpu_budget), str(device_budget), "6"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -108,6 +111,6 @@ def test_the_llama_on_two_ranks_stays_within_each_ranks_budgets_every_step(tmp_p
         assert r["params"] * 16 // 2 >= 2 * cpu_budget and r["nvme_read"] > r["params"] * 2, r  # it pages
         grown = [(s["peak"] - r["rss0"]) / MiB for s in r["steps"]]
         assert all(g <= limit for g in grown), (grown, limit)
-        assert grown[-1] - grown[1] <= 16, grown
+        assert grown[-1] - grown[3] <= 16, grown  # flat once the overlaps have been seen: nothing accumulates
         assert r["memory"]["malloc_mode"] == "pool", r["memory"]
     assert list(swap.iterdir()) == []
