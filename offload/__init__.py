@@ -7,6 +7,7 @@ _LAZY = {
     "AdamW8bit": ("offload.optim.adamw8bit", "AdamW8bit"),
     "Lion": ("offload.optim.lion", "Lion"),
     "Config": ("offload.config", "Config"),
+    "GradScaler": ("offload.zero.grad_scaler", "GradScaler"),
     "init": ("offload.zero.runtime", "init"),
     "Runtime": ("offload.zero.runtime", "Runtime"),
     "CollectiveError": ("offload.zero.collectives.watchdog", "CollectiveError"),

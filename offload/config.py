@@ -18,7 +18,8 @@ from .bench.figures import bench_figures
 from .store.sizes import parse_size as _parse_size
 
 TIERS = ("device", "cpu", "nvme", "auto")
-COMPUTE_DTYPES = ("fp32", "bf16")
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
+REDUCE_DTYPES = ("fp32", "bf16")
 ACTIVATION_HOMES = ("none", "cpu", "nvme", "auto")  # Config.activations
 
 
@@ -67,8 +68,9 @@ class Config:
       plus 90% of what the device had free at that step's peak, if that is less (rt.stats()["memory"]
       ["device_budget_fit"]). `init` refuses budgets the machine cannot hold, and an nvme_budget larger
       than the free space.
-    compute_dtype: "fp32" (like plain PyTorch) or "bf16" (params gathered and computed in bf16; the master
-      copy stays fp32).
+    compute_dtype: "fp32" (like plain PyTorch), "bf16" (params gathered and computed in bf16; the master
+      copy stays fp32) or "fp16" (the same in float16; train it with offload.GradScaler, whose loss scaling
+      keeps small gradients from flushing to zero and skips a step whose gradients overflowed).
     reduce_dtype: the dtype gradients are summed over ranks in: "fp32" (default, exact as plain PyTorch's DDP
       in fp32) or "bf16" (half the reduce-scatter bytes, FSDP2's MixedPrecisionPolicy(reduce_dtype=bf16): each
       rank's gradient is rounded to bf16 before the sum and the sum is rounded once more; the shard is stored
@@ -167,9 +169,9 @@ class Config:
                 f"offload.Config.compute_dtype: {self.compute_dtype!r} is not supported; "
                 f"choose one of {COMPUTE_DTYPES}"
             )
-        if self.reduce_dtype not in COMPUTE_DTYPES:
+        if self.reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"offload.Config.reduce_dtype: {self.reduce_dtype!r} is not supported; "
-                             f"choose one of {COMPUTE_DTYPES}")
+                             f"choose one of {REDUCE_DTYPES}")
         if "nvme" in (self.params, self.optimizer, self.grads) and not self.nvme_path:
             which = next(n for n in ("params", "optimizer", "grads") if getattr(self, n) == "nvme")
             raise ValueError(f"offload.Config.nvme_path: required because {which}='nvme'; give a directory")
@@ -230,7 +232,7 @@ class Config:
     def torch_compute_dtype(self):
         import torch
 
-        return torch.bfloat16 if self.compute_dtype == "bf16" else torch.float32
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.compute_dtype, torch.float32)
 
     @property
     def torch_reduce_dtype(self):
@@ -316,7 +318,10 @@ def deepspeed_fields(ds: dict) -> tuple[dict[str, Any], list[str]]:
                 fields["compute_dtype"] = "bf16" if enabled else "fp32"
         elif key == "fp16":
             if (value or {}).get("enabled", False) not in (False, "auto"):
-                raise ValueError("from_deepspeed: fp16.enabled=true is not supported; use bf16 or fp32")
+                raise ValueError("from_deepspeed: fp16.enabled=true: DeepSpeed scales the loss inside its engine, "
+                                 "offload in your loop; use bf16, or set compute_dtype='fp16' (an override here) "
+                                 "and step through offload.GradScaler(init_scale=2**initial_scale_power, "
+                                 "growth_interval=loss_scale_window)")
         elif key == "communication_data_type":  # the dtype gradients are summed over ranks in
             dtype = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32", None: None}.get(value, "?")
             if dtype == "?":

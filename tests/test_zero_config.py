@@ -34,7 +34,7 @@ def test_defaults_and_dtypes():
 @pytest.mark.parametrize("fields, field", [
     (dict(params="gpu"), "params"),
     (dict(optimizer="disk"), "optimizer"),
-    (dict(compute_dtype="fp16"), "compute_dtype"),
+    (dict(compute_dtype="fp8"), "compute_dtype"),
     (dict(params="nvme"), "nvme_path"),
     (dict(optimizer="nvme"), "nvme_path"),
     (dict(cpu_budget="lots"), "cpu_budget"),

@@ -159,6 +159,11 @@ class Case:
     update_in_backward: bool = False  # Config.update_in_backward (offload_run only)
     reduce_dtype: str = "fp32"  # Config.reduce_dtype: "bf16" sums each rank's gradient rounded to bf16
     family: str = "adamw"  # the optimizer: adamw, adamw8bit or lion (offload's class; Config.optimizer_states)
+    # dtype "fp16" trains through a loss scaler (offload.GradScaler; the reference: torch.amp.GradScaler) whose
+    # first scale overflows the tiny model's fp16 gradients at some steps and whose growth makes them overflow
+    # again later: steps are skipped, speculative updates voided, and clipping fires at others
+    scaler_init: float = 2.0 ** 20
+    scaler_growth_interval: int = 2
 
     @property
     def name(self) -> str:
@@ -237,10 +242,27 @@ def _clip(params, case: Case, norms: list) -> float:
     return norm
 
 
+def _scaler(case: Case, reference: bool):
+    """fp16: the loss scaler of the case (torch's for the reference, offload's for the runtime); else None."""
+    if case.dtype != "fp16":
+        return None
+    import offload
+
+    kw = dict(init_scale=case.scaler_init, growth_interval=case.scaler_growth_interval)
+    return torch.amp.GradScaler("cpu", **kw) if reference else offload.GradScaler(**kw)
+
+
+def _norm_record(norm) -> float:
+    """A clip's norm as recorded: -1.0 where the gradients overflowed (inf or NaN: that step is skipped)."""
+    norm = float(norm)
+    return norm if math.isfinite(norm) else -1.0
+
+
 def reference_run(case: Case, model: nn.Module, data: torch.Tensor, device: torch.device = torch.device("cpu")):
-    """Plain PyTorch on `device`. fp32: full-batch micro-batches, torch.optim.AdamW. bf16: a bf16 model whose grads
-    go to fp32 master params on the host (stepped by plain offload.AdamW, see below), with the same per-rank split
-    and the same fp32 reduction order as the runtime, i.e. the same casts. Snapshots on the host."""
+    """Plain PyTorch on `device`. fp32: full-batch micro-batches, torch.optim.AdamW. bf16 / fp16: a bf16 / fp16 model
+    whose grads go to fp32 master params on the host (stepped by plain offload.AdamW, see below), with the same
+    per-rank split and the same fp32 reduction order as the runtime, i.e. the same casts; fp16 with
+    torch.amp.GradScaler over the master. Snapshots on the host."""
     losses, snaps, norms = [], {}, []
     data = data.to(device)
     W = case.world
@@ -271,7 +293,7 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor, device: torc
             snaps[s] = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
         return losses, snaps, norms
     master = {n: nn.Parameter(p.detach().to("cpu", copy=True)) for n, p in model.named_parameters()}  # fp32 init
-    model = model.to(device, torch.bfloat16)
+    model = model.to(device, torch.bfloat16 if case.dtype == "bf16" else torch.float16)
     named = [(n, p) for n, p in model.named_parameters()]
     # The fp32 master steps with offload.AdamW (plain, unsharded: the fused kernel, itself tested against
     # torch.optim.AdamW in test_adam*): a 1-ulp difference in a master value can flip its bf16 copy, and
@@ -279,6 +301,7 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor, device: torc
     import offload
 
     opt = optimizer_class(case)(param_groups(list(master.items())), lr=case.lr)
+    scaler = _scaler(case, reference=True)
     trainable = [n for n, p in named if p.requires_grad]
     A = case.accum
     for s in range(case.steps):
@@ -289,7 +312,7 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor, device: torc
             per_rank = []
             for r in range(W):
                 loss = compute_loss(model, data[s, k, r * MICRO:(r + 1) * MICRO], case.model) / A
-                loss.backward()
+                (loss if scaler is None else scaler.scale(loss)).backward()
                 total += loss.item() / W
                 per_rank.append({n: p.grad.float() for n, p in named if p.grad is not None})
                 model.zero_grad(set_to_none=True)
@@ -312,15 +335,23 @@ def reference_run(case: Case, model: nn.Module, data: torch.Tensor, device: torc
                 acc[n] = red if acc[n] is None else acc[n].add_(red)
         for n in trainable:
             master[n].grad = acc[n]
+        if scaler is not None:
+            scaler.unscale_(opt)  # (the master's grads: fp32)
         if case.clip is not None:
-            norms.append(_clip([master[n] for n in trainable], case, norms))
-        opt.step()
+            norms.append(_norm_record(_clip([master[n] for n in trainable], case, norms)))
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad()
         with torch.no_grad():
             for n, p in named:
                 p.copy_(master[n])
         losses.append(total)
         snaps[s] = {n: master[n].detach().clone() for n in master}
+        if scaler is not None:  # compared with the parameters: the same steps overflowed
+            snaps[s]["loss_scale"] = torch.tensor(scaler.get_scale())
     return losses, snaps, norms
 
 
@@ -340,6 +371,8 @@ def offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str,
         data = data.to(rt.device)
         rt.wrap(model)
         opt = optimizer_class(case)(param_groups(model.named_parameters()), lr=case.lr)
+        scaler = _scaler(case, reference=False)
+
         def evaluate(s):
             with torch.no_grad():
                 seen = compute_loss(model, data[s, 0, mine], case.model).detach()
@@ -358,20 +391,28 @@ def offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str,
                     ctx = rt.no_sync() if case.no_sync else rt.accumulating()
                 with ctx:
                     loss = compute_loss(model, data[s, k, mine], case.model, flow.skip) / flow.micro
-                    loss.backward()
+                    (loss if scaler is None else scaler.scale(loss)).backward()
                 total += loss.detach()
             if flow.late_eval:
                 evaluate(s)
             if not flow.no_step:
+                if scaler is not None:
+                    scaler.unscale_(opt)
                 if case.clip is not None:
-                    norms.append(float(rt.clip_grad_norm_(max_norm(case, len(norms)))))
-                opt.step()
+                    norms.append(_norm_record(rt.clip_grad_norm_(max_norm(case, len(norms)))))
+                if scaler is None:
+                    opt.step()
+                else:
+                    scaler.step(opt)
+                    scaler.update()
             opt.zero_grad()
             if world > 1:
                 dist.all_reduce(total)
             losses.append(total.item() / world)
             if (s + 1) % case.snapshot_every == 0 or s == case.steps - 1:
                 snaps[s] = rt.full_state_dict(model)  # waits for every queued update: not every step
+                if scaler is not None:
+                    snaps[s]["loss_scale"] = torch.tensor(scaler.get_scale())
         stats = rt.stats()
     return losses, snaps, norms, stats
 
@@ -435,6 +476,7 @@ def _run_case(case: Case, nvme_dir: str) -> dict:
             "peak_device": stats["peak_resident_bytes"]["device"], "device_budget": stats["budgets"]["device"],
             "grads_tier": stats["grads_tier"],
             "updated_in_backward": (stats["last_step"].get("clip") or {}).get("in_backward", 0),
+            "skipped_steps": stats["loss_scale"]["skipped_steps"],  # fp16: steps whose gradients overflowed
             "speculation": stats["speculation"]}
 
 

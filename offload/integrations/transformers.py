@@ -45,7 +45,8 @@ OFFLOAD_STATE = "offload-state"  # the runtime's checkpoint inside Trainer's che
 
 # TrainingArguments fields whose non-default values this integration cannot honour: (field, why and the fix)
 REFUSED = (
-    ("fp16", "fp16 needs a loss scaler, which offload does not have; use bf16=True"),
+    ("fp16", "the Trainer's fp16 is autocast with torch's GradScaler over fp32 params; offload's fp16 "
+             "(Config(compute_dtype='fp16') with offload.GradScaler) runs in your own loop; use bf16=True"),
     ("deepspeed", "offload replaces DeepSpeed ZeRO; map its JSON with offload.Config.from_deepspeed(path) and pass "
                   "that as offload_config"),
     ("fsdp", "offload shards the model itself; drop fsdp"),

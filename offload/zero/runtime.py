@@ -54,6 +54,7 @@ from .update.backward_updates import BackwardUpdates
 from .update.speculation import Speculation
 from .context import Counters, LaneContext, Lanes, UnitContext
 from .device_budget_fit import DeviceBudgetFit, fit_device_budget
+from .grad_scaler import GradState, LossScale
 from .host_memory import peak_rss_bytes, rss_bytes, tune_malloc, untune_malloc
 from .lanes import WorkLane
 from .units.materialize import ConstructionCapture
@@ -91,7 +92,10 @@ class Runtime:
         self.sized_schema = schema_by_name(config.optimizer_states)  # what the placement sizes optimizer states for
         self.units: list[ShardedUnit] = []
         self.models: list[nn.Module] = []
-        self.grad_scale = 1.0  # set by clip_grad_norm_, used by every optimizer's step, reset by the next backward
+        # the kernel's factor on every gradient at the next step: the clip coefficient times the loss scale's
+        # 1/S (set by clip_grad_norm_ and unscale_grads, used by every optimizer's step, reset by the next backward)
+        self.grad_scale = 1.0
+        self.loss_scale = LossScale()  # offload.GradScaler's scale, and what this step's gradients carry
         self.compute_dtype = config.torch_compute_dtype
         self.params_tier = config.params
         self.optimizer_tier = config.optimizer
@@ -119,6 +123,7 @@ class Runtime:
         self.activations: ActivationOffloader | None = None  # Config.activations != "none"
         self.backward_updates = BackwardUpdates(
             config.update_in_backward, self._queue_backward_update, self.live_optimizers,
+            lambda: self.loss_scale.unscale,
             Speculation(config.speculative_updates and config.pipeline, lambda: self.states, lambda: self.pipeline),
             on_void=lambda unit: self.updates.taken_back(unit))
         self.updates: UpdatePath | None = None
@@ -419,6 +424,7 @@ class Runtime:
     # ---- hooks' callbacks -----------------------------------------------------------------
     def _on_new_backward(self) -> None:
         self.grad_scale = 1.0  # a new backward pass: the last clip coefficient was for the last step
+        self.loss_scale.on_new_backward()  # its gradients carry the loss scale, if a GradScaler set one
 
     # ---- training-loop API ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -449,11 +455,10 @@ class Runtime:
         """Global gradient norm over every shard on every rank; the optimizer's next step scales gradients
         by min(1, max_norm / (norm + 1e-6)) inside its fused update (as torch.nn.utils.clip_grad_norm_)."""
         self._check_open("rt.clip_grad_norm_")
-        from .update.grad_norm import local_norms
-
-        self.flush_grads()
-        norms = local_norms(self.units, self.rank, norm_type)  # on the host (grad_norm._on_host)
-        local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
+        if self.loss_scale.state is GradState.SCALED:
+            raise RuntimeError("rt.clip_grad_norm_: the gradients still carry the loss scale of offload.GradScaler; "
+                               "call scaler.unscale_(optimizer) before clipping (as with torch.amp.GradScaler)")
+        local = self._local_norm(norm_type)
         with self.meter.waiting(Queue.COLLECTIVE):
             if not self.group.distributed:
                 total = local
@@ -462,10 +467,56 @@ class Runtime:
             else:
                 total = comm.all_reduce_host_(self.group, local ** norm_type, "sum",
                                               what="clip_grad_norm_") ** (1.0 / norm_type)
+        if self.loss_scale.state is GradState.UNSCALED:
+            total = total * self.loss_scale.unscale  # (exact for a power-of-two scale: torch's unscaled norm)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # fp32, exactly as torch computes it
-        self.grad_scale = float(coef)
-        self.backward_updates.on_clip(self.grad_scale)
+        self.grad_scale = float(coef) * self.loss_scale.unscale
+        self.backward_updates.on_clip(float(coef))
         return total
+
+    def _local_norm(self, norm_type: float) -> torch.Tensor:
+        """The norm over this rank's gradient shards, as they are stored (times the loss scale, if any)."""
+        from .update.grad_norm import local_norms
+
+        self.flush_grads()
+        norms = local_norms(self.units, self.rank, norm_type)  # on the host (grad_norm._on_host)
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
+
+    # ---- loss scaling (offload.GradScaler: grad_scaler.py) ------------------------------------
+    def set_loss_scale(self, scale: float) -> None:
+        """GradScaler.scale: the next backward's gradients carry `scale`."""
+        if self.config.update_in_backward:
+            raise ValueError("offload.GradScaler: Config.update_in_backward runs updates before a step's overflow "
+                             "check could skip them; set update_in_backward=False (the default speculative "
+                             "updates are taken back when a step overflows)")
+        self.loss_scale.scale = scale
+
+    def unscale_grads(self) -> bool:
+        """GradScaler.unscale_: the next step's factor takes 1 / S; returns whether any gradient on any rank is inf
+        or NaN (its parameter's norm is then not finite; once per step, then remembered)."""
+        self._check_open("offload.GradScaler.unscale_")
+        scaled = self.loss_scale
+        if scaled.state is GradState.UNSCALED:
+            return scaled.found_inf  # (another optimizer over the same gradients)
+        if scaled.state is GradState.PLAIN:
+            raise RuntimeError("offload.GradScaler.unscale_: this step's gradients carry no loss scale; call "
+                               "scaler.scale(loss).backward() for every backward of the step")
+        found = torch.tensor([0.0 if bool(torch.isfinite(self._local_norm(2.0))) else 1.0])
+        if self.group.distributed:
+            with self.meter.waiting(Queue.COLLECTIVE):
+                found = comm.all_reduce_host_(self.group, found, "max", what="GradScaler.unscale_ (overflow)")
+        scaled.found_inf, scaled.state = bool(found.item()), GradState.UNSCALED
+        self.grad_scale = scaled.unscale
+        return scaled.found_inf
+
+    def skip_step(self) -> None:
+        """GradScaler.step after an overflow: no update; any the backward speculated is taken back."""
+        self._check_open("offload.GradScaler.step")
+        if self.loss_scale.skipped:
+            return  # (another optimizer's step over the same gradients)
+        self.backward_updates.skip_step()
+        self.schedule.step_skipped()
+        self.loss_scale.skipped, self.loss_scale.skipped_steps = True, self.loss_scale.skipped_steps + 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every unit's gradient (set_to_none=False: keep zero gradients, as torch)."""
@@ -505,6 +556,12 @@ class Runtime:
     def step_units(self, work: list, schema) -> None:
         """A sharded optimizer's step: [(unit, runs)] with its family's `schema`, onto the update path (step.py)
         with this step's clip coefficient."""
+        if self.loss_scale.state is GradState.SCALED:
+            raise RuntimeError("optimizer.step(): the gradients carry offload.GradScaler's loss scale; step through "
+                               "scaler.step(optimizer) (which unscales them and skips a step that overflowed)")
+        if self.loss_scale.found_inf:
+            raise RuntimeError("optimizer.step(): this step's gradients overflowed (inf or NaN); step through "
+                               "scaler.step(optimizer), which skips it")
         self.updates.step(work, schema, self.grad_scale)
         if self._fit_device_budget and self.device_fit is None:
             later = max(0, self.gathered_bound() - self.ctx.counters.peak_gathered_bytes)  # (gathers ahead)
@@ -635,6 +692,7 @@ class Runtime:
             "memory": self._memory(s),
             "activations": self.activations.report() if self.activations is not None else None,
             "speculation": self.backward_updates.speculation.report(),
+            "loss_scale": self.loss_scale.report(),
         }
 
     def _memory(self, store_stats: dict) -> dict:

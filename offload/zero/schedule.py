@@ -299,6 +299,17 @@ class Schedule:
                     for _, read in self.plan.issue[len(self.plan.trace) - 1]:
                         self._read_ahead(read)
 
+    def step_skipped(self) -> None:
+        """The step ends without updates (offload.GradScaler skipped it: its gradients overflowed). Its forward and
+        backward leave the trace: the next step records afresh and keeps the plan if it follows it. What was read
+        ahead for it is given back (the states on the optimizer lane, after what is queued there)."""
+        self.release_prefetched()
+        if self.pipeline is not None:
+            self.ctx.lanes.optimizer.submit("drop states read ahead", self.pipeline.drop_states_read_ahead)
+        self._recorder = TraceRecorder()
+        self._cursor, self._following, self._matched = -1, self.plan is not None, True
+        self._clock = (time.perf_counter(), self._total_wait())
+
     def forget(self) -> None:
         """Drop the plan and everything read ahead (a quiet point: before a checkpoint, at close)."""
         self.release_prefetched()

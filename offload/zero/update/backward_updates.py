@@ -45,18 +45,21 @@ class Issued:
     unit: object  # ShardedUnit
     runs: tuple  # optimizer_pipeline.Run, captured when queued
     speculative: object = None  # the UnitUpdate of a speculative update (speculation.py); None: update_in_backward's
+    factor: float = 1.0  # the gradient factor a speculative update applied: the loss scale's 1/S (else 1.0)
 
 
 class BackwardUpdates:
     """The mode's bookkeeping for one runtime: when it is armed, which units it updated this step, and the
     clip coefficient it applies. Called from the training thread only (reduce hooks, clip, opt.step)."""
 
-    def __init__(self, enabled: bool, queue, optimizers, speculation: Speculation, on_void=lambda unit: None):
+    def __init__(self, enabled: bool, queue, optimizers, unscale, speculation: Speculation,
+                 on_void=lambda unit: None):
         self.enabled = enabled
         # (unit, runs, grad_scale, schema, chunks) -> UnitUpdate: queue one unit's update on the optimizer lane
         # (chunks: the indices a speculative update steps; None: an update_in_backward one, every chunk)
         self._queue = queue
         self._optimizers = optimizers  # () -> the live offload optimizers of the runtime
+        self._unscale = unscale  # () -> 1/S of offload.GradScaler's loss scale the gradients carry (1.0: none)
         self.speculation = speculation  # without update_in_backward: updates in the backward at steps that do not
         #                                 clip, taken back if the step clips after all (speculation.py)
         self._on_void = on_void  # (unit) -> None: a speculative update was taken back (drop what was read of it)
@@ -126,8 +129,9 @@ class BackwardUpdates:
             return
         chunks = self.speculation.chunks_for(unit)
         if chunks:
-            update = self._queue(unit, runs, 1.0, opt.schema, chunks)  # as if the step does not clip
-            self.issued[id(unit)] = Issued(unit, tuple(runs), update)
+            factor = self._unscale()  # as if the step does not clip (nor overflow)
+            update = self._queue(unit, runs, factor, opt.schema, chunks)
+            self.issued[id(unit)] = Issued(unit, tuple(runs), update, factor)
             self._speculated = True
 
     def on_clip(self, coefficient: float) -> None:
@@ -178,7 +182,7 @@ class BackwardUpdates:
         if done is None:
             return frozenset()
         if done.speculative is not None:
-            if coefficient == 1.0 and tuple(runs) == done.runs:
+            if coefficient == done.factor and tuple(runs) == done.runs:
                 self.speculation.counts.committed += 1
                 return done.speculative.chunks
             self.speculation.undo(done.speculative)
@@ -196,7 +200,7 @@ class BackwardUpdates:
     def end_step(self, coefficient: float) -> None:
         """opt.step() has queued every update of this step, with clip `coefficient` (rt.grad_scale)."""
         exact = self._clip_coef if self._clip_coef is not None else 1.0
-        self.speculation.end_step(coefficient, speculated=self._speculated)
+        self.speculation.end_step(clipped=coefficient != self._unscale(), speculated=self._speculated)
         if self.enabled:
             self.last = {"applied": self.scale(exact), "exact": exact, "in_backward": len(self.issued)}
         self._previous_coef = exact
@@ -208,6 +212,18 @@ class BackwardUpdates:
                             "more than once (gradient accumulation outside rt.accumulating() / rt.no_sync()): "
                             "updates wait for opt.step(). Run the micro-batches before a step's last inside "
                             "`with rt.accumulating():` to use it.")
+        self._forget_step()
+
+    def skip_step(self) -> None:
+        """The step is skipped (its gradients overflowed: offload.GradScaler): the backward's speculative updates
+        are taken back, and speculation waits as after a step that clipped."""
+        self.void_all()
+        assert not self.issued, "update_in_backward's updates cannot be skipped (GradScaler refuses the mode)"
+        self.speculation.end_step(clipped=True, speculated=self._speculated)
+        self._single_reduce = not self._reduced_twice
+        self._forget_step()
+
+    def _forget_step(self) -> None:
         self._armed, self._reduced, self._reduced_twice = None, set(), False
         self.issued, self._clip_coef, self._speculated = {}, None, False
 

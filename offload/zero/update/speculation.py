@@ -102,8 +102,8 @@ class Speculation:
             chosen.append(c.index)
         return frozenset(chosen)
 
-    def end_step(self, coefficient: float, speculated: bool) -> None:
-        clipped = coefficient != 1.0
+    def end_step(self, clipped: bool, speculated: bool) -> None:
+        """A step ended (or was skipped: `clipped`); `speculated`: its backward queued speculative updates."""
         if speculated:  # a miss backs off; a commit shows the run is calm again
             self.calm_needed = min(2 * self.calm_needed, MAX_CALM) if clipped else 1
         self.calm = 0 if clipped else self.calm + 1

@@ -1,0 +1,227 @@
+"""offload.GradScaler: dynamic loss scaling for fp16 compute (Config.compute_dtype="fp16"), with the API and the
+arithmetic of torch.amp.GradScaler, over an offload runtime's sharded gradients (FSDP's ShardedGradScaler's role).
+
+    scaler = offload.GradScaler()
+    scaler.scale(loss).backward()      # the loss times the scale S: small fp16 gradients stay representable
+    scaler.unscale_(opt)               # optional, before clipping: the step's factor takes 1/S; overflow checked
+    rt.clip_grad_norm_(1.0)            # then clips the norm of the unscaled gradients
+    scaler.step(opt)                   # opt.step(), unless some gradient on some rank was inf or NaN
+    scaler.update()                    # S halves after an overflow, doubles after growth_interval clean steps
+
+Nothing rewrites the gradient shards. Unscaling is a factor of the fused update (the kernel's grad_scale, times the
+clip coefficient), and the overflow check reads the per-parameter norms the reduce already took (an inf or NaN
+element makes its parameter's norm non-finite): one all-reduce of a flag. A skipped step takes its speculative
+updates back (update/speculation.py). The check is over the whole runtime: an overflow anywhere skips every
+offload optimizer's step. With a power-of-two scale (the default factors keep it one) results are bitwise those of
+torch.amp.GradScaler over plain PyTorch with the same casts: multiplying by 2^-k changes no rounding.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+class GradState(enum.Enum):
+    """What the runtime's stored gradient shards of this step carry (LossScale.state; the runtime's transitions:
+    a new backward, rt.unscale_grads)."""
+
+    PLAIN = "plain"  # no loss scale (no GradScaler): the stored gradient is the gradient
+    SCALED = "scaled"  # the shards hold the gradient times S; a clip or a step must unscale first
+    UNSCALED = "unscaled"  # the shards still hold it times S, the step's factor carries 1/S, overflow is known
+
+
+@dataclass
+class LossScale:
+    """The runtime's view of loss scaling (rt.loss_scale): the scale of the next backward's gradients (None
+    without a GradScaler), what this step's gradients carry, and whether they overflowed."""
+
+    scale: float | None = None
+    state: GradState = GradState.PLAIN
+    found_inf: bool = False
+    skipped_steps: int = 0  # steps skipped for an overflow, since the runtime opened
+    skipped: bool = False  # this step was skipped
+
+    @property
+    def unscale(self) -> float:
+        """The factor that takes this step's stored gradients back to the gradient: 1 / S in fp32, as torch's
+        GradScaler computes its inv_scale (1.0 when they carry no scale)."""
+        return 1.0 if self.state is GradState.PLAIN else _fp32(1.0 / self.scale)
+
+    def report(self) -> dict:
+        return {"scale": self.scale, "skipped_steps": self.skipped_steps}
+
+    def on_new_backward(self) -> None:
+        self.state = GradState.PLAIN if self.scale is None else GradState.SCALED
+        self.found_inf = self.skipped = False
+
+
+class OptimizerStage(enum.Enum):
+    """Where one optimizer is in the scaler's step (torch's OptState)."""
+
+    READY = "ready"
+    UNSCALED = "unscaled"
+    STEPPED = "stepped"
+
+
+def _fp32(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float32).item()  # the scale is fp32, as torch's
+
+
+class GradScaler:
+    """Dynamic loss scaling over offload optimizers (offload.AdamW, AdamW8bit, Lion over a runtime's params).
+
+    init_scale: the first S (2**16). growth_factor / backoff_factor: S's factor after growth_interval steps in a
+    row without overflow / after one with it. enabled=False: every call passes through (scale returns the loss).
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True):
+        if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
+            raise ValueError(f"offload.GradScaler: init_scale must be a finite number > 0, got {init_scale!r}")
+        if not growth_factor > 1.0:
+            raise ValueError(f"offload.GradScaler: growth_factor must be > 1, got {growth_factor!r}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"offload.GradScaler: backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        if not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"offload.GradScaler: growth_interval must be an int >= 1, got {growth_interval!r}")
+        self._enabled = bool(enabled)
+        self._scale = _fp32(float(init_scale))
+        self._growth_factor = float(growth_factor)
+        self._backoff_factor = float(backoff_factor)
+        self._growth_interval = growth_interval
+        self._growth_tracker = 0  # steps in a row without overflow since S last changed
+        self._stages: dict[int, OptimizerStage] = {}  # id(optimizer) -> its stage since the last update()
+        self._found_inf: bool | None = None  # this step's overflow (over the runtime, every rank); None: unchecked
+
+    # ---- the training loop ------------------------------------------------------------------
+    def scale(self, outputs):
+        """`outputs` (a tensor, or a list / tuple of them) times S. The runtime open now learns S: its next
+        backward's gradients carry it."""
+        if not self._enabled:
+            return outputs
+        from .runtime import current
+
+        rt = current()
+        if rt is None:
+            raise RuntimeError("offload.GradScaler.scale: no offload runtime is open; call it inside "
+                               "`with offload.init(config):` (for a model without offload, use "
+                               "torch.amp.GradScaler)")
+        rt.set_loss_scale(self._scale)
+        return _times(outputs, self._scale)
+
+    def unscale_(self, optimizer) -> None:
+        """Take S out of the step's factor and check every gradient on every rank for inf / NaN: call it before
+        rt.clip_grad_norm_ (the norm is then the unscaled gradients')."""
+        if not self._enabled:
+            return
+        rt = _runtime_of(optimizer, "unscale_")
+        stage = self._stages.get(id(optimizer), OptimizerStage.READY)
+        if stage is OptimizerStage.UNSCALED:
+            raise RuntimeError("offload.GradScaler.unscale_ has already been called on this optimizer since the "
+                               "last update()")
+        if stage is OptimizerStage.STEPPED:
+            raise RuntimeError("offload.GradScaler.unscale_ is being called after step(); call update() first")
+        self._found_inf = rt.unscale_grads()
+        self._stages[id(optimizer)] = OptimizerStage.UNSCALED
+
+    def step(self, optimizer, *args, **kwargs):
+        """optimizer.step() unless the gradients overflowed (unscales first if unscale_ was not called); returns
+        what step returned, or None for a skipped step."""
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs or args:
+            raise RuntimeError("offload.GradScaler.step: closures are not supported (as with torch's GradScaler)")
+        rt = _runtime_of(optimizer, "step")
+        stage = self._stages.get(id(optimizer), OptimizerStage.READY)
+        if stage is OptimizerStage.STEPPED:
+            raise RuntimeError("offload.GradScaler.step has already been called since the last update()")
+        if stage is OptimizerStage.READY:
+            self.unscale_(optimizer)
+        out = None
+        if self._found_inf:
+            rt.skip_step()  # nothing steps; updates the backward speculated are taken back
+        else:
+            out = optimizer.step()
+        self._stages[id(optimizer)] = OptimizerStage.STEPPED
+        return out
+
+    def update(self, new_scale: float | None = None) -> None:
+        """The next S: `new_scale` if given, else S * backoff_factor after an overflow, S * growth_factor after
+        growth_interval steps in a row without one (torch's rule)."""
+        if not self._enabled:
+            return
+        if new_scale is not None:
+            value = float(new_scale.item() if isinstance(new_scale, torch.Tensor) else new_scale)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"offload.GradScaler.update: new_scale must be a finite number > 0, got {value!r}")
+            self._scale = _fp32(value)
+        elif self._found_inf is None:
+            raise RuntimeError("offload.GradScaler.update: no overflow check was recorded since the last update(); "
+                               "call step(optimizer) (or unscale_) first")
+        elif self._found_inf:
+            self._scale = _fp32(self._scale * self._backoff_factor)
+            self._growth_tracker = 0
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == self._growth_interval:
+                grown = _fp32(self._scale * self._growth_factor)
+                if math.isfinite(grown):  # (torch keeps S where growing it would overflow fp32)
+                    self._scale = grown
+                self._growth_tracker = 0
+        self._stages.clear()
+        self._found_inf = None
+
+    # ---- queries and state ------------------------------------------------------------------
+    def get_scale(self) -> float:
+        return self._scale if self._enabled else 1.0
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (torch's keys): pass it as rt.save_checkpoint(extra={"scaler": ...})."""
+        if not self._enabled:
+            return {}
+        return {"scale": self._scale, "growth_factor": self._growth_factor, "backoff_factor": self._backoff_factor,
+                "growth_interval": self._growth_interval, "_growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self._enabled:
+            return
+        if not state:
+            raise RuntimeError("offload.GradScaler.load_state_dict: the state dict is empty (saved by a disabled "
+                               "scaler?)")
+        self._scale = _fp32(float(state["scale"]))
+        self._growth_factor = float(state["growth_factor"])
+        self._backoff_factor = float(state["backoff_factor"])
+        self._growth_interval = int(state["growth_interval"])
+        self._growth_tracker = int(state["_growth_tracker"])
+
+
+def _runtime_of(optimizer, what: str):
+    rt = getattr(optimizer, "rt", None)
+    if rt is None or not hasattr(rt, "unscale_grads"):
+        raise TypeError(f"offload.GradScaler.{what}: {type(optimizer).__name__} is not an offload optimizer over a "
+                        "runtime's parameters (offload.AdamW, AdamW8bit, Lion); use torch.amp.GradScaler for others")
+    return rt
+
+
+def _times(outputs, scale: float):
+    if isinstance(outputs, torch.Tensor):
+        return outputs * scale
+    if isinstance(outputs, (list, tuple)):
+        return type(outputs)(_times(o, scale) for o in outputs)
+    raise TypeError(f"offload.GradScaler.scale: expected a tensor or a list / tuple of them, got "
+                    f"{type(outputs).__name__}")
