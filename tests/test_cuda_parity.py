@@ -1,7 +1,7 @@
 """Parity on the GPU (one rank): offload.init training against plain PyTorch on the same GPU at every step, and the
 pipelined runtime bit for bit the synchronous one (Config.pipeline=False), also with one queue made slow.
 
-Grid: params x optimizer tiers (device / cpu / nvme), fp32 and bf16, gradient accumulation reduced once
+Grid: params x optimizer tiers (device / cpu / nvme), fp32 and bf16 (and fp16 with a loss scaler), gradient accumulation reduced once
 (`rt.no_sync()`) and reduced every micro-batch, gradients on each tier, an unmodified Hugging Face Llama, and each
 queue slowed in turn (gather, reduce, copy, nvme read / write, optimizer: 5 ms per piece of work).
 Tolerances (cuda_common): fp32 5e-5 against torch.optim.AdamW on the GPU (cuBLAS and the fused CPU AdamW the
@@ -33,8 +33,8 @@ def _grads_on_host(case: Case) -> bool:
     return grads != "device"
 
 
-def _bf16(**kw) -> Case:
-    case = Case(dtype="bf16", **kw)
+def _bf16(dtype="bf16", **kw) -> Case:
+    case = Case(dtype=dtype, **kw)
     if not _grads_on_host(case):
         case.clip = 1e9  # no clipping (coefficient exactly 1): see the module docstring
     return case
@@ -50,6 +50,9 @@ def grid() -> list:
     cases += [Case(params="cpu", optimizer="cpu", grads="device"),
               Case(params="nvme", optimizer="nvme", grads="nvme", cpu_budget="128KiB"),  # every state pages
               _bf16(params="nvme", optimizer="nvme", grads="nvme", accum=4, cpu_budget="128KiB")]
+    # fp16 through offload.GradScaler against torch.amp.GradScaler: the first steps overflow and are skipped
+    cases += [_bf16("fp16", params="cpu", optimizer="cpu"), _bf16("fp16", params="nvme", optimizer="nvme", accum=4),
+              _bf16("fp16", params="nvme", optimizer="nvme", grads="nvme", cpu_budget="128KiB", clip_some=True)]
     if transformers_available():
         cases += [Case(model="llama", params="cpu", optimizer="nvme"),
                   _bf16(model="llama", params="nvme", optimizer="cpu", accum=4)]

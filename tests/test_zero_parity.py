@@ -104,7 +104,8 @@ def speculation_cases(world):
                 spec(dtype="bf16", model="tiny"), spec(dtype="bf16", model="tiny", accum=4),
                 # fp16: a step the scaler skips takes its speculative updates back (all three outcomes, measured)
                 spec(dtype="fp16", model="tiny", scaler_init=2.0 ** 18), spec(dtype="fp16", model="tiny", accum=4),
-                spec(dtype="fp16", model="tiny", scaler_init=2.0 ** 18, delay="nvme_write=0.005", snapshot_every=10)]
+                *[spec(dtype="fp16", model="tiny", scaler_init=2.0 ** 18, delay=f"{q}=0.005", snapshot_every=10)
+                  for q in QUEUES_SLOWED]]
     else:
         out += [spec(dtype="fp16", clip=1e9)]
     out += [spec(delay=f"{q}=0.005", snapshot_every=10) for q in QUEUES_SLOWED]

@@ -11,13 +11,18 @@ ones, into the shard's spare nvme slot (the two slots are exchanged once the old
 TieredStore.exchange_slots). The compute-dtype param it writes in place: nothing reads it before the next
 forward, and it is the master's cast.
 
+With offload.GradScaler (fp16) the gradients carry the loss scale S: the speculative update applies 1/S, the
+factor of a step that neither clips nor overflows.
+
 At opt.step(), per unit:
-    commit  the coefficient is exactly 1.0 and the hyperparameters and step counts are those the backward
-            captured: the update stands; nothing moves (the new states are already in the shard's slot).
+    commit  the coefficient is exactly 1.0 (the step's factor exactly the 1/S speculated with) and the
+            hyperparameters and step counts are those the backward captured: the update stands; nothing moves
+            (the new states are already in the shard's slot).
     miss    clipping fired, or a hyperparameter changed in between: once its writes have landed the slots are
             exchanged back (the old states are the shard's again) and the update runs again at opt.step(),
             from the old states, with the real coefficient: the exact path's update, paid twice.
-    void    the step does not come for this backward (zero_grad() before a step, a state dict or checkpoint in
+    void    the step does not come for this backward (a GradScaler step skipped for an overflow, which counts as
+            a step that clipped; zero_grad() before a step, a state dict or checkpoint in
             between, or another forward or backward that gathers the unit first: accumulation outside
             rt.accumulating()): exchanged back, and the param rewritten from the old master (its cast, exactly
             as every update writes it), before anything reads it.
