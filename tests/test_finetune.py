@@ -6,6 +6,7 @@ bf16: 2e-2 relative, the bf16 rounding of weights and activations), streaming lo
 2 ranks giving the 1-process losses, and every bad input named before training starts.
 """
 import json
+import math
 import os
 import re
 import shutil
@@ -179,7 +180,7 @@ def test_saved_weights_get_the_mode_of_the_other_files(tmp_path, tiny_model, sha
     assert all(modes[n] == modes["config.json"] for n in weights), modes
 
 
-@pytest.mark.parametrize("dtype,rtol", [("fp32", 1e-5), ("bf16", 2e-2)])
+@pytest.mark.parametrize("dtype,rtol", [("fp32", 1e-5), ("bf16", 2e-2), ("fp16", 5e-3)])
 def test_first_step_loss_matches_transformers(tmp_path, tiny_model, text_file, dtype, rtol):
     cfg = FinetuneConfig(model=str(tiny_model), data=str(text_file), steps=1, seq_len=64, compute_dtype=dtype,
                          output=str(tmp_path / "out"), cpu_budget="8MiB")
@@ -517,3 +518,23 @@ def test_a_stop_signal_swallowed_by_a_finalizer_is_kept_for_the_next_step():
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     assert signal.getsignal(signal.SIGINT) is before  # the handlers go back after the run
+
+
+def test_fp16_trains_through_the_loss_scaler_and_resumes_exactly(tmp_path, tiny_model, text_file):
+    """--compute-dtype fp16: offload.GradScaler in the loop, its state in the checkpoint (a resumed run goes on with
+    the same scale, bit for bit); --update-in-backward is refused with it, naming both flags."""
+    common = dict(model=str(tiny_model), data=str(text_file), steps=4, seq_len=64, compute_dtype="fp16",
+                  cpu_budget="8MiB", eval_blocks=4)
+    a = finetune(FinetuneConfig(**common, output=str(tmp_path / "a"), checkpoint_every=2))
+    assert all(math.isfinite(x) for x in a.losses) and a.eval_loss_after < a.eval_loss_before
+    assert a.skipped_steps == 0
+    ckpt = tmp_path / "a" / "checkpoints" / "step-2"
+    scaler = json.loads((ckpt / "manifest.json").read_text())["extra"]["scaler"]
+    assert scaler == {"scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+                      "_growth_tracker": 2}  # two clean steps
+    b = finetune(FinetuneConfig(**common, output=str(tmp_path / "b"), resume=str(ckpt)))
+    assert b.first_step == 2 and b.losses == a.losses[2:]  # bit for bit
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "a")  # (the fp32 master, as after a bf16 run)
+    assert all(torch.isfinite(p).all() for p in saved.parameters())
+    with pytest.raises(ValueError, match=r"--update-in-backward with --compute-dtype fp16"):
+        finetune(FinetuneConfig(**common, update_in_backward=True, output=str(tmp_path / "c")))

@@ -156,6 +156,8 @@ def run_finetune(args: argparse.Namespace) -> int:
     moved = {k: v for k, v in r.bytes_moved.items() if v and (r.world_size > 1 or k not in ("all-gather", "reduce-scatter"))}
     print("bytes moved" + (" (rank 0)" if r.world_size > 1 else "") + ":  " +
           ", ".join(f"{k} {format_bytes(v)}" for k, v in moved.items()))
+    if r.skipped_steps:
+        print(f"skipped steps   {r.skipped_steps} (fp16 gradients overflowed; the loss scale was halved each time)")
     if r.ignored_weights:
         print(f"ignored {len(r.ignored_weights)} tensor(s) in the weights that the model does not use: "
               f"{r.ignored_weights[:5]}")
@@ -222,7 +224,9 @@ def add_finetune_parser(sub) -> None:
     p.add_argument("--device-budget", help="accelerator bytes for states, e.g. 60GiB (default auto: 90%% of the "
                                            "GPU's free memory; without a GPU a quarter of the host's, split among "
                                            "ranks)")
-    p.add_argument("--compute-dtype", choices=("fp32", "bf16"), help="forward and backward dtype (default bf16)")
+    p.add_argument("--compute-dtype", choices=("fp32", "bf16", "fp16"),
+                   help="forward and backward dtype (default bf16; fp16, for GPUs without bf16, scales the loss "
+                        "with offload.GradScaler and skips a step whose gradients overflow)")
     p.add_argument("--grad-checkpointing", action="store_true", help="the model's own activation checkpointing")
     p.add_argument("--update-in-backward", action="store_true", default=None,
                    help="opt-in: each unit's update under the backward, clipped by the previous step's norm "

@@ -149,6 +149,7 @@ class FinetuneResult:
     trainable_params: int = 0  # all of n_params in a full fine-tune; the adapters' with --lora-r
     merged: Path | None = None  # --lora-merge: the base with the adapters merged
     checkpoints: list[dict] = dataclasses.field(default_factory=list)  # {"path", "bytes", "seconds"} per save
+    skipped_steps: int = 0  # --compute-dtype fp16: steps skipped because their gradients overflowed
 
 
 # --optim: the offload optimizer of each family (offload.optim.schema), as `offload plan --optimizer-states` names them
@@ -188,9 +189,14 @@ def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
     if cfg.nvme_budget is not None:
         chosen["nvme_budget"] = cfg.nvme_budget
     try:
-        return Config(**{"seed": cfg.seed, **from_file, **chosen, "optimizer_states": cfg.optim})
+        config = Config(**{"seed": cfg.seed, **from_file, **chosen, "optimizer_states": cfg.optim})
     except (TypeError, ValueError) as exc:
         raise InputError(f"the runtime settings: {as_flags(str(exc))}") from None
+    if config.compute_dtype == "fp16" and config.update_in_backward:
+        raise InputError("--update-in-backward with --compute-dtype fp16: its updates run before the loss scaler's "
+                         "overflow check could skip them; drop one of the two (the default speculative updates are "
+                         "taken back when a step overflows)")
+    return config
 
 
 def _lora_alpha(cfg: FinetuneConfig) -> float:
@@ -240,8 +246,9 @@ def _all_sum(rt, value: torch.Tensor) -> torch.Tensor:
         else value.detach().float().cpu()
 
 
-def _resume(rt, cfg: FinetuneConfig, sched, run_key: dict) -> int:
-    """Load --resume into the run; the step to go on from. The data order and schedule must be the same."""
+def _resume(rt, cfg: FinetuneConfig, sched, scaler, run_key: dict) -> int:
+    """Load --resume into the run (the loss scaler's state too); the step to go on from. The data order and
+    schedule must be the same."""
     from ..checkpoint import CheckpointError
 
     try:
@@ -261,6 +268,8 @@ def _resume(rt, cfg: FinetuneConfig, sched, run_key: dict) -> int:
         raise InputError(f"--resume {cfg.resume}: the run differs from the checkpoint's ({', '.join(differ)}); resume "
                          "with the same data, --seq-len, --micro-batch x ranks, --grad-accum, --seed, --steps and "
                          "--lora-* settings")
+    if scaler.is_enabled() and extra.get("scaler"):
+        scaler.load_state_dict(extra["scaler"])
     return int(extra["next_step"])
 
 
@@ -406,7 +415,9 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                        "grad_accum": cfg.grad_accum, "seed": cfg.seed, "steps": steps, "train_blocks": len(train)}
             if cfg.lora_r:  # another adapter is another run (its states would not fit)
                 run_key["lora"] = [cfg.lora_r, _lora_alpha(cfg), cfg.lora_targets, cfg.lora_dropout]
-            start = _resume(rt, cfg, sched, run_key) if cfg.resume is not None else 0
+            # fp16: loss scaling (a disabled scaler passes every call through to the optimizer)
+            scaler = offload.GradScaler(enabled=rt.config.compute_dtype == "fp16")
+            start = _resume(rt, cfg, sched, scaler, run_key) if cfg.resume is not None else 0
             ckpt_dir = Path(cfg.checkpoint_dir or Path(cfg.output) / "checkpoints")
             load_s = time.perf_counter() - t_load
             model.train()
@@ -424,10 +435,12 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                     # every backward but the step's last says so (Config.update_in_backward waits for the last)
                     with _batch_fits(cfg), (rt.accumulating() if micro < cfg.grad_accum - 1 else contextlib.nullcontext()):
                         loss_sum = _loss_sum(model, batch, rt.device)
-                        (loss_sum * (rt.world_size / max(1, tokens))).backward()
+                        scaler.scale(loss_sum * (rt.world_size / max(1, tokens))).backward()
                     local += loss_sum.detach().cpu()
+                scaler.unscale_(opt)
                 rt.clip_grad_norm_(cfg.max_grad_norm)
-                opt.step()
+                scaler.step(opt)  # (opt.step(), unless fp16 gradients overflowed)
+                scaler.update()
                 sched.step()
                 opt.zero_grad()
                 loss = float(_all_sum(rt, local)) / max(1, tokens)
@@ -443,7 +456,8 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                 if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < steps:
                     _save(rt, model, cfg, Path(cfg.output) / f"checkpoint-{step + 1}", tokenizer)
                 if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                    saved = rt.save_checkpoint(ckpt_dir, extra={"next_step": step + 1, "run": run_key},
+                    saved = rt.save_checkpoint(ckpt_dir, extra={"next_step": step + 1, "run": run_key,
+                                                                "scaler": scaler.state_dict()},
                                                lr_scheduler=sched, keep_last=cfg.keep_checkpoints,
                                                add_files=lambda d: _hf_files(model, tokenizer, d))
                     checkpoints.append({"path": str(saved), "seconds": round(rt.last_checkpoint_seconds, 3),
@@ -475,4 +489,4 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                      "all-gather": stats["allgather_bytes"], "reduce-scatter": stats["reduce_scatter_bytes"]},
         params_tier=stats["params_tier"], optimizer_tier=stats["optimizer_tier"], world_size=world,
         ignored_weights=inputs.ignored, checkpoints=checkpoints, trainable_params=sum(p.numel() for p in trained),
-        merged=merged)
+        merged=merged, skipped_steps=stats["loss_scale"]["skipped_steps"])
