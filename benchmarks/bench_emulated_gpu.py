@@ -30,6 +30,8 @@ Contenders (each in its own child process, interleaved rounds, bench_offload_ste
                  as a GPU's memory would (Config.grads="auto" puts them there).
   offload-inbwd  the same with update_in_backward=True (opt-in).
   offload-nospec the same with speculative_updates=False: every update waits for opt.step() (when named).
+  offload-fp16   the default in fp16 through offload.GradScaler (scale, unscale_, clip, step, update; scale 1: the
+                 emulated loss overflows fp16 gradients at larger ones) (when named).
   offload-sync   the same with pipeline=False (no prefetch, no overlap).
   torch          plain torch in memory, the same emulated blocks (fp32 params, bf16 activations),
                  torch.optim.AdamW (fused where it works), clip_grad_norm_: the in-memory reference. One
@@ -84,8 +86,8 @@ import bench_offload_step as bso  # noqa: E402  (Settings, timing, children, rou
 CONTENDERS = ("offload", "offload-inbwd", "offload-sync", "torch", "deepspeed")
 PLAN_CONTENDERS = ("offload-pcpu", "offload-cpu")
 # run when named in --contenders: offload.AdamW8bit; the default without speculative updates (the exact path that
-# waits for opt.step())
-OPT_IN = ("offload-8bit", "offload-nospec")
+# waits for opt.step()); fp16 with the loss scaler
+OPT_IN = ("offload-8bit", "offload-nospec", "offload-fp16")
 OFFLOAD = ("offload", "offload-inbwd", "offload-sync") + PLAN_CONTENDERS + OPT_IN
 DISTRIBUTED = OFFLOAD + ("deepspeed",)
 SCRIPT = os.path.abspath(__file__)
@@ -300,7 +302,8 @@ def run_torch(s: EmuSettings) -> dict:
 
 
 def offload_config(name: str, s: EmuSettings) -> dict:
-    cfg = dict(params="nvme", optimizer="nvme", cpu_budget=s.cpu_budget, pipeline=True, update_in_backward=False)
+    cfg = dict(params="nvme", optimizer="nvme", cpu_budget=s.cpu_budget, pipeline=True, update_in_backward=False,
+               compute_dtype="bf16")
     if name == "offload-inbwd":
         cfg["update_in_backward"] = True
     elif name == "offload-sync":
@@ -309,6 +312,8 @@ def offload_config(name: str, s: EmuSettings) -> dict:
         cfg["optimizer_states"] = "adamw8bit"
     elif name == "offload-nospec":
         cfg["speculative_updates"] = False
+    elif name == "offload-fp16":
+        cfg["compute_dtype"] = "fp16"
     elif name == "offload-pcpu":
         cfg["params"] = "cpu"
     elif name == "offload-cpu":
@@ -327,8 +332,7 @@ def run_offload(s: EmuSettings, name: str) -> dict:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")  # ours, so the per-rank stats can be gathered after the block
     chosen = offload_config(name, s)
-    cfg = offload.Config(nvme_path=s.nvme_dir, device_budget=s.device_budget, compute_dtype="bf16", seed=s.seed,
-                         **chosen)
+    cfg = offload.Config(nvme_path=s.nvme_dir, device_budget=s.device_budget, seed=s.seed, **chosen)
     ON_COMPUTE["fn"] = lambda n, t0, t1: telemetry.record(n, telemetry.Lane.MAIN, t0, t1)
     with offload.init(cfg) as rt:
         model = build_model(s)  # built inside: materialized and sharded unit by unit
@@ -336,12 +340,18 @@ def run_offload(s: EmuSettings, name: str) -> dict:
         opt = optimizer(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
         n_params = sum(p.numel() for p in model.parameters())
         splits = []
+        # fp16: the emulated loss (about 1e3) overflows fp16 gradients at the usual first scales, which a real run's
+        # scaler backs off from in its first steps; here every timed step must step, so it starts at 1
+        # (disabled: passes every call through)
+        scaler = offload.GradScaler(init_scale=1.0, enabled=cfg.compute_dtype == "fp16")
 
         def step(i):
-            loss = loss_of(model(make_input(s, i, rt.rank, rt.world_size).to(rt.device)))
-            loss.backward()
+            loss = loss_of(model(make_input(s, i, rt.rank, rt.world_size).to(rt.device, rt.compute_dtype)))
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
             rt.clip_grad_norm_(s.clip_at(i))
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             opt.zero_grad()
             splits.append(rt.stats()["last_step"])
             return loss.item()
@@ -367,7 +377,7 @@ def run_offload(s: EmuSettings, name: str) -> dict:
     if world > 1:
         dist.destroy_process_group()
     out.update(n_params=n_params, units=units, config=chosen, tiers=tiers, batch_per_process=s.batch,
-               speculation=after["speculation"],
+               speculation=after["speculation"], loss_scale=after["loss_scale"],
                processes=world, slept_step_s=slept[-s.steps:], split=_split(splits[-s.steps:]),
                last_steps=splits[-s.steps:], trace=s.trace)
     return out

@@ -96,6 +96,7 @@ class Runtime:
         # 1/S (set by clip_grad_norm_ and unscale_grads, used by every optimizer's step, reset by the next backward)
         self.grad_scale = 1.0
         self.loss_scale = LossScale()  # offload.GradScaler's scale, and what this step's gradients carry
+        self._unscaled_norm: torch.Tensor | None = None  # unscale_grads' local L2 norm, for the clip that follows
         self.compute_dtype = config.torch_compute_dtype
         self.params_tier = config.params
         self.optimizer_tier = config.optimizer
@@ -425,6 +426,7 @@ class Runtime:
     def _on_new_backward(self) -> None:
         self.grad_scale = 1.0  # a new backward pass: the last clip coefficient was for the last step
         self.loss_scale.on_new_backward()  # its gradients carry the loss scale, if a GradScaler set one
+        self._unscaled_norm = None
 
     # ---- training-loop API ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -458,7 +460,10 @@ class Runtime:
         if self.loss_scale.state is GradState.SCALED:
             raise RuntimeError("rt.clip_grad_norm_: the gradients still carry the loss scale of offload.GradScaler; "
                                "call scaler.unscale_(optimizer) before clipping (as with torch.amp.GradScaler)")
-        local = self._local_norm(norm_type)
+        if norm_type == 2.0 and self._unscaled_norm is not None:
+            local = self._unscaled_norm  # the overflow check took it (without it, gradients read back twice)
+        else:
+            local = self._local_norm(norm_type)
         with self.meter.waiting(Queue.COLLECTIVE):
             if not self.group.distributed:
                 total = local
@@ -501,7 +506,8 @@ class Runtime:
         if scaled.state is GradState.PLAIN:
             raise RuntimeError("offload.GradScaler.unscale_: this step's gradients carry no loss scale; call "
                                "scaler.scale(loss).backward() for every backward of the step")
-        found = torch.tensor([0.0 if bool(torch.isfinite(self._local_norm(2.0))) else 1.0])
+        self._unscaled_norm = self._local_norm(2.0)
+        found = torch.tensor([0.0 if bool(torch.isfinite(self._unscaled_norm)) else 1.0])
         if self.group.distributed:
             with self.meter.waiting(Queue.COLLECTIVE):
                 found = comm.all_reduce_host_(self.group, found, "max", what="GradScaler.unscale_ (overflow)")
@@ -521,6 +527,7 @@ class Runtime:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every unit's gradient (set_to_none=False: keep zero gradients, as torch)."""
         self.backward_updates.void_all()  # a step skipped: speculative updates of its gradients are taken back
+        self._unscaled_norm = None
         for unit in self.units:
             unit.zero_grad(None, set_to_none)
         self.grad_scale = 1.0
@@ -537,6 +544,7 @@ class Runtime:
             by_unit.setdefault(id(unit), (unit, set()))[1].add(p._offload_slot)
         if by_unit:
             self.backward_updates.void_all()  # as zero_grad()
+            self._unscaled_norm = None
         for unit, slots in by_unit.values():
             unit.zero_grad(slots, set_to_none)
 
