@@ -340,7 +340,7 @@ def run_offload(s: EmuSettings, name: str) -> dict:
         opt = optimizer(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
         n_params = sum(p.numel() for p in model.parameters())
         splits = []
-        # fp16: the emulated loss (about 1e3) overflows fp16 gradients at the usual first scales, which a real run's
+        # fp16: the emulated loss (about 2e3) overflows fp16 gradients at the usual first scales, which a real run's
         # scaler backs off from in its first steps; here every timed step must step, so it starts at 1
         # (disabled: passes every call through)
         scaler = offload.GradScaler(init_scale=1.0, enabled=cfg.compute_dtype == "fp16")

@@ -8,12 +8,13 @@ raise instead of training wrong.
 import math
 import os
 import sys
+import textwrap
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import VOCAB, compute_loss, make_model, param_groups, small_config  # noqa: E402
+from zero_common import VOCAB, compute_loss, make_model, param_groups, run_torchrun, small_config  # noqa: E402
 
 import offload  # noqa: E402
 
@@ -166,3 +167,48 @@ def test_state_dict_round_trip_and_disabled_passthrough():
     off = offload.GradScaler(enabled=False)
     loss = torch.ones(())
     assert off.scale(loss) is loss and off.get_scale() == 1.0 and off.state_dict() == {}
+
+
+def test_an_overflow_in_one_ranks_shard_skips_the_step_on_both(tmp_path):
+    """Rank 1 alone gives one parameter (the final norm's bias) an infinite gradient: after the reduce only the
+    rank whose shard holds it sees the overflow. Both ranks skip (the check's all-reduce), nothing moves, and the
+    next step trains on both."""
+    code = textwrap.dedent(f"""
+        import math, os, sys, torch
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        import offload
+        from zero_common import VOCAB, compute_loss, make_model, param_groups, small_config
+        rank = int(os.environ["RANK"])
+        torch.manual_seed(7)
+        model = make_model("tiny")
+        data = torch.randint(0, VOCAB, (2, 2, 8), generator=torch.Generator().manual_seed(3 + rank))
+        with offload.init(small_config(compute_dtype="fp16")) as rt:
+            rt.wrap(model)
+            opt = offload.AdamW(param_groups(model.named_parameters()), lr=1e-2)
+            scaler = offload.GradScaler(init_scale=2.0 ** 8)
+            moved = []
+            for s in range(2):
+                before = rt.full_state_dict(model)
+                def poison(module, args, out):  # rank 1, step 0: the bias (zeros) enters times 1e30: the
+                    if s == 0 and rank == 1:  # loss is the same, d(loss)/d(bias) 1e30 (inf in fp16), the rest finite
+                        return out + (module.bias.float() * 1e30).sum()
+                    return out
+                hook = model.ln_f.register_forward_hook(poison)
+                loss = compute_loss(model, data[s], "tiny")
+                hook.remove()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                after = rt.full_state_dict(model)
+                moved.append(any(not torch.equal(after[n], before[n]) for n in after))
+            stats = rt.stats()["loss_scale"]
+        with open(os.path.join({str(tmp_path)!r}, f"rank{{rank}}.txt"), "w") as f:  # (stdouts interleave)
+            f.write(f"{{stats['skipped_steps']}} {{stats['overflows_here']}} {{moved[0]}} {{moved[1]}} {{scaler.get_scale()}}")
+    """)
+    run_torchrun(code, tmp_path)
+    got = [(tmp_path / f"rank{r}.txt").read_text().split() for r in range(2)]
+    assert [g[0] for g in got] == ["1", "1"], got  # both skipped the step
+    assert sorted(g[1] for g in got) == ["0", "1"], got  # one rank's shard held the overflow
+    assert [g[2:4] for g in got] == [["False", "True"]] * 2, got  # nothing moved, then the next step trained
+    assert [g[4] for g in got] == ["128.0", "128.0"], got  # the same scale on both

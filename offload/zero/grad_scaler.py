@@ -42,6 +42,7 @@ class LossScale:
     state: GradState = GradState.PLAIN
     found_inf: bool = False
     skipped_steps: int = 0  # steps skipped for an overflow, since the runtime opened
+    overflows_here: int = 0  # of those, the steps whose overflow was in this rank's own shards
     skipped: bool = False  # this step was skipped
 
     @property
@@ -51,7 +52,7 @@ class LossScale:
         return 1.0 if self.state is GradState.PLAIN else _fp32(1.0 / self.scale)
 
     def report(self) -> dict:
-        return {"scale": self.scale, "skipped_steps": self.skipped_steps}
+        return {"scale": self.scale, "skipped_steps": self.skipped_steps, "overflows_here": self.overflows_here}
 
     def on_new_backward(self) -> None:
         self.state = GradState.PLAIN if self.scale is None else GradState.SCALED

@@ -507,7 +507,9 @@ class Runtime:
             raise RuntimeError("offload.GradScaler.unscale_: this step's gradients carry no loss scale; call "
                                "scaler.scale(loss).backward() for every backward of the step")
         self._unscaled_norm = self._local_norm(2.0)
-        found = torch.tensor([0.0 if bool(torch.isfinite(self._unscaled_norm)) else 1.0])
+        here = not bool(torch.isfinite(self._unscaled_norm))
+        scaled.overflows_here += int(here)
+        found = torch.tensor([1.0 if here else 0.0])
         if self.group.distributed:
             with self.meter.waiting(Queue.COLLECTIVE):
                 found = comm.all_reduce_host_(self.group, found, "max", what="GradScaler.unscale_ (overflow)")
