@@ -136,8 +136,10 @@ def test_misuse_raises_instead_of_training_on_scaled_gradients():
         scaler.update()
         with pytest.raises(TypeError, match="not an offload optimizer"):
             scaler.step(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    with pytest.raises(RuntimeError, match="has exited"):
+        scaler.scale(torch.ones(()))  # its runtime's block is over
     with pytest.raises(RuntimeError, match="no offload runtime is open"):
-        scaler.scale(torch.ones(()))
+        offload.GradScaler().scale(torch.ones(()))
 
 
 def test_update_in_backward_is_refused():

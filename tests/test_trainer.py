@@ -131,6 +131,36 @@ def test_bf16_tracks_trainers_autocast(tmp_path):
         assert logged(trainer) == pytest.approx(logged(ref), rel=2e-2)
 
 
+def test_fp16_steps_through_offloads_loss_scaler(tmp_path):
+    """fp16=True: the runtime computes in fp16 and Accelerate's scaler is offload.GradScaler; the losses track
+    Trainer's fp16 autocast. A scale that overflows skips steps (none moves a weight; Trainer leaves the learning
+    rate where it was) until it has halved enough, and the run goes on from there."""
+    ref = Trainer(model=tiny_llama(), args=training_args(tmp_path / "ref", fp16=True), train_dataset=Blocks())
+    ref.train()
+    cpu = dict(params="cpu", optimizer="cpu", cpu_budget="64MiB", device_budget="64MiB")
+    with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "run", fp16=True), train_dataset=Blocks(),
+                        offload_config=offload.Config(**cpu, compute_dtype="fp16")) as trainer:
+        assert isinstance(trainer.accelerator.scaler, offload.GradScaler)
+        trainer.train()
+        rt = trainer.offload_runtime
+        assert rt.config.compute_dtype == "fp16" and rt.stats()["steps"] == 6
+        assert rt.stats()["loss_scale"] == {"scale": 2.0 ** 16, "skipped_steps": 0, "overflows_here": 0}
+        assert logged(trainer) == pytest.approx(logged(ref), rel=2e-2)
+    with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "big", fp16=True), train_dataset=Blocks(),
+                        offload_config=offload.Config(**cpu)) as trainer:
+        # fp16 gradients overflow at first
+        trainer.accelerator.scaler = offload.GradScaler(init_scale=2.0 ** 22, runtime=trainer.offload_runtime)
+        start = trainer.offload_runtime.full_state_dict(trainer.model)
+        trainer.train()
+        rt = trainer.offload_runtime
+        skipped = rt.stats()["loss_scale"]["skipped_steps"]
+        assert 1 <= skipped < 6 and rt.stats()["steps"] == 6 - skipped
+        assert trainer.accelerator.scaler.get_scale() == 2.0 ** (22 - skipped)
+        rates = logged(trainer, "learning_rate")
+        assert rates[:skipped + 1] == [rates[0]] * (skipped + 1)  # the schedule waited for the first real step
+        assert any(not torch.equal(v, start[k]) for k, v in rt.full_state_dict(trainer.model).items())
+
+
 def test_a_trainer_deepspeed_json_with_autos_maps_to_the_runtime(tmp_path):
     """Hugging Face's DeepSpeed JSONs leave sizes and dtypes "auto" for the Trainer to fill; from_deepspeed took
     int("auto") and failed. Now the trainer's arguments decide those, and they are listed as ignored."""

@@ -17,7 +17,9 @@ What differs from Trainer, and why (as transformers' DeepSpeed integration repla
   - the micro-batches before a step's last run inside rt.accumulating() (each reduces its gradient into the
     gradient shards, which hold the sum: memory one shard per unit, not a full gradient);
   - Accelerate prepares autocast only: the runtime owns placement and gradient reduction (no DDP wrap);
-  - bf16=True computes in bf16 (Config.compute_dtype; the fp32 master stays with the optimizer);
+  - bf16=True computes in bf16 (Config.compute_dtype; the fp32 master stays with the optimizer); fp16=True in
+    fp16, with offload.GradScaler as Accelerate's scaler (it unscales as the fused update's factor, checks
+    overflow on every rank and skips the step; Trainer then leaves the learning rate where it was);
   - activation (gradient) checkpointing is the model's own, as Trainer turns it on (it runs over the runtime);
   - checkpoints (save_steps) hold the runtime's exact checkpoint (fp32 master, moments, scheduler) beside
     Trainer's state, and resume_from_checkpoint restores it: a resumed run's losses are the uninterrupted ones.
@@ -36,7 +38,8 @@ from transformers import Trainer, TrainingArguments
 
 import offload
 from offload.config import Config
-from offload.zero.update.optimizer import ShardedAdamW
+from offload.zero.grad_scaler import GradState
+from offload.zero.update.optimizer import ShardedAdamW, ShardedOptimizer
 from offload.zero.runtime import current as current_runtime
 
 from . import hf_loading  # noqa: F401 - from_pretrained inside a runtime streams into the store
@@ -45,8 +48,6 @@ OFFLOAD_STATE = "offload-state"  # the runtime's checkpoint inside Trainer's che
 
 # TrainingArguments fields whose non-default values this integration cannot honour: (field, why and the fix)
 REFUSED = (
-    ("fp16", "the Trainer's fp16 is autocast with torch's GradScaler over fp32 params; offload's fp16 "
-             "(Config(compute_dtype='fp16') with offload.GradScaler) runs in your own loop; use bf16=True"),
     ("deepspeed", "offload replaces DeepSpeed ZeRO; map its JSON with offload.Config.from_deepspeed(path) and pass "
                   "that as offload_config"),
     ("fsdp", "offload shards the model itself; drop fsdp"),
@@ -88,11 +89,21 @@ def _refuse_unsupported(args: TrainingArguments, offload_config: Config | None, 
     if optim not in OPTIMIZERS:
         raise ValueError(f"OffloadTrainer: TrainingArguments.optim={optim!r}; the optimizer is offload.AdamW (the "
                          f"fused CPU AdamW over the sharded states): give optim='adamw_torch' (same update)")
-    # TrainingArguments.bf16 sets the compute dtype; a Config asking for bf16 (not its fp32 default) against it is
-    # a contradiction, not a choice to make silently
-    if offload_config is not None and offload_config.compute_dtype == "bf16" and not args.bf16:
-        raise ValueError("OffloadTrainer: TrainingArguments.bf16=False but offload_config.compute_dtype='bf16'; "
-                         "set TrainingArguments.bf16=True (it sets the compute dtype)")
+    # TrainingArguments.bf16 / fp16 set the compute dtype; a Config asking for a half dtype (not its fp32 default)
+    # against them is a contradiction, not a choice to make silently
+    if offload_config is not None and offload_config.compute_dtype not in ("fp32", compute_dtype(args)):
+        flag = "bf16" if offload_config.compute_dtype == "bf16" else "fp16"
+        raise ValueError(f"OffloadTrainer: TrainingArguments.{flag}=False but offload_config.compute_dtype="
+                         f"{offload_config.compute_dtype!r}; set TrainingArguments.{flag}=True (it sets the compute "
+                         "dtype)")
+    if args.fp16 and offload_config is not None and offload_config.update_in_backward:
+        raise ValueError("OffloadTrainer: fp16=True with offload_config.update_in_backward=True: its updates run "
+                         "before the loss scaler's overflow check could skip them; drop one of the two")
+
+
+def compute_dtype(args: TrainingArguments) -> str:
+    """The runtime's Config.compute_dtype for Trainer's flags."""
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
 class OffloadTrainer(Trainer):
@@ -120,13 +131,13 @@ class OffloadTrainer(Trainer):
         self._owns_runtime = outer is None
         if outer is None:
             cfg = offload_config or Config()
-            cfg = dataclasses.replace(cfg, compute_dtype="bf16" if args.bf16 else "fp32")
+            cfg = dataclasses.replace(cfg, compute_dtype=compute_dtype(args))
             self.offload_runtime = offload.init(cfg).__enter__()
         else:
             self.offload_runtime = outer
-            if (outer.config.compute_dtype == "bf16") != bool(args.bf16):  # its units are cast already
-                raise ValueError(f"OffloadTrainer: TrainingArguments.bf16={args.bf16} but the open runtime computes in "
-                                 f"{outer.config.compute_dtype}; make them agree")
+            if outer.config.compute_dtype != compute_dtype(args):  # its units are cast already
+                raise ValueError(f"OffloadTrainer: TrainingArguments.bf16={args.bf16}, fp16={args.fp16} but the open "
+                                 f"runtime computes in {outer.config.compute_dtype}; make them agree")
         try:
             if args.device.type != self.offload_runtime.device.type:
                 raise ValueError(f"OffloadTrainer: the trainer computes on {args.device} (TrainingArguments.use_cpu="
@@ -143,6 +154,8 @@ class OffloadTrainer(Trainer):
         # the runtime owns placement and gradient reduction, as a model sharded at load time does: Accelerate
         # prepares autocast only (no DDP wrap, which would all-reduce placeholders)
         self.is_distributed_loading_by_transformers = True
+        if args.fp16:  # Accelerate's backward and its optimizer's step go through the scaler it holds
+            self.accelerator.scaler = offload.GradScaler(runtime=self.offload_runtime)
 
     # ---- life ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -180,12 +193,23 @@ class OffloadTrainer(Trainer):
             return super().training_step(model, inputs, num_items_in_batch)
 
     def _clip_grad_norm(self, model):
+        self._unscale()
         return self.offload_runtime.clip_grad_norm_(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is None:  # max_grad_norm 0: the norm for the log, nothing clipped
+            self._unscale()
             grad_norm = self.offload_runtime.clip_grad_norm_(float("inf"))
         return grad_norm.item() if hasattr(grad_norm, "item") else grad_norm
+
+    def _unscale(self) -> None:
+        """fp16: the loss scale out of the gradients before their norm (Accelerate unscales only where torch's
+        AMP runs, and not twice)."""
+        if self.offload_runtime.loss_scale.state is GradState.SCALED:
+            opt = self.optimizer
+            while not isinstance(opt, ShardedOptimizer):  # (Accelerate's wrapper around it)
+                opt = opt.optimizer
+            self.accelerator.scaler.unscale_(opt)
 
     # ---- saving and resuming ---------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

@@ -76,10 +76,12 @@ class GradScaler:
 
     init_scale: the first S (2**16). growth_factor / backoff_factor: S's factor after growth_interval steps in a
     row without overflow / after one with it. enabled=False: every call passes through (scale returns the loss).
+    runtime: the offload runtime whose gradients it scales (default: the one open when scale() is first called,
+    or the optimizer's at its first step).
     """
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, enabled: bool = True):
+                 growth_interval: int = 2000, enabled: bool = True, runtime=None):
         if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale > 0):
             raise ValueError(f"offload.GradScaler: init_scale must be a finite number > 0, got {init_scale!r}")
         if not growth_factor > 1.0:
@@ -96,6 +98,7 @@ class GradScaler:
         self._growth_tracker = 0  # steps in a row without overflow since S last changed
         self._stages: dict[int, OptimizerStage] = {}  # id(optimizer) -> its stage since the last update()
         self._found_inf: bool | None = None  # this step's overflow (over the runtime, every rank); None: unchecked
+        self._runtime = runtime
 
     # ---- the training loop ------------------------------------------------------------------
     def scale(self, outputs):
@@ -105,11 +108,12 @@ class GradScaler:
             return outputs
         from .runtime import current
 
-        rt = current()
+        rt = self._runtime or current()
         if rt is None:
             raise RuntimeError("offload.GradScaler.scale: no offload runtime is open; call it inside "
-                               "`with offload.init(config):` (for a model without offload, use "
-                               "torch.amp.GradScaler)")
+                               "`with offload.init(config):` or give GradScaler(runtime=rt) (for a model without "
+                               "offload, use torch.amp.GradScaler)")
+        self._runtime = rt
         rt.set_loss_scale(self._scale)
         return _times(outputs, self._scale)
 
@@ -118,7 +122,7 @@ class GradScaler:
         rt.clip_grad_norm_ (the norm is then the unscaled gradients')."""
         if not self._enabled:
             return
-        rt = _runtime_of(optimizer, "unscale_")
+        rt = self._runtime = _runtime_of(optimizer, "unscale_")
         stage = self._stages.get(id(optimizer), OptimizerStage.READY)
         if stage is OptimizerStage.UNSCALED:
             raise RuntimeError("offload.GradScaler.unscale_ has already been called on this optimizer since the "
@@ -129,11 +133,11 @@ class GradScaler:
         self._stages[id(optimizer)] = OptimizerStage.UNSCALED
 
     def step(self, optimizer, *args, **kwargs):
-        """optimizer.step() unless the gradients overflowed (unscales first if unscale_ was not called); returns
-        what step returned, or None for a skipped step."""
+        """optimizer.step(*args, **kwargs) unless the gradients overflowed (unscales first if unscale_ was not
+        called); returns what step returned, or None for a skipped step."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
-        if "closure" in kwargs or args:
+        if kwargs.get("closure") is not None or any(callable(a) for a in args):
             raise RuntimeError("offload.GradScaler.step: closures are not supported (as with torch's GradScaler)")
         rt = _runtime_of(optimizer, "step")
         stage = self._stages.get(id(optimizer), OptimizerStage.READY)
@@ -145,7 +149,7 @@ class GradScaler:
         if self._found_inf:
             rt.skip_step()  # nothing steps; updates the backward speculated are taken back
         else:
-            out = optimizer.step()
+            out = optimizer.step(*args, **kwargs)
         self._stages[id(optimizer)] = OptimizerStage.STEPPED
         return out
 

@@ -490,6 +490,7 @@ class Runtime:
     # ---- loss scaling (offload.GradScaler: grad_scaler.py) ------------------------------------
     def set_loss_scale(self, scale: float) -> None:
         """GradScaler.scale: the next backward's gradients carry `scale`."""
+        self._check_open("offload.GradScaler.scale")
         if self.config.update_in_backward:
             raise ValueError("offload.GradScaler: Config.update_in_backward runs updates before a step's overflow "
                              "check could skip them; set update_in_backward=False (the default speculative "
