@@ -178,18 +178,22 @@ def test_a_trainer_deepspeed_json_with_autos_maps_to_the_runtime(tmp_path):
         assert (rt.config.compute_dtype, rt.params_tier, rt.optimizer_tier) == ("bf16", "nvme", "nvme")
 
 
-def test_a_resume_from_a_mid_run_checkpoint_is_bit_for_bit(tmp_path):
-    args = dict(save_strategy="steps", save_steps=3)
+@pytest.mark.parametrize("fp16", [False, True])
+def test_a_resume_from_a_mid_run_checkpoint_is_bit_for_bit(tmp_path, fp16):
+    args = dict(save_strategy="steps", save_steps=3, fp16=fp16)
     with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "a", **args), train_dataset=Blocks(),
                         offload_config=nvme_config(tmp_path)) as trainer:
         trainer.train()
         uninterrupted = logged(trainer)
     ckpt = tmp_path / "a" / "checkpoint-3"
     assert (ckpt / OFFLOAD_STATE / "manifest.json").is_file() and (ckpt / "trainer_state.json").is_file()
+    assert (ckpt / "scaler.pt").is_file() == fp16  # Trainer saves the loss scaler's state (offload's)
     with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "b", **args), train_dataset=Blocks(),
                         offload_config=nvme_config(tmp_path)) as trainer:
         trainer.train(resume_from_checkpoint=str(ckpt))
         resumed = logged(trainer)
+        if fp16:  # 3 clean steps restored, 3 more run
+            assert trainer.accelerator.scaler.state_dict()["_growth_tracker"] == 6
     assert len(resumed) == 6 and resumed[3:] == uninterrupted[3:]  # steps 4-6 run again: the same bits
     with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "c"), train_dataset=Blocks(),
                         offload_config=nvme_config(tmp_path)) as trainer:
