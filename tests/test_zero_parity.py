@@ -122,7 +122,10 @@ def family_cases(world, clip):
     out += [Case(world=world, family="adamw8bit", accum=4, params="nvme", optimizer="nvme", grads="nvme"),
             Case(world=world, family="adamw8bit", dtype="bf16", params="nvme", optimizer="nvme", clip=clip),
             Case(world=world, family="lion", dtype="bf16", accum=4, params="cpu", optimizer="nvme", clip=clip),
-            Case(world=world, family="adamw8bit", params="nvme", optimizer="nvme", update_in_backward=True)]
+            Case(world=world, family="adamw8bit", params="nvme", optimizer="nvme", update_in_backward=True),
+            # fp16 through the loss scaler: the families' kernels write the fp16 param copy
+            Case(world=world, family="lion", dtype="fp16", params="nvme", optimizer="nvme", clip=clip),
+            Case(world=world, family="adamw8bit", dtype="fp16", params="nvme", optimizer="nvme", clip=clip)]
     out += [Case(world=world, family="adamw8bit", params="nvme", optimizer="nvme", grads="nvme", delay=f"{q}=0.005",
                  snapshot_every=10, clip=None, cpu_budget="128KiB") for q in ("nvme_read", "nvme_write", "optimizer")]
     return out
@@ -132,7 +135,7 @@ def family_cases(world, clip):
 # flat shard, the in-memory optimizer at each parameter, so the moments round differently (each within 6.3% of
 # its value, test_adam8bit_kernel.py) and the runs drift apart by that much, not by a runtime bug's
 # orders of magnitude; where the blocks coincide the two are equal bit for bit (test_optimizer_families.py).
-# Measured on this grid: loss 1.1e-2, parameters 6.5e-2, norms 3.3e-2 at worst.
+# Measured on this grid: loss 1.1e-2, parameters 7.3e-2 (fp16 on 2 ranks; 6.5e-2 in bf16), norms 3.3e-2 at worst.
 QUANTIZED_TOL = {"loss": 3e-2, "param": 1e-1, "norm": 6e-2}
 
 
