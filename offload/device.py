@@ -134,6 +134,13 @@ def retire(t: torch.Tensor | None) -> None:
         t.record_stream(torch.cuda.current_stream(t.device))
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """`exc` is an allocator's refusal: torch.OutOfMemoryError (CUDA), or the CPU allocator's "can't allocate
+    memory" RuntimeError."""
+    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError)
+                                                       and "can't allocate memory" in str(exc))
+
+
 def peak_allocated(device: torch.device) -> int | None:
     """The most the compute device's allocator has handed out (the device tier's blocks, gathered units,
     activations, autograd's buffers), resetting nothing: the runtime reports it every step, and a user's own

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Config, deepspeed_fields, parse_size
+from ..device import is_out_of_memory
 from .batches import IGNORE, Sampler, TokenBlocks, build_blocks, split_heldout
 from .hf_model_dir import HFModelDir, save_pretrained
 from ..integrations.lora import base_weights, merged_params, save_adapter
@@ -367,7 +368,7 @@ def _batch_fits(cfg: FinetuneConfig):
     try:
         yield
     except RuntimeError as exc:  # torch.OutOfMemoryError is one; the CPU allocator says "can't allocate memory"
-        if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
+        if not is_out_of_memory(exc):
             raise
         raise InputError(f"--micro-batch {cfg.micro_batch} x --seq-len {cfg.seq_len}: the forward and backward ran out "
                          f"of memory ({str(exc).splitlines()[0]}); lower --micro-batch (a larger --grad-accum keeps "

@@ -28,6 +28,7 @@ each reduce is a collective; so must the order in which units run (each gather i
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -106,7 +107,6 @@ class Runtime:
         self.is_open = False
         self.closed = False
         self._hooks: list = []
-        self._owns_pg = False
         self._capture: ConstructionCapture | None = None
         self._pending = False
         self._ordinal_base = 0
@@ -245,10 +245,8 @@ class Runtime:
             self.states.close()
         if self.watchdog is not None:
             self.watchdog.close()
-        if self._owns_pg and dist.is_initialized():
-            dist.destroy_process_group()  # the lanes' groups go with it
-        elif self.ctx is not None and dist.is_initialized():
-            for g in (self.ctx.gather_group, self.ctx.reduce_group):  # the user's group stays; ours go (NCCL:
+        if self.ctx is not None and dist.is_initialized():
+            for g in (self.ctx.gather_group, self.ctx.reduce_group):  # the default group stays; ours go (NCCL:
                 if g.pg is not None:                                 # two communicators per runtime otherwise)
                     try:
                         dist.destroy_process_group(g.pg)
@@ -274,7 +272,10 @@ class Runtime:
             gpu = self.device.type == "cuda"
             dist.init_process_group("nccl" if gpu else "gloo", timeout=datetime.timedelta(seconds=timeout),
                                     **({"device_id": self.device} if gpu else {}))
-            self._owns_pg = True
+            # it lives as long as the process, for the next offload.init block too: torch cannot reliably start
+            # the default group again after destroying it (a rank may still connect to the old one's addresses:
+            # pytorch/pytorch#119196, seen here as gloo's "Connection refused")
+            atexit.register(_destroy_default_group)
         if not (dist.is_available() and dist.is_initialized()):
             return comm.Group(0, 1, device=self.device)
         backend = str(dist.get_backend()).lower()
@@ -698,6 +699,7 @@ class Runtime:
             "grads_tier": self.grads_tier,
             "resident_bytes": sum(self._resident_sizes()),
             "plans_made": self.schedule.plans_made,
+            "gathers_backed_off": self.schedule.gathers_backed_off,
             "steps": self.step_stats.steps,
             "last_step": self.step_stats.last,
             "memory": self._memory(s),
@@ -742,6 +744,11 @@ class Runtime:
                     spec = u.shards.spec(kind, c)
                     if spec.key in keys:
                         yield spec.nbytes
+
+
+def _destroy_default_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _as_list(x) -> list:

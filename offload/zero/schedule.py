@@ -19,6 +19,7 @@ move.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from .context import LaneContext
 from .units.shards import ShardKey, StateKind
 from .units.state import TRAINING_MOVES, TrainingState, UnitState
 from .state_store import Use as Where
+
+log = logging.getLogger("offload")
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class Schedule:
         self.state = TrainingState.IDLE
         self.plan: Plan | None = None
         self.plans_made = 0
+        self.gathers_backed_off = 0  # gathers ahead the device had no room for (gathered where needed instead)
         self.cost = planner.CostTable()
         self._cursor = -1  # the last use of the plan matched in this step
         self._following = False
@@ -214,7 +218,9 @@ class Schedule:
                 nxt = self.units.get(plan.trace.uses[j].unit)
                 if nxt is not None and not nxt.fresh and nxt.state is not UnitState.FREED:
                     self.before_gather(nxt)
-                    nxt.unshard(async_op=True)
+                    # the device full: gathered where it is needed instead (in the backward, on several ranks: raises)
+                    if not nxt.unshard_ahead(reorders_nothing=self.state is TrainingState.FORWARD):
+                        self._gather_backed_off(nxt)
 
     def _read_ahead(self, read: Read) -> None:
         unit = self.units.get(read.key.unit)
@@ -240,6 +246,14 @@ class Schedule:
                 return  # no room in the tier now: back off; the gather reads it itself
             self._prefetched[read.key] = lease
             self._prefetched_bytes += read.nbytes
+
+    def _gather_backed_off(self, unit) -> None:
+        self.gathers_backed_off += 1
+        if self.gathers_backed_off == 1:
+            log.warning("offload: the device had no room to gather %s ahead of its use; it is gathered where it is "
+                        "needed instead (its gather no longer overlaps compute; rt.stats()['gathers_backed_off'] "
+                        "counts them). Lower device_budget or the activations' memory (a smaller micro-batch, "
+                        "checkpointing, Config.activations) to leave the gathers room.", unit.label)
 
     def take_prefetched(self, unit) -> dict:
         """{chunk index: lease} read ahead for `unit`'s gather (removed from the table; later reads for this

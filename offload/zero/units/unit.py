@@ -21,7 +21,8 @@ import concurrent.futures as cf
 import torch
 import torch.nn as nn
 
-from ...device import record, retire, sync
+from ... import inject
+from ...device import is_out_of_memory, record, retire, sync
 from ...device import wait as stream_wait
 from ...store import LeaseMode, Tier
 from ...telemetry import Lane, Queue
@@ -169,16 +170,42 @@ class ShardedUnit:
         self.check_requires_grad()
         if not self.fresh:
             if self.state is UnitState.SHARDED:
-                with self.ctx.streams.use(Lane.GATHER):  # allocated on the stream that writes it (device.py)
-                    self.flat.untyped_storage().resize_(self.nbytes_full)
-                advise_huge_pages(self.flat)  # fresh pages, written next: 512x fewer faults
-                self.ctx.counters.gathered(self.nbytes_full)
+                self._allocate_full()
             prefetched = self.ctx.schedule.take_prefetched(self)
             self._gather = self.ctx.lanes.gather.submit(f"gather:{self.uid or '<root>'}", self._gather_now,
                                                         prefetched, self.update, self.ctx.gather_group.ticket())
             self._transition(UnitState.GATHERING)
         if not async_op:
             self.wait_for_unshard()
+
+    def unshard_ahead(self, reorders_nothing: bool) -> bool:
+        """unshard(async_op=True) for a unit gathered before it is needed. False, with nothing issued, when the
+        device cannot hold its gathered buffer now: its gather is then issued where it is needed. That backs off
+        only where issuing it later reorders no collective: with one rank (none), or when no other lane's
+        collective is ticketed before the need (`reorders_nothing`: the forward, where nothing is reduced; each
+        rank's gathers keep one order, whenever each is issued). Elsewhere the refusal raises, as unshard's: NCCL
+        needs one issue order across the lanes' communicators (comm.ProgramOrder), and a gather issued before a
+        reduce on one rank and after it on another may hang."""
+        may_back_off = reorders_nothing or self.ctx.world_size == 1
+        if may_back_off and not self.fresh and self.state is UnitState.SHARDED:
+            try:
+                inject.allocation(inject.Site.GATHER_AHEAD)
+                self._allocate_full()
+            except RuntimeError as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                return False
+        self.unshard(async_op=True)
+        return True
+
+    def _allocate_full(self) -> None:
+        """The flat buffer grows to the gathered size (once: a second call finds it allocated)."""
+        if self.flat.untyped_storage().nbytes() == self.nbytes_full:
+            return
+        with self.ctx.streams.use(Lane.GATHER):  # allocated on the stream that writes it (device.py)
+            self.flat.untyped_storage().resize_(self.nbytes_full)
+        advise_huge_pages(self.flat)  # fresh pages, written next: 512x fewer faults
+        self.ctx.counters.gathered(self.nbytes_full)
 
     def wait_for_unshard(self) -> None:
         if self.state is not UnitState.GATHERING:
