@@ -246,7 +246,9 @@ class Config:
         """A Config from a DeepSpeed config (a dict, or a path to JSON) or its `zero_optimization` section.
 
         Mapped: stage (must be 3), offload_param.{device,nvme_path}, offload_optimizer.{device,nvme_path},
-        stage3_param_persistence_threshold, top-level bf16.enabled and communication_data_type (reduce_dtype).
+        stage3_param_persistence_threshold, top-level bf16.enabled / fp16.enabled (compute_dtype; fp16's loss
+        scaling is offload.GradScaler's, in the loop, so the fp16 section's scaler keys are listed as ignored) and
+        communication_data_type (reduce_dtype).
         Known DeepSpeed keys with no meaning here are listed in `cfg.deepspeed_ignored` and in one warning;
         unknown keys and contradictions raise ValueError naming the key. `overrides` are Config fields applied last (e.g. cpu_budget).
         """
@@ -308,20 +310,17 @@ def deepspeed_fields(ds: dict) -> tuple[dict[str, Any], list[str]]:
     else:  # the section itself
         zero, top = ds, {}
     fields: dict[str, Any] = {}
+    half: dict[str, Any] = {}  # "bf16" / "fp16" -> its section's `enabled`
     for key, value in top.items():
         # "auto" is Hugging Face's placeholder, filled from TrainingArguments: the trainer decides those
-        if key == "bf16":
-            enabled = (value or {}).get("enabled", False)
-            if enabled == "auto":
-                ignored.append("bf16.enabled=auto")
-            else:
-                fields["compute_dtype"] = "bf16" if enabled else "fp32"
-        elif key == "fp16":
-            if (value or {}).get("enabled", False) not in (False, "auto"):
-                raise ValueError("from_deepspeed: fp16.enabled=true: DeepSpeed scales the loss inside its engine, "
-                                 "offload in your loop; use bf16, or set compute_dtype='fp16' (an override here) "
-                                 "and step through offload.GradScaler(init_scale=2**initial_scale_power, "
-                                 "growth_interval=loss_scale_window)")
+        if key in ("bf16", "fp16"):
+            section = dict(value or {})
+            half[key] = section.pop("enabled", False)
+            if half[key] == "auto":
+                ignored.append(f"{key}.enabled=auto")
+            elif key == "fp16" and half[key]:  # DeepSpeed's engine scales the loss; offload.GradScaler does here,
+                # in the loop (offload finetune and OffloadTrainer hold one), with torch's rule (no hysteresis)
+                ignored += [f"fp16.{k}" for k in section]
         elif key == "communication_data_type":  # the dtype gradients are summed over ranks in
             dtype = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32", None: None}.get(value, "?")
             if dtype == "?":
@@ -358,6 +357,13 @@ def deepspeed_fields(ds: dict) -> tuple[dict[str, Any], list[str]]:
                 ignored.append(f"zero_optimization.{section}.{key}")
             else:
                 raise ValueError(f"from_deepspeed: unknown key zero_optimization.{section}.{key}")
+    on = [k for k, enabled in half.items() if enabled and enabled != "auto"]
+    if len(on) == 2:
+        raise ValueError("from_deepspeed: bf16.enabled and fp16.enabled are both true; choose one")
+    if on:
+        fields["compute_dtype"] = on[0]
+    elif "bf16" in half and half["bf16"] != "auto":
+        fields["compute_dtype"] = "fp32"
     if len(set(nvme_paths.values())) > 1:
         raise ValueError(
             "from_deepspeed: offload_param.nvme_path and offload_optimizer.nvme_path differ "
@@ -371,7 +377,7 @@ def deepspeed_fields(ds: dict) -> tuple[dict[str, Any], list[str]]:
     if "stage3_param_persistence_threshold" in zero:
         # DeepSpeed counts elements; offload counts bytes of the gathered unit (compute dtype).
         elements = int(zero.pop("stage3_param_persistence_threshold"))
-        width = 2 if fields.get("compute_dtype") == "bf16" else 4
+        width = 2 if fields.get("compute_dtype") in ("bf16", "fp16") else 4
         fields["persist_threshold"] = elements * width
     for key in list(zero):
         if key in _DS_ZERO_IGNORED:

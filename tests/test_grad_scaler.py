@@ -214,3 +214,17 @@ def test_an_overflow_in_one_ranks_shard_skips_the_step_on_both(tmp_path):
     assert sorted(g[1] for g in got) == ["0", "1"], got  # one rank's shard held the overflow
     assert [g[2:4] for g in got] == [["False", "True"]] * 2, got  # nothing moved, then the next step trained
     assert [g[4] for g in got] == ["128.0", "128.0"], got  # the same scale on both
+
+
+def test_fp16_without_a_scaler_warns_once(caplog):
+    torch.manual_seed(7)
+    model = make_model("tiny")
+    with offload.init(small_config(compute_dtype="fp16")) as rt, caplog.at_level("WARNING", logger="offload"):
+        rt.wrap(model)
+        opt = offload.AdamW(param_groups(model.named_parameters()), lr=1e-2)
+        for s in range(2):
+            compute_loss(model, _data(2)[s], "tiny").backward()
+            opt.step()
+            opt.zero_grad()
+    said = [r.getMessage() for r in caplog.records if "without a loss scaler" in r.getMessage()]
+    assert len(said) == 1 and "offload.GradScaler" in said[0]

@@ -85,6 +85,20 @@ def test_from_deepspeed_maps_and_reports_ignored(tmp_path):
     assert (plain.params, plain.optimizer, plain.deepspeed_ignored) == ("device", "device", ())
 
 
+def test_from_deepspeed_fp16_takes_the_loss_scaler_in_the_loop():
+    """fp16.enabled maps to compute_dtype "fp16"; DeepSpeed's engine-side loss-scale settings are offload.GradScaler's
+    arguments here, so they are reported as ignored, not dropped silently."""
+    ds = {"fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 2},
+          "bf16": {"enabled": False}, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10}}
+    with pytest.warns(UserWarning, match="fp16.initial_scale_power"):
+        cfg = Config.from_deepspeed(ds)
+    assert cfg.compute_dtype == "fp16" and cfg.persist_threshold == 20  # 10 fp16 elements
+    assert {"fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis"} <= set(cfg.deepspeed_ignored)
+    with pytest.warns(UserWarning, match="fp16.enabled=auto"):  # Hugging Face's placeholder: the Trainer decides
+        assert Config.from_deepspeed({"fp16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}}).compute_dtype \
+            == "fp32"
+
+
 @pytest.mark.parametrize("ds, key", [
     ({"zero_optimization": {"stage": 2}}, "stage"),
     ({"zero_optimization": {"stage": 3, "stage3_bogus": 1}}, "stage3_bogus"),
@@ -93,7 +107,7 @@ def test_from_deepspeed_maps_and_reports_ignored(tmp_path):
     ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/a"},
                             "offload_optimizer": {"device": "nvme", "nvme_path": "/b"}}}, "nvme_path"),
     ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "nvme_path"),
-    ({"fp16": {"enabled": True}}, "fp16"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}, "both true"),
     ({"communication_data_type": "fp16"}, "communication_data_type"),
     ({"not_a_deepspeed_key": 1}, "not_a_deepspeed_key"),
 ])

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import datetime
 import importlib
+import logging
 import math
 import os
 import sys
@@ -69,6 +70,8 @@ from .step_stats import StepStats
 from .units.unit import ShardedUnit
 from .collectives.watchdog import Watchdog
 from .units.wrap import refuse_unmanaged, shard_model
+
+log = logging.getLogger("offload")
 
 _ACTIVE: list["Runtime"] = []
 
@@ -574,6 +577,10 @@ class Runtime:
         if self.loss_scale.found_inf:
             raise RuntimeError("optimizer.step(): this step's gradients overflowed (inf or NaN); step through "
                                "scaler.step(optimizer), which skips it")
+        if self.compute_dtype == torch.float16 and self.loss_scale.scale is None and not self.step_stats.steps:
+            log.warning("offload: compute_dtype='fp16' without a loss scaler: gradients below fp16's range flush to "
+                        "zero and an overflow is stepped on. Train through offload.GradScaler (scaler.scale(loss)"
+                        ".backward(); scaler.step(opt); scaler.update()), or compute in bf16.")
         self.updates.step(work, schema, self.grad_scale)
         if self._fit_device_budget and self.device_fit is None:
             later = max(0, self.gathered_bound() - self.ctx.counters.peak_gathered_bytes)  # (gathers ahead)
