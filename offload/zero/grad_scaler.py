@@ -25,8 +25,8 @@ import torch
 
 
 class GradState(enum.Enum):
-    """What the runtime's stored gradient shards of this step carry (LossScale.state; the runtime's transitions:
-    a new backward, rt.unscale_grads)."""
+    """What the runtime's stored gradient shards of this step carry (LossScale.state; LossScale's on_* methods are
+    its only writers)."""
 
     PLAIN = "plain"  # no loss scale (no GradScaler): the stored gradient is the gradient
     SCALED = "scaled"  # the shards hold the gradient times S; a clip or a step must unscale first
@@ -55,8 +55,17 @@ class LossScale:
         return {"scale": self.scale, "skipped_steps": self.skipped_steps, "overflows_here": self.overflows_here}
 
     def on_new_backward(self) -> None:
+        """A backward starts: its gradients carry the scale, if a GradScaler set one."""
         self.state = GradState.PLAIN if self.scale is None else GradState.SCALED
         self.found_inf = self.skipped = False
+
+    def on_unscaled(self, found_inf: bool, found_here: bool) -> None:
+        """The overflow check ran: `found_inf` over every rank, `found_here` in this rank's shards."""
+        self.state, self.found_inf = GradState.UNSCALED, found_inf
+        self.overflows_here += int(found_here)
+
+    def on_skipped(self) -> None:
+        self.skipped, self.skipped_steps = True, self.skipped_steps + 1
 
 
 class OptimizerStage(enum.Enum):

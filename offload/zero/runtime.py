@@ -513,12 +513,11 @@ class Runtime:
                                "scaler.scale(loss).backward() for every backward of the step")
         self._unscaled_norm = self._local_norm(2.0)
         here = not bool(torch.isfinite(self._unscaled_norm))
-        scaled.overflows_here += int(here)
         found = torch.tensor([1.0 if here else 0.0])
         if self.group.distributed:
             with self.meter.waiting(Queue.COLLECTIVE):
                 found = comm.all_reduce_host_(self.group, found, "max", what="GradScaler.unscale_ (overflow)")
-        scaled.found_inf, scaled.state = bool(found.item()), GradState.UNSCALED
+        scaled.on_unscaled(bool(found.item()), here)
         self.grad_scale = scaled.unscale
         return scaled.found_inf
 
@@ -529,7 +528,7 @@ class Runtime:
             return  # (another optimizer's step over the same gradients)
         self.backward_updates.skip_step()
         self.schedule.step_skipped()
-        self.loss_scale.skipped, self.loss_scale.skipped_steps = True, self.loss_scale.skipped_steps + 1
+        self.loss_scale.on_skipped()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every unit's gradient (set_to_none=False: keep zero gradients, as torch)."""
