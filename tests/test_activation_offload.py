@@ -179,6 +179,7 @@ def device_peaks(tmp, activations, layers, slow_lane=0.0, steps=3):
         opt = offload.AdamW(model.parameters(), lr=1e-3)
         for ids in batches(steps, seq=PEAK_SEQ):
             ids = ids.to(rt.device)
+            rt.quiesce()  # the lanes quiet: the last step's transients (a reduce's full gradient) out of `base`
             take_peak_allocated(rt.device)  # the forward's window starts here
             base = allocated(rt.device)
             loss = model(input_ids=ids, labels=ids).loss
