@@ -40,16 +40,13 @@ class LossScale:
 
     scale: float | None = None
     state: GradState = GradState.PLAIN
+    # the factor that takes this step's stored gradients back to the gradient: 1 / S in fp32, as torch's GradScaler
+    # computes its inv_scale (1.0 when they carry no scale); set once a backward, read per unit in the backward
+    unscale: float = 1.0
     found_inf: bool = False
     skipped_steps: int = 0  # steps skipped for an overflow, since the runtime opened
     overflows_here: int = 0  # of those, the steps whose overflow was in this rank's own shards
     skipped: bool = False  # this step was skipped
-
-    @property
-    def unscale(self) -> float:
-        """The factor that takes this step's stored gradients back to the gradient: 1 / S in fp32, as torch's
-        GradScaler computes its inv_scale (1.0 when they carry no scale)."""
-        return 1.0 if self.state is GradState.PLAIN else _fp32(1.0 / self.scale)
 
     def report(self) -> dict:
         return {"scale": self.scale, "skipped_steps": self.skipped_steps, "overflows_here": self.overflows_here}
@@ -57,6 +54,7 @@ class LossScale:
     def on_new_backward(self) -> None:
         """A backward starts: its gradients carry the scale, if a GradScaler set one."""
         self.state = GradState.PLAIN if self.scale is None else GradState.SCALED
+        self.unscale = 1.0 if self.scale is None else _fp32(1.0 / self.scale)
         self.found_inf = self.skipped = False
 
     def on_unscaled(self, found_inf: bool, found_here: bool) -> None:
