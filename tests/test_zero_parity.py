@@ -9,7 +9,8 @@ against torch.optim.AdamW; 2e-5 on 2 ranks, where each rank's half batch and the
 another order than torch's one full batch (Llama: 1.16e-5 on an AMD Zen CPU, below 1e-5 on an Intel one). bf16: 1e-4, against a reference whose fp32 master is stepped by plain (unsharded)
 offload.AdamW: its kernel is not bit-identical to torch's, and a 1-ulp master difference that flips a bf16
 copy grows, through Adam, past any tolerance that would still catch a runtime bug.
-World size 2 runs every case in one torchrun-launched gloo group (tests/zero_worker.py).
+World size 2 runs every case in one torchrun-launched gloo group (tests/zero_worker.py); a slice of the grid
+runs at 3 ranks (shards split where no two-way split puts a boundary) and at 8 (the users' node), wide_grid().
 
 Every case also runs the runtime twice: synchronous (Config.pipeline=False, every move waited where it is
 asked for) and pipelined (read-ahead, gather-ahead, background reduce and optimizer). They must agree bit for
@@ -204,17 +205,20 @@ def test_parity_world1(case, tmp_path):
     check(run_case(case, str(tmp_path)), case)
 
 
-@pytest.fixture(scope="module")
-def world2_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("w2")
-    cases = grid(2)
+def run_ranks(tmp: Path, cases: list, world: int) -> dict:
+    """Every case in one torchrun-launched gloo group of `world` ranks (tests/zero_worker.py): {name: result}."""
     (tmp / "cases.json").write_text(json.dumps([dataclasses.asdict(c) for c in cases]))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
            str(Path(__file__).with_name("zero_worker.py")), str(tmp / "cases.json"), str(tmp / "out.json"), str(tmp)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {r["case"]: r for r in json.loads((tmp / "out.json").read_text())}
+
+
+@pytest.fixture(scope="module")
+def world2_results(tmp_path_factory):
+    return run_ranks(tmp_path_factory.mktemp("w2"), grid(2), 2)
 
 
 @pytest.mark.parametrize("case", grid(2), ids=lambda c: c.name)
@@ -237,3 +241,68 @@ def test_state_dict_round_trip_on_every_rank(world2_results):
     r = world2_results["state_dict"]
     assert "error" not in r, r.get("error")
     assert r["shapes_ok"] and r["tensors"] >= 20 and r["max_abs_diff"] == 0.0, r
+
+
+# ---- more ranks than two ------------------------------------------------------------------------------------
+WIDE_WORLDS = (3, 8)
+
+
+def wide_grid(world):
+    """A slice of the grid at more ranks than this machine's two: 3, where every unit's shards are padded and split
+    where no two-way split puts a boundary, and 8, the users' node (8 gloo processes on 2 cores, so the slice is
+    small). Each tier pair, accumulation, bf16 and fp16, a Llama, slowed queues, the other families, the
+    backward's updates and speculation. Not Config.reduce_dtype="bf16": from 3 ranks on, the backend adds the
+    bf16 gradients in its own order (gloo's ring differs from the reference's rank order, as NCCL's would),
+    and Adam grows one rounding past any useful tolerance; the runtime's part of it is the same as on 2 ranks."""
+    spec = {"params": "nvme", "optimizer": "nvme"}
+    if world == 8:
+        return [Case(world=8, accum=4, **spec),
+                Case(world=8, dtype="bf16", grads="nvme", clip=1e9, delay="gather=0.005", snapshot_every=10,
+                     cpu_budget="128KiB", **spec),
+                Case(world=8, dtype="fp16", clip=1e9, **spec),
+                Case(world=8, family="adamw8bit", **spec),
+                *([Case(world=8, model="llama", params="cpu", optimizer="nvme")] if transformers_available() else [])]
+    cases = [Case(world=world, params=p, optimizer=o, accum=a)
+             for p, o in (("device", "device"), ("cpu", "nvme"), ("nvme", "cpu"), ("nvme", "nvme")) for a in (1, 4)]
+    cases += [Case(world=world, dtype="bf16", accum=4, grads="nvme", clip=1e9, **spec),
+              Case(world=world, dtype="fp16", clip=1e9, **spec),
+              Case(world=world, family="lion", **spec),
+              Case(world=world, family="adamw8bit", accum=4, grads="nvme", **spec),
+              Case(world=world, update_in_backward=True, **spec),
+              Case(world=world, flow="skip", **spec)]
+    cases += [Case(world=world, grads="nvme", delay=f"{queue}=0.005", snapshot_every=10, clip=None,
+                   cpu_budget="128KiB", **spec) for queue in ("nvme_read", "gather", "reduce", "optimizer")]
+    cases += speculation_cases(world)[:2]  # commits and misses, alone and with accumulation
+    if transformers_available():
+        cases += [Case(world=world, model="llama", dtype="bf16", accum=4, params="nvme", optimizer="cpu", clip=1e9),
+                  Case(world=world, model="llama-ckpt-reentrant", params="nvme", optimizer="cpu")]
+    return cases
+
+
+@pytest.fixture(scope="module")
+def world3_results(tmp_path_factory):
+    return run_ranks(tmp_path_factory.mktemp("w3"), wide_grid(3), 3)
+
+
+@pytest.fixture(scope="module")
+def world8_results(tmp_path_factory):
+    return run_ranks(tmp_path_factory.mktemp("w8"), wide_grid(8), 8)
+
+
+@pytest.mark.parametrize("case", wide_grid(3), ids=lambda c: c.name)
+def test_parity_world3(case, world3_results):
+    check(world3_results[case.name], case)
+
+
+@pytest.mark.parametrize("case", wide_grid(8), ids=lambda c: c.name)
+def test_parity_world8(case, world8_results):
+    check(world8_results[case.name], case)
+
+
+@pytest.mark.parametrize("world", WIDE_WORLDS)
+def test_state_dict_and_inblock_values_on_more_ranks(world, request):
+    results = request.getfixturevalue(f"world{world}_results")
+    for name in ("inblock", "state_dict"):
+        r = results[name]
+        assert "error" not in r, r.get("error")
+        assert r["tensors"] >= 20 and r["max_abs_diff"] == 0.0 and r.get("shapes_ok", True), r
