@@ -171,6 +171,26 @@ def test_resume_is_exact_two_ranks_and_reshards(tmp_path):
         assert torch.equal(original[k], via_one[k]) and torch.equal(original[k], back[k]), k
 
 
+def test_reshards_through_uneven_world_sizes(tmp_path):
+    """2 ranks (nvme) -> 3 (nvme: every shard boundary moves) -> 8 (cpu) -> 1: every master and moment element
+    lands where it was, and rank 0's first loss after the load at 3 ranks is the 2-rank run's bit for bit (the same
+    parameters, and rank 0's RNG restored: the same batch)."""
+    ckpt = tmp_path / "ckpt"
+    first = _worker(tmp_path, "first", world=2, steps=5, save_at=[4], ckpt=str(ckpt))
+    three, eight, one = tmp_path / "three", tmp_path / "eight", tmp_path / "one"
+    on3 = _worker(tmp_path, "to3", world=3, steps=5, resume=True, ckpt=str(ckpt), save_loaded_to=str(three))
+    _worker(tmp_path, "to8", world=8, steps=4, resume=True, ckpt=str(three), save_loaded_to=str(eight),
+            params="cpu", optimizer="cpu")
+    _worker(tmp_path, "to1", steps=4, resume=True, ckpt=str(eight), save_loaded_to=str(one))
+    for path, world in ((three, 3), (eight, 8), (one, 1)):
+        assert json.loads((path / "step-4" / "manifest.json").read_text())["world_size"] == world
+    original, flats = _flats(ckpt), [_flats(three), _flats(eight), _flats(one)]
+    assert all(f.keys() == original.keys() for f in flats)
+    for k in original:
+        assert all(torch.equal(original[k], f[k]) for f in flats), k
+    assert on3["losses"]["4"] == first["losses"]["4"]
+
+
 def test_a_rank_without_moments_for_a_unit_resumes_and_reshards(tmp_path):
     """At 2 ranks rank 0's shard of each block is all frozen (no moments there), rank 1's is not: the
     checkpoint says which rank has what; resuming is exact, and loading at 1 rank takes rank 1's moments."""
