@@ -72,6 +72,8 @@ def test_overflow_skips_the_step_and_the_scale_follows_torch(tmp_path):
             scaler.update()
             opt.zero_grad()
             scales.append(scaler.get_scale())
+            last = rt.stats()["last_step"]  # a skipped step's own window, counted apart from the optimizer's steps
+            assert last["skipped"] == (s in OVERFLOW_AT) and last["step"] == s + 1 - sum(k <= s for k in OVERFLOW_AT)
             now = rt.full_state_dict(model)
             if s in OVERFLOW_AT:  # skipped: nothing moved
                 assert all(torch.equal(now[n], before[n]) for n in now), s
@@ -125,6 +127,7 @@ def test_misuse_raises_instead_of_training_on_scaled_gradients():
             rt.clip_grad_norm_(1.0)  # the norm would be S times too large
         with pytest.raises(RuntimeError, match=r"scaler\.step\(optimizer\)"):
             opt.step()  # the update would be S times too large
+        assert not any(st.get("step", 0) for st in opt.state.values())  # the refused step counted nothing
         with pytest.raises(RuntimeError, match="no overflow check"):
             scaler.update()
         scaler.unscale_(opt)
@@ -134,6 +137,7 @@ def test_misuse_raises_instead_of_training_on_scaled_gradients():
         with pytest.raises(RuntimeError, match="already been called"):
             scaler.step(opt)
         scaler.update()
+        assert {int(st["step"]) for st in opt.state.values()} == {1}
         with pytest.raises(TypeError, match="not an offload optimizer"):
             scaler.step(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
     with pytest.raises(RuntimeError, match="has exited"):
@@ -228,3 +232,54 @@ def test_fp16_without_a_scaler_warns_once(caplog):
             opt.zero_grad()
     said = [r.getMessage() for r in caplog.records if "without a loss scaler" in r.getMessage()]
     assert len(said) == 1 and "offload.GradScaler" in said[0]
+
+
+class _Wrapped:
+    """An optimizer wrapper holding the real one as .optimizer (Accelerate's AcceleratedOptimizer does)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self):
+        self.optimizer.step()
+
+
+def test_a_wrapped_optimizer_steps_and_another_runtimes_is_refused():
+    torch.manual_seed(7)
+    outer_model, inner_model = make_model("tiny"), make_model("tiny")
+    with offload.init(small_config(compute_dtype="fp16")) as outer:
+        outer.wrap(outer_model)
+        outer_opt = offload.AdamW(param_groups(outer_model.named_parameters()), lr=1e-2)
+        with offload.init(small_config(compute_dtype="fp16")) as inner:
+            inner.wrap(inner_model)
+            inner_opt = offload.AdamW(param_groups(inner_model.named_parameters()), lr=1e-2)
+            scaler = offload.GradScaler(init_scale=2.0 ** 8)
+            scaler.scale(compute_loss(inner_model, _data(1)[0], "tiny")).backward()
+            scaler.step(_Wrapped(inner_opt))  # unwrapped: the offload optimizer inside steps
+            assert {int(st["step"]) for st in inner_opt.state.values()} == {1}
+            scaler.update()
+            # the scaler serves the inner runtime: the outer one never learned its scale
+            with pytest.raises(RuntimeError, match="another offload runtime"):
+                scaler.step(outer_opt)
+            with pytest.raises(TypeError, match="_Wrapped is not an offload optimizer"):
+                scaler.step(_Wrapped(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)))
+
+
+def test_a_loss_that_overflows_every_step_fails_loudly_before_the_scale_underflows():
+    torch.manual_seed(7)
+    model = make_model("tiny")
+    with offload.init(small_config(compute_dtype="fp16")) as rt:
+        rt.wrap(model)
+        opt = offload.AdamW(param_groups(model.named_parameters()), lr=1e-2)
+        scaler = offload.GradScaler(init_scale=2.0 ** -124)
+        data = _data(3)
+        for s in range(2):  # 2^-125, 2^-126: still normal
+            scaler.scale(compute_loss(model, data[s], "tiny") * math.inf).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        scaler.scale(compute_loss(model, data[2], "tiny") * math.inf).backward()
+        scaler.step(opt)
+        with pytest.raises(RuntimeError, match="inf or NaN whatever the scale"):
+            scaler.update()
+        assert rt.stats()["loss_scale"]["skipped_steps"] == 3 and rt.stats()["steps"] == 0

@@ -129,7 +129,8 @@ class GradScaler:
         rt.clip_grad_norm_ (the norm is then the unscaled gradients')."""
         if not self._enabled:
             return
-        rt = self._runtime = _runtime_of(optimizer, "unscale_")
+        optimizer = _offload_optimizer(optimizer, "unscale_")
+        rt = self._bound(optimizer.rt)
         stage = self._stages.get(id(optimizer), OptimizerStage.READY)
         if stage is OptimizerStage.UNSCALED:
             raise RuntimeError("offload.GradScaler.unscale_ has already been called on this optimizer since the "
@@ -146,7 +147,8 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         if kwargs.get("closure") is not None or any(callable(a) for a in args):
             raise RuntimeError("offload.GradScaler.step: closures are not supported (as with torch's GradScaler)")
-        rt = _runtime_of(optimizer, "step")
+        optimizer = _offload_optimizer(optimizer, "step")
+        rt = self._bound(optimizer.rt)
         stage = self._stages.get(id(optimizer), OptimizerStage.READY)
         if stage is OptimizerStage.STEPPED:
             raise RuntimeError("offload.GradScaler.step has already been called since the last update()")
@@ -159,6 +161,18 @@ class GradScaler:
             out = optimizer.step(*args, **kwargs)
         self._stages[id(optimizer)] = OptimizerStage.STEPPED
         return out
+
+    def _bound(self, rt):
+        """The runtime this scaler serves: its first (scale(), or an optimizer's). One scaler's overflow check and
+        scale are one runtime's: an optimizer over another runtime's parameters (nested offload.init blocks) is
+        refused rather than stepped on gradients whose scale that runtime never learned."""
+        if self._runtime is None:
+            self._runtime = rt
+        elif rt is not self._runtime:
+            raise RuntimeError("offload.GradScaler: this optimizer's parameters belong to another offload runtime "
+                               "than the one this scaler scales (nested offload.init blocks); give each runtime its "
+                               "own offload.GradScaler(runtime=rt) and scale each runtime's loss with its own")
+        return rt
 
     def update(self, new_scale: float | None = None) -> None:
         """The next S: `new_scale` if given, else S * backoff_factor after an overflow, S * growth_factor after
@@ -176,6 +190,12 @@ class GradScaler:
         elif self._found_inf:
             self._scale = _fp32(self._scale * self._backoff_factor)
             self._growth_tracker = 0
+            if self._scale < _SMALLEST_SCALE:  # (1 / S would overflow fp32: the next unscale would be inf)
+                raise RuntimeError(
+                    f"offload.GradScaler.update: the loss scale fell to {self._scale:.3g}, below fp32's normal "
+                    "range, because step after step overflowed: the loss or its gradients are inf or NaN whatever "
+                    "the scale (a diverged run, or bad input). Check the loss for inf / NaN, lower the learning "
+                    "rate, or resume from a checkpoint")
         else:
             self._growth_tracker += 1
             if self._growth_tracker == self._growth_interval:
@@ -222,12 +242,18 @@ class GradScaler:
         self._growth_tracker = int(state["_growth_tracker"])
 
 
-def _runtime_of(optimizer, what: str):
-    rt = getattr(optimizer, "rt", None)
-    if rt is None or not hasattr(rt, "unscale_grads"):
-        raise TypeError(f"offload.GradScaler.{what}: {type(optimizer).__name__} is not an offload optimizer over a "
+_SMALLEST_SCALE = 2.0 ** -126  # fp32's smallest normal number: below it 1 / S is not a finite fp32
+
+
+def _offload_optimizer(optimizer, what: str):
+    """The offload optimizer `optimizer` is, or wraps (Accelerate's AcceleratedOptimizer: .optimizer)."""
+    given = optimizer
+    while getattr(optimizer, "rt", None) is None and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    if not hasattr(getattr(optimizer, "rt", None), "unscale_grads"):
+        raise TypeError(f"offload.GradScaler.{what}: {type(given).__name__} is not an offload optimizer over a "
                         "runtime's parameters (offload.AdamW, AdamW8bit, Lion); use torch.amp.GradScaler for others")
-    return rt
+    return optimizer
 
 
 def _times(outputs, scale: float):

@@ -529,6 +529,7 @@ class Runtime:
         self.backward_updates.skip_step()
         self.schedule.step_skipped()
         self.loss_scale.on_skipped()
+        self.step_stats.end_step(skipped=True)  # the skipped iteration's own window (not the last real step's)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every unit's gradient (set_to_none=False: keep zero gradients, as torch)."""
@@ -567,15 +568,19 @@ class Runtime:
             u.used.copy_(flags[offset:offset + n].bool())
             offset += n
 
-    def step_units(self, work: list, schema) -> None:
-        """A sharded optimizer's step: [(unit, runs)] with its family's `schema`, onto the update path (step.py)
-        with this step's clip coefficient."""
+    def check_steppable(self) -> None:
+        """Before an optimizer's step changes anything (its step counts): refuse gradients that still carry the
+        loss scale or overflowed, so a refused step leaves the optimizer as it was."""
         if self.loss_scale.state is GradState.SCALED:
             raise RuntimeError("optimizer.step(): the gradients carry offload.GradScaler's loss scale; step through "
                                "scaler.step(optimizer) (which unscales them and skips a step that overflowed)")
         if self.loss_scale.found_inf:
             raise RuntimeError("optimizer.step(): this step's gradients overflowed (inf or NaN); step through "
                                "scaler.step(optimizer), which skips it")
+
+    def step_units(self, work: list, schema) -> None:
+        """A sharded optimizer's step: [(unit, runs)] with its family's `schema`, onto the update path (step.py)
+        with this step's clip coefficient (check_steppable() passed)."""
         if self.compute_dtype == torch.float16 and self.loss_scale.scale is None and not self.step_stats.steps:
             log.warning("offload: compute_dtype='fp16' without a loss scaler: gradients below fp16's range flush to "
                         "zero and an overflow is stepped on. Train through offload.GradScaler (scaler.scale(loss)"

@@ -35,7 +35,9 @@ class StepStats:
         return (self.meter.snapshot(), dict(s["moved"]), dict(s["busy_s"]),
                 (self.counters.allgather_bytes, self.counters.reduce_scatter_bytes))
 
-    def end_step(self) -> dict:
+    def end_step(self, skipped: bool = False) -> dict:
+        """The window since the last step's end becomes `last`. skipped: a step offload.GradScaler skipped for an
+        overflow (`last` says so; `steps`, the optimizer steps taken, stays)."""
         now = self._snapshot()
         meter, moved, busy, comm = now
         m0, moved0, busy0, comm0 = self._mark
@@ -48,9 +50,10 @@ class StepStats:
             if b:
                 links[link] = {"bytes": b, "busy_s": round(s, 6), "GBps": round(b / s / 1e9, 3) if s > 0 else None}
         tiers = self.states.stats()
-        self.steps += 1
+        self.steps += 0 if skipped else 1
         self.last = {
             "step": self.steps,
+            "skipped": skipped,
             "wall_s": round(d.at, 6),
             "compute_s": round(max(0.0, d.at - sum(d.wait_s.values())), 6),
             "wait_s": waits,
@@ -62,7 +65,7 @@ class StepStats:
             "occupancy": {t: {"bytes_in_use": tiers[t]["bytes_in_use"], "peak_bytes": tiers[t]["peak_bytes"],
                               "capacity": tiers[t]["capacity"]} for t in ("device", "cpu")},
         }
-        if self.log_every and self.steps % self.log_every == 0:
+        if self.log_every and not skipped and self.steps % self.log_every == 0:
             log.info(self.line())
         return self.last
 

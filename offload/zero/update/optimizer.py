@@ -157,6 +157,7 @@ class ShardedOptimizer:
                 loss = closure()
         rt = self.rt
         rt._check_open("offload.AdamW.step")
+        rt.check_steppable()
         rt.flush_grads()
         rt.sync_used()
         plan = self._unit_plan()
