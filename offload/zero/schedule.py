@@ -76,6 +76,10 @@ class Schedule:
         self.plan: Plan | None = None
         self.plans_made = 0
         self.gathers_backed_off = 0  # gathers ahead the device had no room for (gathered where needed instead)
+        # units whose gather ahead backed off, their own use not reached yet: reshard_after_forward counts them as
+        # gathered, as the ranks that did gather them ahead do, so every rank keeps and frees alike (a rank that
+        # freed a unit the others kept would gather it once more than they: the gathers would pair wrongly)
+        self._backed_off: set[str] = set()
         self.cost = planner.CostTable()
         self._cursor = -1  # the last use of the plan matched in this step
         self._following = False
@@ -185,6 +189,7 @@ class Schedule:
         self._enter(TrainingState.IDLE)
 
     def _use(self, use: Use, issue: bool = True) -> None:
+        self._backed_off.discard(use.unit)  # its own gather is issued (the hooks gather before they trace)
         now, waited = time.perf_counter(), self._total_wait()
         last_t, last_w = self._clock
         self._recorder.record(use, max(0.0, (now - last_t) - (waited - last_w)))
@@ -248,6 +253,7 @@ class Schedule:
             self._prefetched_bytes += read.nbytes
 
     def _gather_backed_off(self, unit) -> None:
+        self._backed_off.add(unit.uid)
         self.gathers_backed_off += 1
         if self.gathers_backed_off == 1:
             log.warning("offload: the device had no room to gather %s ahead of its use; it is gathered where it is "
@@ -286,7 +292,7 @@ class Schedule:
     def reshard_after_forward(self, unit) -> bool:
         if not (self.prefetch and self._following):
             return True
-        gathered = frozenset(u.uid for u in self.units.values() if u.fresh)
+        gathered = frozenset(u.uid for u in self.units.values() if u.fresh) | self._backed_off
         return planner.reshard_after_forward(self.plan.trace, self._cursor, unit.uid, gathered)
 
     # ---- the step: end of a trace, maybe a new plan -----------------------------------------------
@@ -298,9 +304,7 @@ class Schedule:
         trace = self._recorder.finish()
         if not (self._matched and self.plan is not None and len(trace) == len(self.plan.trace)):
             self._replan(trace)
-        self._recorder = TraceRecorder()
-        self._cursor, self._following, self._matched = -1, self.plan is not None, True
-        self._clock = (time.perf_counter(), self._total_wait())
+        self._next_trace()
         order = {uid: k for k, uid in enumerate(self.plan.step_order)}
         return sorted(units, key=lambda u: order.get(u.uid, len(order)))
 
@@ -320,9 +324,14 @@ class Schedule:
         self.release_prefetched()
         if self.pipeline is not None:
             self.ctx.lanes.optimizer.submit("drop states read ahead", self.pipeline.drop_states_read_ahead)
+        self._next_trace()
+
+    def _next_trace(self) -> None:
+        """The next step's uses are recorded afresh and followed against the plan from its first."""
         self._recorder = TraceRecorder()
         self._cursor, self._following, self._matched = -1, self.plan is not None, True
         self._clock = (time.perf_counter(), self._total_wait())
+        self._backed_off.clear()
 
     def forget(self) -> None:
         """Drop the plan and everything read ahead (a quiet point: before a checkpoint, at close)."""
