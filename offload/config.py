@@ -73,8 +73,9 @@ class Config:
       keeps small gradients from flushing to zero and skips a step whose gradients overflowed).
     reduce_dtype: the dtype gradients are summed over ranks in: "fp32" (default, exact as plain PyTorch's DDP
       in fp32) or "bf16" (half the reduce-scatter bytes, FSDP2's MixedPrecisionPolicy(reduce_dtype=bf16): each
-      rank's gradient is rounded to bf16 before the sum and the sum is rounded once more; the shard is stored
-      in fp32). With one rank nothing is summed and it has no effect.
+      rank's gradient is rounded to bf16 before the sum, and each partial sum is rounded again, in the
+      backend's order: once on 2 ranks, up to 7 times on 8; the shard is stored in fp32). With one rank
+      nothing is summed and it has no effect.
     unit_classes: module classes (types or class names) whose instances become units. Empty (default): each
       element of a ModuleList of repeated, same-class blocks is a unit (HF decoder layers,
       nn.TransformerEncoderLayer stacks), everything else the root unit.
