@@ -15,9 +15,9 @@ import torch
 from offload.zero.collectives import comm
 
 
-def _issue(order, ticket, lane, what="a collective"):
-    with comm.lane_work(lane):
-        order.issue(ticket, lane, what)
+def _issue(order, ticket, lane, what="a collective", enqueue=lambda: None):
+    with comm.lane_work(lane), order.turn(ticket, lane, what):
+        enqueue()  # the call that enqueues the collective
 
 
 def test_a_lane_issues_its_own_tickets_in_order():
@@ -59,6 +59,44 @@ def test_a_lane_waits_for_the_other_lanes_earlier_collective():
     assert not t.is_alive() and issued == ["gather", "reduce"]
 
 
+def test_a_later_collective_waits_until_the_earlier_one_is_enqueued_not_only_checked():
+    """The earlier ticket is held while its collective is being enqueued (a slow enqueue here: 0.3 s), so the other
+    lane's later one cannot overtake it between the check and the enqueue (NCCL would see both orders)."""
+    order = comm.ProgramOrder(wait_s=60)
+    gather, reduce = order.ticket("gather"), order.ticket("reduce")
+    enqueued = []
+    lanes = [threading.Thread(target=_issue, args=(order, gather, "gather", "gather", lambda: (
+                 threading.Event().wait(0.3), enqueued.append("gather")))),
+             threading.Thread(target=_issue, args=(order, reduce, "reduce", "reduce", lambda: enqueued.append("reduce")))]
+    for t in lanes:
+        t.start()
+    for t in lanes:
+        t.join(30)
+    assert enqueued == ["gather", "reduce"]
+
+
+def test_the_training_threads_own_collectives_wait_for_the_lanes_earlier_ones():
+    """The main group's collectives (a flag or norm all-reduced by the training thread) are inline: each takes
+    its ticket when issued and goes after every lane collective asked for before it, on every rank alike."""
+    order = comm.ProgramOrder(wait_s=60)
+    reduce = order.ticket("reduce")  # a gradient's reduce, asked for by the backward, not enqueued yet
+    enqueued = []
+
+    def training_thread():
+        with order.turn(None, "main", "which parameters got gradients", inline=True):
+            enqueued.append("main")
+
+    t = threading.Thread(target=training_thread)
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and enqueued == []  # held back however fast this machine is
+    _issue(order, reduce, "reduce", enqueue=lambda: enqueued.append("reduce"))
+    t.join(30)
+    assert not t.is_alive() and enqueued == ["reduce", "main"]
+    with order.turn(None, "main", "a second one, nothing before it", inline=True):
+        pass
+
+
 def test_a_wait_that_never_ends_raises_naming_the_lane():
     order = comm.ProgramOrder(wait_s=0.2)
     order.ticket("gather")  # asked for, never issued nor skipped
@@ -69,7 +107,8 @@ def test_a_wait_that_never_ends_raises_naming_the_lane():
 def test_only_the_lanes_work_issues():
     order = comm.ProgramOrder()
     with pytest.raises(comm.OrderError, match="outside the reduce lane's work"):
-        order.issue(order.ticket("reduce"), "reduce", "gradient of unit 1")
+        with order.turn(order.ticket("reduce"), "reduce", "gradient of unit 1"):
+            pass
     with pytest.raises(comm.OrderError, match="has no ticket of its own"):
         _issue(order, None, "reduce")
 

@@ -178,7 +178,8 @@ class Runtime:
                                 nvme=int(agreed[2]) if agreed[2] >= 0 else None)
         # each lane issues its collectives on a group of its own (created in the same order on every rank)
         timeout = parse_duration(cfg.collective_timeout, "collective_timeout")
-        order = comm.ProgramOrder()  # one issue order for both lanes' collectives (comm.py)
+        order = comm.ProgramOrder()  # one issue order for the lanes' collectives and the training thread's (comm.py)
+        self.group.order, self.group.inline = order, True
         gather_group = comm.sub_group(self.group, "gather", order, timeout)
         reduce_group = comm.sub_group(self.group, "reduce", order, timeout)
         streams = Streams(self.device, high_priority=(Lane.GATHER, Lane.REDUCE))

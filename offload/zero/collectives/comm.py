@@ -10,7 +10,8 @@ as FSDP2 issues them.
   the same on every rank) and issued from its lane's work in ticket order across both lanes. A collective
   outside its lane's work, or a lane issuing a later ticket before an earlier one of its own, raises at once:
   on NCCL either could enqueue [reduce k, gather j] on one rank and [gather j, reduce k] on another and hang
-  both for ever.
+  both for ever. A ticket is held until its collective is enqueued. The main group's collectives (the training
+  thread's flags and norms) are `inline`: ticketed as they are issued, after every lane collective before them.
 - One device rule: every tensor of a collective lives on the group's compute device (NCCL's only device on
   GPU; the CPU on gloo). The hot-path collectives (all_gather_into, reduce_scatter_mean) assert it; the
   training thread's small host values (flags, norms, losses) and the state dict's host shards go through the
@@ -73,10 +74,15 @@ class ProgramOrder:
             self._pending[t] = lane
             return t
 
-    def issue(self, ticket: int | None, lane: str, what: str) -> None:
-        """Called right before the collective is issued: waits for the other lane's earlier tickets; raises
-        OrderError outside the lane's work or out of the lane's own order."""
-        if getattr(_lane, "name", None) != lane:
+    @contextlib.contextmanager
+    def turn(self, ticket: int | None, lane: str, what: str, inline: bool = False):
+        """Around the call that enqueues a collective: waits for every earlier ticket to be enqueued, and holds
+        its own until the call returns (so a later one cannot overtake it between the wait and the enqueue).
+        Raises OrderError outside the lane's work or out of the lane's own order. inline: the group's collectives
+        are issued by the thread asking for them (the training thread's small ones), each ticketed here."""
+        if inline:
+            ticket = self.ticket(lane)
+        elif getattr(_lane, "name", None) != lane:
             raise OrderError(f"offload: {what}: a collective of the {lane} group was issued from "
                              f"{threading.current_thread().name} outside the {lane} lane's work; that group's "
                              "collectives are issued by its lane only (in program order on every rank; else NCCL "
@@ -87,19 +93,25 @@ class ProgramOrder:
                 raise OrderError(f"offload: {what}: the {lane} group's collective has no ticket of its own "
                                  f"({ticket}); take one with Group.ticket() when the work is asked for")
             mine = [t for t in self._pending if t < ticket and self._pending[t] == lane]
-            if mine:
+            if mine and not inline:
                 raise OrderError(f"offload: {what}: the {lane} group's collective #{ticket} was issued before its "
                                  f"#{min(mine)}, out of program order (every rank must issue them in the order the "
                                  "training thread asked for them; else NCCL can hang)")
-            while any(t < ticket for t in self._pending):  # another lane's earlier collective goes first
+            while any(t < ticket for t in self._pending):  # an earlier collective is enqueued first
                 left = deadline - time.monotonic()
                 if left <= 0:
                     first = min(self._pending)
+                    self._pending.pop(ticket, None)
+                    self._cond.notify_all()
                     raise OrderError(f"offload: {what}: waited {self.wait_s:g} s for the {self._pending[first]} "
                                      f"lane's collective #{first}, asked for earlier, to be issued")
                 self._cond.wait(left)
-            del self._pending[ticket]
-            self._cond.notify_all()
+        try:
+            yield
+        finally:  # enqueued (or failed): the next ticket's turn
+            with self._cond:
+                del self._pending[ticket]
+                self._cond.notify_all()
 
     def skip(self, ticket: int | None) -> None:
         """The work holding `ticket` ended without issuing its collective (it failed first)."""
@@ -119,6 +131,9 @@ class Group:
     watchdog: object | None = None  # watchdog.Watchdog: every collective runs through it
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # every collective tensor's device
     order: ProgramOrder | None = None  # a lane's group: issued from its lane's work, in the lanes' ticket order
+    # issued by the thread that asks (the training thread), after every lane collective asked for before it: the
+    # main group's flags, norms and losses, on another communicator than the lanes' (NCCL: one order across them)
+    inline: bool = False
 
     @property
     def distributed(self) -> bool:
@@ -126,7 +141,8 @@ class Group:
 
     def ticket(self) -> int | None:
         """The next collective's place in the lanes' program order (training thread, when it asks)."""
-        return self.order.ticket(self.name) if self.order is not None and self.distributed else None
+        return self.order.ticket(self.name) if self.order is not None and self.distributed and not self.inline \
+            else None
 
     def skip(self, ticket: int | None) -> None:
         """The work given `ticket` ended without its collective (see ProgramOrder.skip)."""
@@ -176,9 +192,11 @@ def _check(group: Group, what: str, *tensors: torch.Tensor) -> None:
 
 
 def _issue(group: Group, ticket: int | None, collective: str, what: str, fn, then=None) -> Pending:
-    if group.order is not None:
-        group.order.issue(ticket, group.name, what)
-    work = _guarded(group, collective, what, fn)
+    if group.order is None:
+        work = _guarded(group, collective, what, fn)
+    else:
+        with group.order.turn(ticket, group.name, what, inline=group.inline):
+            work = _guarded(group, collective, what, fn)
     return Pending(group, work, collective, what, then)
 
 
