@@ -169,11 +169,15 @@ class ShardedUnit:
         self.check_alive()
         self.check_requires_grad()
         if not self.fresh:
+            readers = None
             if self.state is UnitState.SHARDED:
-                self._allocate_full()
+                self._allocate_full()  # (a block of its own: nothing queued reads it)
+            else:  # stale (updated, or loaded) while gathered: re-gathered into the buffer the compute stream's
+                readers = record(self.ctx.device)  # queued kernels may still read; the gather writes after them
             prefetched = self.ctx.schedule.take_prefetched(self)
             self._gather = self.ctx.lanes.gather.submit(f"gather:{self.uid or '<root>'}", self._gather_now,
-                                                        prefetched, self.update, self.ctx.gather_group.ticket())
+                                                        prefetched, self.update, self.ctx.gather_group.ticket(),
+                                                        readers)
             self._transition(UnitState.GATHERING)
         if not async_op:
             self.wait_for_unshard()
@@ -223,13 +227,16 @@ class ShardedUnit:
         self._install(self.views)
         self._transition(UnitState.UNSHARDED)
 
-    def _gather_now(self, prefetched: dict, after_update: cf.Future | None, ticket: int | None) -> "IssuedGather":
+    def _gather_now(self, prefetched: dict, after_update: cf.Future | None, ticket: int | None,
+                    readers=None) -> "IssuedGather":
         """On the gather lane (its stream on a GPU): this rank's param chunks -> every rank's, into the flat
-        buffer. Returns at once after issuing; the training thread waits on what it returns."""
+        buffer (after `readers`, the compute stream's point when the buffer was live). Returns at once after
+        issuing; the training thread waits on what it returns."""
         ctx = self.ctx
         leases, held = [], []
         try:
             _result(after_update)  # the shard must hold the last update before it is read
+            stream_wait(readers, ctx.device)  # GPU: kernels queued on the compute stream read the old bytes first
             for c in self.shards.chunks:
                 lease = prefetched.get(c.index)
                 if lease is None:
