@@ -29,6 +29,7 @@ class Site(enum.Enum):
     """Where an allocation may be made to fail."""
 
     GATHER_AHEAD = "gather_ahead"  # a unit's gathered buffer, allocated before the unit is needed
+    ACTIVATION_BACK = "activation_back"  # a saved activation's tensor, allocated to bring it back for the backward
 
 
 def _from_env() -> dict[Queue, float]:

@@ -478,3 +478,150 @@ def test_large_tensors_move_in_pieces_through_a_bounded_window(tmp_path, monkeyp
     assert acts["moved_tensors"] >= 6 + 6 - KEEP_LAST and acts["in_store"] == 0
     assert acts["left_last_bytes"] == KEEP_LAST * 256 * 1024 * 4
     assert got[2]["peak_resident_bytes"]["cpu"] <= got[2]["budgets"]["cpu"]
+
+
+# ---- a forward under no_grad, a failed copy back, a tensor changed in place, a forward cut short -----------------
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+
+class _Net(torch.nn.Module):
+    """8 checkpointed blocks: each block's input (256 KiB) is saved, and moves."""
+
+    def __init__(self, interrupt_at: int | None = None):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(8))
+        self.interrupt_at = interrupt_at  # raise KeyboardInterrupt before this block, once
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for i, block in enumerate(self.blocks):
+            if i == self.interrupt_at:
+                self.interrupt_at = None
+                raise KeyboardInterrupt
+            x = checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def _cpu_config(**kw):
+    return offload.Config(params="cpu", optimizer="cpu", activations="cpu", cpu_budget="256MiB", device_budget="64MiB",
+                          activations_min_size="16KiB", **kw)
+
+
+def _moved_in_a_step(rt, model, x) -> int:
+    before = rt.stats()["activations"]["moved_tensors"]
+    model(x).sum().backward()
+    rt.quiesce()
+    return rt.stats()["activations"]["moved_tensors"] - before
+
+
+def test_an_eval_forward_or_another_model_between_steps_leaves_the_offload_as_it_was():
+    """The forward's last KEEP_LAST tensors stay, counted by the model's previous forward under grad: an eval
+    forward under no_grad (nothing saved) counted 0 and the next step moved nothing at all; two models used in
+    turn counted each other's."""
+    torch.manual_seed(0)
+    with offload.init(_cpu_config()) as rt:
+        first, second = _Net(), _Net()
+        rt.wrap(first)
+        rt.wrap(second)
+        x = torch.randn(256, 256, requires_grad=True)
+        steady = [_moved_in_a_step(rt, first, x) for _ in range(2)][1]
+        assert steady == 8 - KEEP_LAST  # the 8 blocks' inputs, less the last KEEP_LAST
+        with torch.no_grad():
+            first(x)
+        assert _moved_in_a_step(rt, first, x) == steady
+        assert _moved_in_a_step(rt, second, x) == 8  # its first forward: nothing counted yet
+        assert _moved_in_a_step(rt, first, x) == steady
+        assert rt.activations.in_store() == 0 and no_saved_tensor_hooks_open()
+
+
+def test_a_failed_copy_back_is_raised_once_and_leaves_nothing_behind():
+    """A copy back that cannot allocate (the device full at the backward's peak) raises torch.OutOfMemoryError
+    where autograd asks; the user skips the batch and trains on. Its shards and the step's graph are let go (the
+    error no longer holds the graph through the ticket), and the next drain does not raise it again."""
+    import gc
+
+    torch.manual_seed(0)
+    with offload.init(_cpu_config()) as rt:
+        model = _Net()
+        rt.wrap(model)
+        opt = offload.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(256, 256, requires_grad=True)
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        rt.quiesce()
+        baseline = rt.states.store.stats()["cpu"]["bytes_in_use"]
+        with inject.out_of_memory_at(inject.Site.ACTIVATION_BACK):
+            with pytest.raises(torch.OutOfMemoryError):
+                model(x).sum().backward()
+        opt.zero_grad()
+        rt.quiesce()  # the failure was the backward's, raised there: not again here
+        for _ in range(2):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        rt.quiesce()
+        gc.collect()
+        model(x).sum().backward()  # (flushes what autograd dropped)
+        opt.zero_grad()
+        rt.quiesce()
+        assert rt.activations.in_store() == 0
+        assert rt.states.store.stats()["cpu"]["bytes_in_use"] == baseline
+
+
+class _ChangesASavedTensor(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        h = self.linear(x)
+        y = h * h  # saves h
+        h.add_(1.0)  # changes it: the backward would use other values than the forward did
+        return y
+
+
+@pytest.mark.parametrize("moved", [True, False], ids=["moved", "stays"])
+def test_a_saved_tensor_changed_in_place_is_refused_as_torch_refuses_it(moved):
+    """Saved-tensor hooks turn torch's version check off; the offloader checks in its place. A tensor it leaves:
+    as torch. A tensor it moves, changed before its copy out finished (here: the lane slowed 0.5 s a piece, the
+    change comes at once), so the copy may hold either value: refused. (Changed after a finished copy, with the
+    original gone by the backward, the copy holds the values the forward used, and the backward uses them.)"""
+    torch.manual_seed(0)
+    x = torch.randn(256, 256)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _ChangesASavedTensor()(x).sum().backward()  # plain torch
+    cfg = _cpu_config() if moved else offload.Config(params="cpu", optimizer="cpu", activations="cpu",
+                                                     cpu_budget="256MiB", device_budget="64MiB",
+                                                     activations_min_size="1GiB")
+    with offload.init(cfg) as rt, inject.delay(Queue.ACTIVATION, 0.5 if moved else 0.0):
+        model = _ChangesASavedTensor()
+        rt.wrap(model)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            model(x).sum().backward()
+        rt.quiesce()
+        assert (rt.stats()["activations"]["moved_tensors"] > 0) == moved
+
+
+def test_a_forward_cut_short_by_keyboard_interrupt_leaves_no_hooks_open():
+    """torch runs always-call forward hooks for an Exception only: after a KeyboardInterrupt in the forward the
+    hooks stayed open for the rest of the process and nothing moved any more. The model's next forward starts
+    the block afresh."""
+    torch.manual_seed(0)
+    with offload.init(_cpu_config()) as rt:
+        model = _Net(interrupt_at=4)
+        rt.wrap(model)
+        x = torch.randn(256, 256, requires_grad=True)
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+        steady = [_moved_in_a_step(rt, model, x) for _ in range(3)]
+        assert no_saved_tensor_hooks_open()
+        assert steady[1] == steady[2] == 8 - KEEP_LAST
+        assert rt.activations.in_store() == 0

@@ -13,7 +13,9 @@ non-reentrant, as a Hugging Face model's gradient_checkpointing_enable() uses) t
 checkpointed blocks are each block's inputs: those travel, the activations recomputed in the backward never leave.
 From the second forward on, its last KEEP_LAST such tensors stay (the backward needs them first: moving them frees
 nothing at the peak and costs a round trip). The bytes move exactly: the backward sees bit for bit what the forward
-saved.
+saved. Saved-tensor hooks turn off torch's check of a saved tensor changed in place; it is made here instead: a
+tensor left in place, as torch; a moved one changed before its copy out finished (the copy may hold either value),
+or changed while its original still lives at the backward, is refused with torch's message.
 
 Budgets: a tensor moves only if the store has room for it beside what the runtime's lanes need to make progress
 (`reserve()` bytes of the cpu tier; the states' own pipeline must never wait on activations, which are freed only
@@ -84,6 +86,15 @@ class ActivationKey:
 
 
 _HANDED_OVER = resolved(None)  # ticket.back once the tensor is autograd's
+_LOST = resolved(None)  # ticket.back once its copy back failed (raised where autograd asked; the shards are gone)
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """What a copy back that raised returns through the lane: the error, raised where autograd asks (not the lane's
+    own failure: a user who catches it, say an out-of-memory batch skipped, is not told again at the next drain)."""
+
+    error: BaseException
 
 
 @dataclass(eq=False)
@@ -96,6 +107,7 @@ class _Ticket:
     back: cf.Future | None = None  # the lane's copy back into a fresh tensor: issued once, by unpack or read-ahead;
     #                                _HANDED_OVER once autograd has it (the ticket outlives it: no reference kept)
     kept: torch.Tensor | None = None  # the lane found no room after all: the tensor itself, never moved
+    modified: bool = False  # the original was changed in place before its copy out finished (lane)
 
 
 @dataclass(eq=False)
@@ -105,7 +117,21 @@ class _Saved:
     ticket: _Ticket
     shape: torch.Size
     dtype: torch.dtype
+    version: int  # the original's version counter when autograd saved it (torch's check, which hooks turn off)
+    original: weakref.ref  # the original, while something else keeps it: changed in place since, it is refused
     value: torch.Tensor | None = None  # once back (a second unpack, retain_graph, returns it again)
+
+
+class _Anonymous:
+    """A key for the forwards opened without a model (weakly referenced, as a model is)."""
+
+
+@dataclass(eq=False)
+class _Unmoved:
+    """What autograd holds for a saved tensor that stays where it is: it, and its version when saved."""
+
+    tensor: torch.Tensor
+    version: int
 
 
 @dataclass
@@ -138,7 +164,11 @@ class ActivationOffloader:
         self.stats = ActivationStats()
         self._forward_no = -1
         self._count = 0
-        self._last_count: int | None = None  # qualifying tensors the last forward saved (KEEP_LAST)
+        # per model whose forward opens the block: the qualifying tensors its last forward under grad saved
+        self._last_counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._keep_from: int | None = None  # this forward's first index kept in place (KEEP_LAST), if known
+        self._owners: list = []  # the models whose forwards are open, outermost first
+        self._anonymous = _Anonymous()  # the owner of forward() blocks opened without a model
         self._depth = 0
         self._reserved = 0
         self._hooks = None
@@ -154,9 +184,15 @@ class ActivationOffloader:
         self.cpu_demand = 0  # the most any forward so far took or wanted: the schedule keeps it free (cpu_room)
 
     # ---- the forward's block -------------------------------------------------------------------
-    def enter(self) -> None:
-        """Opens the saved-tensor hooks (nested calls count; the outermost starts a new forward)."""
+    def enter(self, owner: nn.Module | None = None) -> None:
+        """Opens the saved-tensor hooks (nested calls count; the outermost starts a new forward). `owner`: the model
+        whose forward this is. Its forward still open means that forward was cut short where no post-hook ran
+        (a KeyboardInterrupt: torch runs always-call hooks for an Exception only): the block starts afresh."""
+        if owner is not None and any(o is owner for o in self._owners):
+            self._close_block()
         if self._depth == 0:
+            last = self._last_counts.get(self._anonymous if owner is None else owner)
+            self._keep_from = None if last is None else last - KEEP_LAST
             self._forward_no += 1
             self._count = 0
             self._forward_demand = self._forward_window = 0
@@ -167,16 +203,24 @@ class ActivationOffloader:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
         self._depth += 1
+        self._owners.append(owner)
 
     def exit(self) -> None:
         if self._depth == 0:
             return
         self._depth -= 1
+        owner = self._owners.pop() if self._owners else None
         if self._depth == 0:
-            hooks, self._hooks = self._hooks, None
-            hooks.__exit__(None, None, None)
+            self._close_block()
             self.cpu_demand = max(self.cpu_demand, self._forward_demand + self._forward_window)
-            self._last_count = self._count
+            if self._count:  # (a forward under no_grad saves nothing: it says nothing of the next)
+                self._last_counts[self._anonymous if owner is None else owner] = self._count
+
+    def _close_block(self) -> None:
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+        self._depth, self._owners = 0, []
 
     @contextlib.contextmanager
     def forward(self):
@@ -220,7 +264,7 @@ class ActivationOffloader:
 
     def _pack(self, t: torch.Tensor):
         if not self._qualifies(t):
-            return t
+            return _Unmoved(t, t._version)
         seen = self._seen.get(t)
         if seen is not None and seen[0] == t._version:  # the same tensor saved again (a mask, rotary cos/sin)
             handle = seen[1]()
@@ -229,21 +273,22 @@ class ActivationOffloader:
         nbytes = t.numel() * t.element_size()
         index = self._count
         self._count += 1
-        if self._last_count is not None and index >= self._last_count - KEEP_LAST:
+        if self._keep_from is not None and index >= self._keep_from:
             with self._lock:  # (the lane counts too)
                 self.stats.left_last_bytes += nbytes
-            return t  # needed first by the backward: see KEEP_LAST
+            return _Unmoved(t, t._version)  # needed first by the backward: see KEEP_LAST
         ticket = self._claim(index, t, nbytes)
         # what it takes of the cpu tier (in its home), or would have taken in the first (kept for want of room)
         self._note_demand(nbytes, ticket.home if ticket is not None else self.homes[0])
         if ticket is None:
             with self._lock:  # (the lane counts too)
                 self.stats.kept_bytes += nbytes
-            return t
+            return _Unmoved(t, t._version)
         ready = record(self.device)  # the forward's kernels that wrote t, queued before this point
-        ticket.out = self.lane.submit("activation out", self._copy_out, ticket, t, ready)
+        version = t._version
+        ticket.out = self.lane.submit("activation out", self._copy_out, ticket, t, ready, version)
         self._bound_outs(ticket.out)
-        saved = _Saved(ticket, t.shape, t.dtype)
+        saved = _Saved(ticket, t.shape, t.dtype, version, weakref.ref(t))
         weakref.finalize(saved, self._dropped.append, ticket)  # autograd dropped it: its shard goes (flush_dropped)
         self._seen[t] = (t._version, weakref.ref(saved))
         with self._lock:
@@ -298,7 +343,7 @@ class ActivationOffloader:
                 return None
             self._writes.popleft().result()  # no room: wait for a write of ours to free a slot, then again
 
-    def _copy_out(self, ticket: _Ticket, t: torch.Tensor, ready) -> None:
+    def _copy_out(self, ticket: _Ticket, t: torch.Tensor, ready, version: int) -> None:
         """On the lane: t's pieces -> their cpu bytes; each lease's release writes its piece home (nvme) behind.
         No room after all (the states took it meanwhile): the tensor stays as it is, in the ticket."""
         flat = t.view(-1)
@@ -325,6 +370,7 @@ class ActivationOffloader:
                 released = lease.release()
             if ticket.home is Tier.NVME:
                 self._writes.append(released)
+        ticket.modified = t._version != version  # changed in place meanwhile: the copy may hold either value
         with self._lock:
             self.stats.moved_bytes += ticket.nbytes
             self.stats.moved_tensors += 1
@@ -333,11 +379,18 @@ class ActivationOffloader:
 
     # ---- unpack: autograd asks for it back --------------------------------------------------------
     def _unpack(self, saved):
-        if isinstance(saved, torch.Tensor):
-            return saved
+        if isinstance(saved, _Unmoved):
+            _check_version(saved.tensor, saved.version, saved.tensor._version)
+            return saved.tensor
         if saved.value is not None:
             return saved.value
         ticket = saved.ticket
+        original = saved.original()
+        if ticket.modified or (original is not None and original._version != saved.version):
+            _check_version(original, saved.version, saved.version + 1 if original is None else original._version)
+        if ticket.back is _LOST:
+            raise RuntimeError("offload: this saved activation could not be brought back in an earlier backward (the "
+                               "error was raised there); run the forward again")
         if ticket.back is not None:
             with self._lock:
                 self.stats.read_ahead_hits += 1
@@ -347,6 +400,10 @@ class ActivationOffloader:
             with self.meter.waiting(Queue.ACTIVATION):
                 cf.wait([fut])  # autograd needs this tensor now
         t = fut.result()
+        if isinstance(t, _Failed):
+            with self._lock:  # the ticket lets go of the error: raised through autograd, it holds the step's graph
+                ticket.back = _LOST
+            raise t.error
         retire(t)  # made on the lane's stream, used and freed on this one
         with self._lock:
             saved.value = t  # held as long as autograd holds `saved` (its node's saved variables), no longer:
@@ -374,27 +431,37 @@ class ActivationOffloader:
             if issued == READ_AHEAD:
                 break
 
-    def _copy_back(self, ticket: _Ticket, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """On the lane: the stored pieces -> a fresh compute-device tensor; the shards are removed."""
-        ticket.out.result()  # the copy out is over (and raises here if it failed)
-        if ticket.kept is not None:
-            return ticket.kept
-        t = torch.empty(shape, dtype=dtype, device=self.device)
-        flat = t.view(-1)
-        for key, (lo, hi) in zip(ticket.keys, ticket.bounds):
-            lease = self.store.lease(key, Tier.CPU, LeaseMode.READ)
-            try:
-                buf = lease.wait()
-                if t.is_cuda:
-                    flat[lo:hi].copy_(buf, non_blocking=True)
-                    sync(record(self.device))  # buf is released (its staging slot reused) right after
-                else:
-                    host_copy(flat[lo:hi], buf)
-                inject.pause(Queue.ACTIVATION)
-            finally:
-                lease.release()
-            self.store.unregister(key)
-        return t
+    def _copy_back(self, ticket: _Ticket, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | _Failed:
+        """On the lane: the stored pieces -> a fresh compute-device tensor; the shards are removed (also when it
+        fails: nothing else would, the ticket counting as brought back)."""
+        left = list(ticket.keys)
+        try:
+            ticket.out.result()  # the copy out is over (and raises here if it failed)
+            if ticket.kept is not None:
+                return ticket.kept
+            inject.allocation(inject.Site.ACTIVATION_BACK)
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            flat = t.view(-1)
+            for key, (lo, hi) in zip(ticket.keys, ticket.bounds):
+                lease = self.store.lease(key, Tier.CPU, LeaseMode.READ)
+                try:
+                    buf = lease.wait()
+                    if t.is_cuda:
+                        flat[lo:hi].copy_(buf, non_blocking=True)
+                        sync(record(self.device))  # buf is released (its staging slot reused) right after
+                    else:
+                        host_copy(flat[lo:hi], buf)
+                    inject.pause(Queue.ACTIVATION)
+                finally:
+                    lease.release()
+                self.store.unregister(left.pop(0))
+            return t
+        except Exception as e:  # noqa: BLE001 - delivered where autograd asks for the tensor
+            t = flat = None  # (the error's frame would hold the device tensor)
+            if ticket.kept is None:
+                for key in left:
+                    self.store.unregister(key)
+            return _Failed(e)
 
     # ---- tickets autograd dropped, and the end -----------------------------------------------------
     def flush_dropped(self) -> None:
@@ -452,3 +519,15 @@ class ActivationOffloader:
     def in_store(self) -> int:
         """Saved tensors whose shards the store holds now."""
         return sum(1 for name in self.store.names() if isinstance(name, ActivationKey))
+
+
+def _check_version(t: torch.Tensor | None, saved: int, now: int) -> None:
+    """torch's check of a saved tensor (which saved-tensor hooks turn off): changed in place since it was saved,
+    the backward would use other values than the forward did."""
+    if now != saved:
+        what = "a tensor" if t is None else f"[{t.type()} {list(t.shape)}]"
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: {what} "
+            f"is at version {now}; expected version {saved} instead. (offload: Config.activations saves it through "
+            "saved_tensors_hooks, which turn torch's own check off; this one stands in for it. Clone the tensor "
+            "before changing it in place.)")

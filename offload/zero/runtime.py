@@ -359,7 +359,7 @@ class Runtime:
             unit.unshard()  # its own pre-hook was registered too late for this call
         if (self.activations is not None and id(module) not in wrapped_before
                 and any(module is m for m in self.models)):
-            self.activations.enter()  # likewise (only a model wrapped just now); its forward hook runs at the end
+            self.activations.enter(module)  # likewise (only a model wrapped now); its forward hook runs at the end
         return None
 
     def materialize_pending(self) -> list[nn.Module]:
@@ -394,7 +394,8 @@ class Runtime:
         """Config.activations: the saved-tensor hooks are open while `model`'s forward runs (wrap calls this)."""
         if self.activations is None:
             return
-        self._hooks.append(model.register_forward_pre_hook(lambda *_: self.activations.enter(), prepend=True))
+        self._hooks.append(model.register_forward_pre_hook(lambda module, _: self.activations.enter(module),
+                                                           prepend=True))
         self._hooks.append(model.register_forward_hook(lambda *_: self.activations.exit(), always_call=True))
 
     def _lanes_host_bytes(self) -> int:
