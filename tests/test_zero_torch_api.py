@@ -1,6 +1,7 @@
 """Standard torch calls on a model wrapped by offload.init behave as on the plain model (or raise a clear
 error): model.zero_grad, several optimizers with clipping, zero_grad(set_to_none=False), state_dict /
-load_state_dict, loading inside the block, requires_grad changes, a failed backward, the swap directory."""
+load_state_dict, loading inside the block, requires_grad changes, a failed backward, a double backward (refused),
+the swap directory."""
 import copy
 import os
 import sys
@@ -288,6 +289,31 @@ def test_backward_that_raises_does_not_break_later_steps():
                 compute_loss(m, _ids(s), "tiny").backward()
                 if m is model:  # the end-of-backward callback ran again: nothing stays gathered
                     assert rt.gathered_bytes == 0 and rt.peak_gathered_bytes <= rt.gathered_bound()
+                o.step()
+                o.zero_grad()
+        got = rt.full_state_dict()
+    assert _worst(got, ref) < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # (torch's, about .grad cycles)
+def test_a_double_backward_is_refused_by_name_and_later_steps_train_as_torch():
+    """create_graph=True (a gradient penalty) needs the parameters after their backward freed them: it raised a
+    storage error naming no setting; now it is refused naming create_graph, and the run goes on exactly."""
+    torch.manual_seed(0)
+    base = TinyTransformer()
+    ref = copy.deepcopy(base)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(copy.deepcopy(base))
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        loss = compute_loss(model, _ids(0), "tiny")
+        with pytest.raises(RuntimeError, match="create_graph=True"):
+            loss.backward(create_graph=True)
+        del loss
+        opt.zero_grad()
+        for s in range(2):
+            for m, o in ((ref, ropt), (model, opt)):
+                compute_loss(m, _ids(s), "tiny").backward()
                 o.step()
                 o.zero_grad()
         got = rt.full_state_dict()
