@@ -126,7 +126,7 @@ class Schedule:
         if torch.is_grad_enabled():  # the engine runs hooks with grad mode on only for create_graph=True
             raise RuntimeError(
                 "offload: a backward with create_graph=True (higher-order gradients: a gradient penalty, "
-                "torch.autograd.grad(..., create_graph=True)) is not supported, as with FSDP and DeepSpeed ZeRO-3: "
+                "torch.autograd.grad(..., create_graph=True)) is not supported (nor by FSDP): "
                 f"{unit.label}'s gathered parameters are freed after its backward, and the graph of the gradients "
                 "would read them later. Compute that term outside the offloaded model, or train without offload.init")
         if not self._callback_queued:
