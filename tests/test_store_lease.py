@@ -7,6 +7,7 @@ import torch
 
 from offload import inject
 from offload.store import ArenaBusyError, LeaseMode, Residency, StoreConfig, TieredStore
+from offload.store.swap_file import page_bytes
 from offload.telemetry import Queue
 
 R = Residency
@@ -204,3 +205,25 @@ def test_two_leases_share_a_working_copy_until_the_last_release(store):
     second.release().result()
     assert store.residency("a") is R.NVME and store.stats()["cpu"]["bytes_in_use"] == 0
     assert torch.equal(_read(store, "a"), x + 1)
+
+
+def test_a_lease_taken_while_the_last_one_is_being_released_keeps_the_copy(store):
+    """The last holder's release is decided (no other lease), then another lease is taken and its fetch queued
+    (the plan still the working copy: it returns that copy), and only then is the release queued, behind that
+    fetch. The release must see the new lease and keep the copy: it freed it, and the new holder read whatever
+    the next shard put in that range."""
+    x = torch.full((N,), 7.0)
+    store.register("a", N, home="nvme", init=x).result()
+    first = store.lease("a", "device", LeaseMode.READ)
+    first.wait()
+    shard = store._get("a")
+    with store._lock:  # first.release(), its first half: the count falls to 0, not shared
+        shard.leases -= 1
+    second = store.lease("a", "device", LeaseMode.READ)  # counted, its fetch queued: returns the copy
+    held = second.wait()
+    store.release("a", unless_leased=True).result()  # first.release(), its second half, queued behind
+    assert store.residency("a") is R.DEVICE
+    store.register("b", N, home="device", init=torch.full((N,), -1.0)).result()  # would take a freed range
+    assert torch.equal(held, x)
+    second.release().result()
+    assert store.residency("a") is R.NVME and store.stats()["device"]["bytes_in_use"] == page_bytes(4 * N)  # b's

@@ -354,16 +354,18 @@ class TieredStore:
         """A claim on the shard's bytes in `tier` for one piece of work (see lease.py), returned at once.
         block=False: None when the tier has no room now (a prefetch backs off; nothing was queued).
         resident: held for many steps (see fetch)."""
+        s = self._get(name)
+        with self._lock:  # counted before its fetch is queued: a release of another lease asked meanwhile keeps
+            s.leases += 1  # the working copy this fetch may return (_do_release, unless_leased)
         try:
             ready = self.fetch(name, tier, timeout=None if block else 0, read=mode is not LeaseMode.OVERWRITE,
                                resident=resident)
-        except ArenaBusyError:
-            if block:
-                raise
-            return None
-        s = self._get(name)
-        with self._lock:
-            s.leases += 1
+        except BaseException as e:
+            with self._lock:
+                s.leases -= 1
+            if isinstance(e, ArenaBusyError) and not block:
+                return None
+            raise
         return Lease(self, name, Tier(tier), mode, ready)
 
     def release_lease(self, name, writeback: bool) -> cf.Future:
@@ -375,7 +377,7 @@ class TieredStore:
             shared = s.leases > 0
         if shared:
             return self.writeback(name) if writeback else resolved()
-        return self.release(name, writeback=writeback)
+        return self.release(name, writeback=writeback, unless_leased=True)
 
     def writeback(self, name, timeout: float | None = None) -> cf.Future:
         """Future[None]: copy the working copy to the home copy (no-op without a working copy)."""
@@ -387,16 +389,20 @@ class TieredStore:
         kick()  # outside the lock: may run the move's first step (its I/O submission) right here
         return fut
 
-    def release(self, name, writeback: bool = False, timeout: float | None = None) -> cf.Future:
+    def release(self, name, writeback: bool = False, timeout: float | None = None,
+                unless_leased: bool = False) -> cf.Future:
         """Future[None]: free the working copy (after writing it home when `writeback`); its buffer
-        returns to its tier's budget once every move of it has finished."""
+        returns to its tier's budget once every move of it has finished. unless_leased: a lease's release; the copy
+        stays if a lease was taken after it was asked (that lease's fetch may return this very copy)."""
         s = self._get(name)
         need = self._writeback_needs(s) if writeback else []
         new = self._alloc(s, need, self.config.alloc_timeout if timeout is None else timeout)
         after = self._stream_point()
+        this: dict = {}  # its own future, for the move (nothing queued after it: the plan is the copy it kept)
         with self._lock:
             s.target = None
-            fut, kick = self._chain(s, lambda: self._do_release(s, writeback, new, after), new)
+            fut, kick = self._chain(s, lambda: self._do_release(s, writeback, new, after, unless_leased, this), new)
+            this["future"] = fut
         kick()  # outside the lock: may run the move's first step (its I/O submission) right here
         return fut
 
@@ -921,10 +927,18 @@ class TieredStore:
         finally:
             self._drop_unused(new)
 
-    def _do_release(self, s: _Shard, writeback: bool, new: dict, after=None):
+    def _do_release(self, s: _Shard, writeback: bool, new: dict, after=None, unless_leased: bool = False,
+                    this: dict | None = None):
         try:
             if writeback:
                 yield from self._writeback_now(s, new, after)  # a failure keeps the working copy: nothing is lost
+            if unless_leased:
+                with self._lock:
+                    leased = s.leases > 0
+                    if leased and s.target is None and s.last is (this or {}).get("future"):
+                        s.target = self._working_tier(s)  # nothing queued after: the plan is the copy kept
+                if leased:
+                    return
             st = s.residency
             if st is R.CPU and s.home is Tier.NVME:
                 self._transition(s, R.CPU, R.NVME)
