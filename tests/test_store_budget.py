@@ -100,6 +100,21 @@ def test_home_buffers_count_as_held_for_good(tmp_path):
             st.fetch("big", "cpu")  # a 20 KiB working copy > the 16 KiB left
 
 
+def test_a_staging_slot_larger_than_what_home_buffers_leave_is_refused_at_once(tmp_path):
+    """A short-lived buffer takes a whole staging slot: 16 KiB left beside 48 KiB of home buffers cannot hold a
+    32 KiB slot, whatever the shard's size; it waited for room that never comes (for ever without a timeout)."""
+    with TieredStore(StoreConfig(device_budget="1MiB", cpu_budget="64KiB", nvme_budget="1MiB",
+                                 nvme_path=str(tmp_path / "s"), alloc_timeout=30)) as st:
+        st.register("home", 12 * 1024, torch.float32, home="cpu").result()  # 48 KiB for good
+        st.register("n", 1024, torch.float32, home="nvme", init=torch.ones(1024)).result()
+        st.set_staging_slot(32 * 1024)
+        started = time.monotonic()
+        with pytest.raises(ArenaFullError, match=r"shard 'n' \(4.00 KiB, in a staging slot of 32.00 KiB\): can never "
+                                                 r"fit in the cpu budget of 64.00 KiB: home shards hold 48.00 KiB"):
+            st.fetch("n", "cpu")
+        assert time.monotonic() - started < 20  # at once, not after the 30 s timeout
+
+
 def test_held_says_what_each_tier_holds(tmp_path):
     """held()[tier]: the blocks of shards homed in the tier and the working copies of shards homed below,
     by tier class, the copies a move is using, and the rest of the tier's bytes in use (staging no shard holds):

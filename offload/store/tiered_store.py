@@ -593,20 +593,22 @@ class TieredStore:
             for k in kinds:
                 pool = self._arena if k == "cpu" else self._dev
                 size = page_bytes(s.nbytes)
+                slot = None
+                if k == "cpu" and not (home or resident) and 0 < size <= self.staging_slot:
+                    slot = self.staging_slot  # a short-lived buffer takes a whole staging slot of the arena
                 with self._lock:
                     held = self._home_bytes[k]
-                    if size <= pool.capacity and size > pool.capacity - held:
+                    if (slot or size) <= pool.capacity and (slot or size) > pool.capacity - held:
                         tier = "cpu" if k == "cpu" else "device"
                         raise ArenaFullError(
-                            f"shard {s.name!r} ({format_bytes(s.nbytes)}): can never fit in the {tier} budget of "
+                            f"shard {s.name!r} ({format_bytes(s.nbytes)}"
+                            f"{f', in a staging slot of {format_bytes(slot)}' if slot else ''}): can never fit in "
+                            f"the {tier} budget of "
                             f"{format_bytes(pool.capacity)}: home shards hold {format_bytes(held)} of it for good; "
                             f"raise {tier}_budget or give fewer shards a {tier} home"
                         )
                     if home:
                         self._home_bytes[k] += size
-                slot = None
-                if k == "cpu" and not (home or resident) and 0 < size <= self.staging_slot:
-                    slot = self.staging_slot
                 try:
                     new[k] = pool.alloc(s.nbytes, timeout, slot=slot) if slot else pool.alloc(s.nbytes, timeout)
                 except BaseException as e:
