@@ -132,6 +132,35 @@ def test_swap_checksums_can_be_turned_off(tmp_path):
         assert st.fetch("a", "cpu").result()[0].item() == 0.0
 
 
+@pytest.mark.filterwarnings("ignore:offload aio.*O_DIRECT:RuntimeWarning")
+@pytest.mark.parametrize("checksums", [True, False])
+def test_a_torn_write_is_never_read_back(tmp_path, checksums):
+    """A write-behind fails after its first page landed (EIO, injected into the engine's write): the slot holds
+    neither the old bytes nor the new. Reading it back raised SwapCorruptError blaming the drive (the checksum
+    was recorded before the write), or, without checksums, returned the torn bytes; now the read is refused
+    naming the failed write, and the neighbour's slot is intact."""
+    from offload.store import LeaseMode, StoreError
+
+    with TieredStore(cfg(tmp_path / "s", checksums=checksums)) as st:
+        st.register("m", 4096, home="nvme", init=torch.zeros(4096)).result()
+        st.register("n", 4096, home="nvme", init=torch.full((4096,), 2.0)).result()
+        engine, write = st._engine, st._engine.write
+
+        def torn(f, offset, buf):
+            write(f, offset, buf[:4096]).wait()
+            raise AioError(errno.EIO, "injected EIO after one page")
+
+        engine.write = torn
+        lease = st.lease("m", "cpu", LeaseMode.UPDATE)
+        lease.wait().fill_(1.0)
+        assert isinstance(lease.release().exception(), AioError)
+        engine.write = write
+        st.release("m").result()  # the working copy goes (its update with it: the write failed)
+        with pytest.raises(StoreError, match=r"shard 'm': its last write to .* failed \(AioError: .*injected EIO"):
+            st.fetch("m", "cpu").result()
+        assert torch.equal(st.fetch("n", "cpu").result(), torch.full((4096,), 2.0))
+
+
 def test_symlink_planted_at_swap_path(tmp_path):
     d = tmp_path / "s"
     d.mkdir(mode=0o700)

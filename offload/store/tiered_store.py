@@ -147,6 +147,7 @@ class _Shard:
     target: Tier | None = None  # where the working copy will be once queued moves ran (None: home only)
     last: cf.Future | None = None  # the last move queued for this shard
     digest: int | None = None  # XXH3-64 of the slot's bytes as last written (StoreConfig.checksums)
+    torn: str | None = None  # the slot's last write failed (its error): no complete copy there; reads refuse it
     leases: int = 0  # leases handed out and not released: they share the working copy (freed after the last)
 
 
@@ -437,6 +438,7 @@ class TieredStore:
             a.swap, b.swap = b.swap, a.swap
             a.slot, b.slot = b.slot, a.slot
             a.digest, b.digest = b.digest, a.digest
+            a.torn, b.torn = b.torn, a.torn
 
     def swap_location(self, name) -> tuple[int, int] | None:
         """(file descriptor, offset) of an nvme-homed shard's swap slot (page-aligned, readable to the page after
@@ -783,6 +785,10 @@ class TieredStore:
     def _read(self, s: _Shard, blk):
         if blk.reserved == 0:
             return
+        if s.torn is not None:
+            raise StoreError(f"shard {s.name!r}: its last write to {s.swap.path} at offset {s.slot} failed ({s.torn}): "
+                             "the slot holds no complete copy, so it is not read. Free space or check the drive, and "
+                             "resume from a checkpoint")
         started = self._links.begin(Link.NVME_TO_CPU)
         ok = False
         try:
@@ -810,10 +816,15 @@ class TieredStore:
         started = self._links.begin(Link.CPU_TO_NVME)
         ok = False
         try:
-            s.digest = _digest(blk.padded()) if self.config.checksums else None  # the bytes as they go out
-            h = self._engine.write(s.swap.file, s.slot, blk.padded())
-            yield h  # resumed once the write is over: the buffer may be reused or freed only then
-            h.wait()  # already over; raises the write's error here
+            digest = _digest(blk.padded()) if self.config.checksums else None  # the bytes as they go out
+            try:
+                h = self._engine.write(s.swap.file, s.slot, blk.padded())
+                yield h  # resumed once the write is over: the buffer may be reused or freed only then
+                h.wait()  # already over; raises the write's error here
+            except BaseException as e:  # the slot may hold part of it: not the last good bytes, nor these
+                s.torn = f"{type(e).__name__}: {e}"
+                raise
+            s.digest, s.torn = digest, None  # the slot holds these bytes now (only now: a failure keeps them out)
             inject.pause(Queue.NVME_WRITE)  # in the worker: a slow disk, not a slow caller
             ok = True
         finally:
