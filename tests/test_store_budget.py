@@ -115,6 +115,32 @@ def test_a_staging_slot_larger_than_what_home_buffers_leave_is_refused_at_once(t
         assert time.monotonic() - started < 20  # at once, not after the 30 s timeout
 
 
+def test_the_nvme_budget_bounds_the_swap_files_and_a_reused_slot_reads_zeros(tmp_path):
+    """Shards of ever new sizes registered and removed (activations whose shapes change): freed space is reused
+    and merged, so the file stays within the budget (it grew to 1.64 MB under a 1 MiB budget when only slots of
+    one length were reused); a shard the files cannot take within the budget is refused. A shard registered
+    with zeros in a reused slot reads zeros (it read the removed shard's bytes)."""
+    import os
+
+    with TieredStore(StoreConfig(device_budget="4MiB", cpu_budget="8MiB", nvme_budget="1MiB",
+                                 nvme_path=str(tmp_path / "s"))) as st:
+        for i in range(1, 9):  # 16 KiB, 32 KiB, ... 128 KiB
+            st.register(("a", i), i * 4096, torch.float32, home="nvme", tier_class="act", zero=False).result()
+            st.unregister(("a", i)).result()
+        st.register("big", (1 << 20) // 4, torch.float32, home="nvme", tier_class="act", zero=False).result()
+        assert os.path.getsize(st.swap_paths()[0]) == 1 << 20  # the whole budget, in one file, no more
+        st.unregister("big").result()
+        st.register("keep", 4096, torch.float32, home="nvme", tier_class="act", zero=False).result()  # at 0
+        # 528 KiB of live shards fit the budget; the act file's freed 1008 KiB cannot serve another file's slot
+        with pytest.raises(SwapSpaceError, match=r"the swap files take 1.00 MiB and this slot would grow them by"):
+            st.register("half", (1 << 19) // 4, torch.float32, home="nvme", tier_class="other", zero=False)
+        old = torch.arange(4096, dtype=torch.float32) + 1
+        st.register("old", 4096, torch.float32, home="nvme", tier_class="act", init=old).result()
+        st.unregister("old").result()
+        st.register("new", 4096, torch.float32, home="nvme", tier_class="act").result()  # zeros, in old's slot
+        assert torch.count_nonzero(st.fetch("new", "cpu").result()) == 0
+
+
 def test_held_says_what_each_tier_holds(tmp_path):
     """held()[tier]: the blocks of shards homed in the tier and the working copies of shards homed below,
     by tier class, the copies a move is using, and the rest of the tier's bytes in use (staging no shard holds):

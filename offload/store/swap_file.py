@@ -2,7 +2,8 @@
 
     d = SwapDir("/nvme/run1")            # creates the directory 0700 if missing (its parent must exist)
     f = SwapFile(engine, d, "params", rank=0)   # <dir>/rank0-params.swap, 0600, O_NOFOLLOW, O_DIRECT
-    off = f.reserve(nbytes)              # a slot; the file grows by fallocate, free space checked first
+    off = f.reserve(nbytes)              # a slot: freed space first (best fit), else the file grows (fallocate)
+    f.free(off, nbytes)                  # given back: merged with its free neighbours, reused by later slots
     f.close(); d.close()                 # removes the file, and the directory if SwapDir created it
 
 A symlink planted at a swap path is refused (O_NOFOLLOW: ELOOP); an existing regular file there is
@@ -87,24 +88,45 @@ class SwapFile:
             self.file.close()
             raise OSError(errno.EINVAL, f"swap path {self.path!r} is not a regular file", self.path)
         self._ino = (st.st_dev, st.st_ino)
-        self.size = 0  # bytes reserved (file length after fallocate)
-        self._freed: dict[int, list[int]] = {}  # slot length -> offsets given back (free()), reused first
+        self.size = 0  # bytes reserved (file length after fallocate): it never shrinks
+        self._free: list[list[int]] = []  # [offset, length] of the space given back, by offset, neighbours merged
+
+    def growth(self, nbytes: int) -> int:
+        """Bytes the file grows by for reserve(nbytes): 0 when freed space holds it (what a budget counts)."""
+        slot = page_bytes(nbytes)
+        if slot == 0 or self._best_fit(slot) is not None:
+            return 0
+        tail = self._free[-1] if self._free and sum(self._free[-1]) == self.size else None
+        return slot - (tail[1] if tail else 0)
+
+    def _best_fit(self, slot: int) -> int | None:
+        """Index of the smallest freed extent that holds `slot` (the lowest such), or None."""
+        fits = [(length, i) for i, (_, length) in enumerate(self._free) if length >= slot]
+        return min(fits)[1] if fits else None
 
     def reserve(self, nbytes: int) -> int:
-        """A 4096-aligned slot of nbytes (rounded up to 4096): one given back earlier with the same length, else
-        at the end of the file, extended with fallocate so later writes cannot run out of space. The caller
-        serializes calls (the store's lock)."""
+        """A 4096-aligned slot of nbytes (rounded up to 4096): in space given back earlier (the smallest extent
+        that holds it; short-lived shards, activations, come back each step with the same sizes), else at the
+        end of the file (from a freed tail), extended with fallocate so later writes cannot run out of space.
+        The caller serializes calls (the store's lock)."""
         slot = page_bytes(nbytes)
-        off = self.size
         if slot == 0:
+            return self.size
+        i = self._best_fit(slot)
+        if i is not None:
+            off, length = self._free[i]
+            if length == slot:
+                del self._free[i]
+            else:
+                self._free[i] = [off + slot, length - slot]
             return off
-        if self._freed.get(slot):  # short-lived shards (activations) come back each step with the same sizes
-            return self._freed[slot].pop()
+        grow = self.growth(nbytes)
+        off = self.size + grow - slot  # (a freed tail is used first)
         free = self.dir.free_bytes()
-        if slot > free:
+        if grow > free:
             raise SwapSpaceError(
                 errno.ENOSPC,
-                f"swap file {self.path!r}: registering needs {slot} more bytes ({format_bytes(slot)}) but its "
+                f"swap file {self.path!r}: registering needs {grow} more bytes ({format_bytes(grow)}) but its "
                 f"filesystem has {free} bytes ({format_bytes(free)}) free; free space or move nvme_path",
                 self.path,
             )
@@ -113,19 +135,29 @@ class SwapFile:
         except AioError as e:
             raise SwapSpaceError(e.errno, f"swap file {self.path!r}: cannot grow to {off + slot} bytes "
                                  f"({format_bytes(off + slot)}, {format_bytes(free)} free): {e}", self.path) from None
+        if grow < slot:
+            self._free.pop()  # the freed tail is part of the slot now
         self.size = off + slot
         return off
 
     def free(self, offset: int, nbytes: int) -> None:
-        """Give back the slot reserve(nbytes) returned at `offset`: a later reserve of the same length reuses it
-        (the file does not shrink)."""
+        """Give back the slot reserve(nbytes) returned at `offset`, merged with freed neighbours: later slots of
+        any size up to the merged extent reuse it (the file does not shrink)."""
         slot = page_bytes(nbytes)
-        if slot:
-            self._freed.setdefault(slot, []).append(offset)
+        if not slot:
+            return
+        k = 0
+        while k < len(self._free) and self._free[k][0] < offset:
+            k += 1
+        self._free.insert(k, [offset, slot])
+        if k + 1 < len(self._free) and offset + slot == self._free[k + 1][0]:  # the next extent follows it
+            self._free[k][1] += self._free.pop(k + 1)[1]
+        if k > 0 and sum(self._free[k - 1]) == offset:  # it follows the previous one
+            self._free[k - 1][1] += self._free.pop(k)[1]
 
     @property
     def free_bytes_in_file(self) -> int:
-        return sum(slot * len(offs) for slot, offs in self._freed.items())
+        return sum(length for _, length in self._free)
 
     def check_intact(self, end: int) -> None:
         """Raises if the file was cut short of `end` behind the store's back (called before reads)."""

@@ -243,6 +243,8 @@ class TieredStore:
         if home is Tier.NVME:
             swap = self._swap_file(tier_class)
             slot_bytes = page_bytes(nbytes)
+            if init is None and zero and swap.free_bytes_in_file:  # a freed slot holds another shard's bytes (a
+                init = torch.zeros(numel, dtype=dtype)  # fresh one reads as zeros): write the zeros promised
             # The initial bytes go out through a staging buffer, taken first so that a refusal leaves
             # no swap slot behind: the shard starts as a working copy at CPU and its first move writes
             # it home and drops it.
@@ -257,6 +259,18 @@ class TieredStore:
                             f"shard {name!r} needs {slot_bytes} bytes of swap but the nvme budget of "
                             f"{format_bytes(self.nvme_capacity)} has {self.nvme_capacity - self._nvme_used} bytes "
                             "left; raise nvme_budget",
+                        )
+                    # the budget bounds the disk the files take, not only the live slots: freed space that no
+                    # slot fits in still takes its blocks
+                    files, grow = sum(f.size for f in self._swap.values()), swap.growth(nbytes)
+                    if files + grow > self.nvme_capacity:
+                        raise SwapSpaceError(
+                            28,  # ENOSPC
+                            f"shard {name!r} needs {slot_bytes} bytes of swap; the nvme budget of "
+                            f"{format_bytes(self.nvme_capacity)} holds the live shards' "
+                            f"{format_bytes(self._nvme_used)}, but the swap files take {format_bytes(files)} and this "
+                            f"slot would grow them by {format_bytes(grow)} (freed slots too small or scattered to "
+                            "hold it); raise nvme_budget",
                         )
                     s.slot = swap.reserve(nbytes)
                     s.swap = swap
