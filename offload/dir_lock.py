@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 from pathlib import Path
 
@@ -110,7 +111,15 @@ class DirLock:
             d.mkdir(parents=True, exist_ok=True)
         path = d / LOCK_NAME
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o644)
+            # O_NOFOLLOW: a lock "file" planted as a symlink (in a directory another user made, say under /tmp)
+            # would have us truncate and write whatever file it points at
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0), 0o644)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                os.close(fd)
+                _remove_empty(created)
+                raise PermissionError(errno.EPERM, f"{path}: the lock file is not a regular file of this user (uid "
+                                      f"{st.st_uid}); remove it, or use a directory of your own", str(path))
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

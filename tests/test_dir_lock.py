@@ -189,3 +189,17 @@ def test_a_directory_this_user_cannot_look_into_is_skipped():
         assert theirs.is_dir()
     finally:
         shutil.rmtree(shared)
+
+
+def test_a_lock_file_planted_as_a_symlink_is_refused_and_its_target_untouched(tmp_path):
+    """Another user makes offload-finetune-x/ under a shared parent and puts a `.offload-lock` symlink in it
+    pointing at a file of ours: the cleanup's look took the lock through the link and emptied that file."""
+    victim = tmp_path / "precious.txt"
+    victim.write_text("precious data\n" * 100)
+    planted = tmp_path / "parent" / "offload-finetune-x"
+    planted.mkdir(parents=True)
+    (planted / LOCK_NAME).symlink_to(victim)
+    assert remove_stale(tmp_path / "parent", "offload-finetune-", "offload swap") == []
+    with pytest.raises(OSError):
+        DirLock.acquire(planted, "a run")
+    assert victim.read_text() == "precious data\n" * 100
