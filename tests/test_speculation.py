@@ -182,3 +182,67 @@ def test_no_room_for_the_spare_slots_turns_it_off_with_one_warning(tmp_path, cap
     assert not tight[2]["enabled"]
     warnings = [r for r in caplog.records if "speculative updates are off" in r.getMessage()]
     assert len(warnings) == 1 and "nvme_budget" in warnings[0].getMessage()
+
+
+def test_a_state_read_or_a_load_between_backward_and_step_sees_the_step_before(tmp_path):
+    """model.state_dict() and rt.full_state_dict() between a speculating backward and its opt.step() read the
+    values before the step (they read its speculated update, which a clip could still take back), and a
+    checkpoint loaded there (a roll-back after a loss spike) stays loaded (the update taken back at zero_grad
+    restored the states from before the load). Bitwise the exact path's."""
+    ckpt = tmp_path / "ckpt"
+    seen = {}
+
+    def save(rt, model, opt):
+        rt.save_checkpoint(ckpt)
+
+    def read(rt, model, opt):
+        seen.setdefault("reads", []).append((model.state_dict(), rt.full_state_dict(model)))
+
+    def roll_back(rt, model, opt):
+        rt.load_checkpoint(ckpt)
+        opt.zero_grad()  # the step is dropped: clip and step below find no gradient
+
+    steps = [(NEVER, None), (NEVER, save), (NEVER, None), (NEVER, read), (NEVER, None), (NEVER, roll_back),
+             (NEVER, None), (NEVER, None)]
+    fast = _run(tmp_path / "a", True, steps)
+    exact = _run(tmp_path / "b", False, steps)
+    _assert_same(fast, exact)
+    (fast_dict, fast_full), (exact_dict, exact_full) = seen["reads"]
+    assert all(torch.equal(fast_full[k], exact_full[k]) for k in exact_full)
+    assert all(torch.equal(fast_dict[k], exact_dict[k]) for k in exact_dict)
+    assert fast[2]["voided"] >= 2 and fast[2]["committed"] >= 1, fast[2]
+
+
+def test_an_lr_changed_before_every_step_backs_speculation_off(tmp_path):
+    """An LR scheduler stepped between backward and opt.step() makes every speculated update miss (other
+    hyperparameters): the misses back off as a clip's do (it speculated, and paid the update twice, every step)."""
+    def scheduler_first(rt, model, opt):
+        for group in opt.param_groups:
+            group["lr"] *= 0.9
+
+    steps = [(NEVER, scheduler_first)] * 8
+    fast = _run(tmp_path / "a", True, steps)
+    _assert_same(fast, _run(tmp_path / "b", False, steps))
+    assert 1 <= fast[2]["missed"] and fast[2]["steps"] <= 3, fast[2]
+
+
+def test_a_tensor_lr_changed_in_place_after_the_step_changes_only_the_next_step(tmp_path):
+    """torch's schedulers change a tensor lr in place; the queued update read it when it ran, so a slow optimizer
+    lane took the next step's lr (4.9e-4 apart from a fast one)."""
+    def run(delay):
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        with offload.init(offload.Config(params="cpu", optimizer="cpu")) as rt:
+            rt.wrap(model)
+            opt = offload.AdamW(model.parameters(), lr=torch.tensor(1e-2))
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 10 * s))
+            with inject.delay(Queue.OPTIMIZER, delay):
+                for s in range(3):
+                    compute_loss(model, token_ids(s), "tiny").backward()
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+            return rt.full_state_dict(model)
+
+    fast, slow = run(0.0), run(0.02)
+    assert all(torch.equal(fast[k], slow[k]) for k in fast)

@@ -453,6 +453,7 @@ def _load_verified(rt, path: Path, manifest: dict, saved: dict, needed: list, fi
               if f"{unit.uid}/master" not in keys[r]]
     if absent:
         raise CheckpointError(f"{path}: {'; '.join(absent[:4])}; the checkpoint is corrupt")
+    rt.backward_updates.check_quiet("rt.load_checkpoint")  # a speculated update would shadow what is loaded
     rt.quiesce()  # nothing may be updating the shards written below
     try:
         for unit in rt.units:

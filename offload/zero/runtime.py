@@ -644,6 +644,7 @@ class Runtime:
         adapters, without gathering the frozen base). Collective: call on every rank."""
         self._check_open("rt.iter_full_params")
         self.materialize_pending()  # a model built in the block and not used yet: its parameters are meta so far
+        self.backward_updates.check_quiet("rt.full_state_dict")  # values of a step that may yet clip are not the model's
         self.quiesce()  # every queued update is in the values read below
         from .units.state_dict import gather_full
 

@@ -67,6 +67,7 @@ def wrapped_state_dict(module: nn.Module, *args, destination=None, prefix: str =
         return nn.Module.state_dict(module, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
     rt = module._offload_runtime_ref
     rt._check_open(f"{type(module).__name__}.state_dict() on a wrapped model")
+    rt.backward_updates.check_quiet("model.state_dict")  # values of a step that may yet clip are not the model's
     rt.quiesce()  # every queued update is in the values read below
     raw = _placeholder_state(module)
     fulls: dict[int, torch.Tensor] = {}
@@ -91,6 +92,7 @@ def wrapped_load_state_dict(module: nn.Module, state_dict, strict: bool = True, 
     del assign  # the runtime owns parameter storage: values are always copied into its shards
     rt = module._offload_runtime_ref
     rt._check_open(f"{type(module).__name__}.load_state_dict() on a wrapped model")
+    rt.backward_updates.check_quiet("model.load_state_dict")  # a speculated update would shadow what is loaded
     rt.quiesce()  # nothing may be updating the shards written below
     raw = _placeholder_state(module)
     missing = [k for k in raw if k not in state_dict]

@@ -74,6 +74,7 @@ class BackwardUpdates:
         self._warned = False
         self.accumulating = False  # inside rt.accumulating(): this backward is not its step's last
         self._speculated = False  # this step's backward queued a speculative update
+        self._missed = False  # and opt.step() ran one of them again (a clip, or other hyperparameters)
 
     @property
     def armed(self) -> bool:
@@ -187,6 +188,7 @@ class BackwardUpdates:
                 return done.speculative.chunks
             self.speculation.undo(done.speculative)
             self.speculation.counts.missed += 1
+            self._missed = True
             del self.issued[id(unit)]
             return frozenset()
         if tuple(runs) != done.runs:
@@ -200,7 +202,9 @@ class BackwardUpdates:
     def end_step(self, coefficient: float) -> None:
         """opt.step() has queued every update of this step, with clip `coefficient` (rt.grad_scale)."""
         exact = self._clip_coef if self._clip_coef is not None else 1.0
-        self.speculation.end_step(clipped=coefficient != self._unscale(), speculated=self._speculated)
+        # any miss backs speculation off, not only a clip's (an LR scheduler stepped before opt.step() misses
+        # every step: without it each step paid its updates twice)
+        self.speculation.end_step(clipped=coefficient != self._unscale() or self._missed, speculated=self._speculated)
         if self.enabled:
             self.last = {"applied": self.scale(exact), "exact": exact, "in_backward": len(self.issued)}
         self._previous_coef = exact
@@ -225,7 +229,7 @@ class BackwardUpdates:
 
     def _forget_step(self) -> None:
         self._armed, self._reduced, self._reduced_twice = None, set(), False
-        self.issued, self._clip_coef, self._speculated = {}, None, False
+        self.issued, self._clip_coef, self._speculated, self._missed = {}, None, False, False
 
     def check_quiet(self, what: str) -> None:
         """`what` reads optimizer states: between a backward that updated units and its opt.step(), speculative

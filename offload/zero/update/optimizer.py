@@ -59,8 +59,14 @@ def wants_sharded(params) -> bool:
 
 
 def _hyper(group: dict) -> dict:
-    """The values of a param group an update uses, copied at step() (a scheduler may change them after)."""
-    return {k: v for k, v in group.items() if k != "params"}
+    """The values of a param group an update uses, copied at step() (a scheduler may change them after: a
+    tensor lr in place, as torch's schedulers do, so tensors are copied as the numbers they hold now)."""
+    def now(v):
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            return v.item()
+        return tuple(now(x) for x in v) if isinstance(v, tuple) else v
+
+    return {k: now(v) for k, v in group.items() if k != "params"}
 
 
 class ShardedOptimizer:
@@ -228,6 +234,7 @@ class ShardedOptimizer:
             if missing:
                 raise ValueError(f"{where}: the state dict has no {', '.join(missing)} (saved by another optimizer "
                                  f"family than {self.schema.name!r}?); load it into the optimizer that saved it")
+        self.rt.backward_updates.check_quiet(f"{self.display}.load_state_dict")  # (would shadow what is loaded)
         self.rt.quiesce()  # no update may be running while the moments are replaced
         by_index = {}
         for group, saved in zip(self.param_groups, groups):
