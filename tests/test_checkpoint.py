@@ -339,6 +339,25 @@ def test_loads_back_exactly_and_returns_extra(saved_run):
         rt.save_checkpoint(ckpt, extra={"bad": object()})
 
 
+def test_a_removal_killed_halfway_never_costs_a_good_checkpoint(tmp_path):
+    """keep_last=2. Pruning step-1 was killed after its rank file went (its manifest still there, its directory's
+    time the newest): the next save kept it as "newest" and removed the good step-3. Now checkpoints age by their
+    optimizer step, and each is renamed out of sight before it is removed."""
+    with offload.init(small_config()) as rt:
+        model = TinyTransformer()
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        root = tmp_path / "ckpt"
+        for step in (1, 2, 3):
+            _train(rt, model, opt, 1, seed=step)
+            rt.save_checkpoint(root)
+        (root / "step-1" / rank_file(0, 1)).unlink()  # the kill, halfway through removing step-1
+        os.utime(root / "step-1")  # (the unlink made it the newest directory)
+        _train(rt, model, opt, 1, seed=4)
+        rt.save_checkpoint(root, keep_last=2)
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".") and p.is_dir()) == ["step-3", "step-4"]
+    assert not list(root.glob(".tmp-*"))
+
+
 def test_disk_full_during_checkpoint_keeps_the_previous_one(saved_run):
     """The write fails part-way (here: EFBIG from RLIMIT_FSIZE, what a full disk's ENOSPC looks like to the
     writer): a clear error naming the file, no partial checkpoint, `latest` still on the previous one."""

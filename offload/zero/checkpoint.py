@@ -338,11 +338,25 @@ def _manifest(rt, tag: str, statuses: list[dict], extra: dict, lr_schedulers) ->
 
 
 def _prune(root: Path, keep_last: int, keep: str) -> None:
+    """All but the newest `keep_last` complete checkpoints go, newest by their optimizer step (a directory's time
+    moves while a removal runs: a half-removed one looked newest and a good one went instead). Each is renamed out
+    of sight first, durably: a kill in the removal leaves a .tmp-* the next save clears, never a checkpoint
+    missing files under its own name."""
+    def age(p: Path) -> tuple:
+        try:
+            return json.loads((p / MANIFEST).read_text())["optimizer_steps"], p.stat().st_mtime
+        except (OSError, ValueError, KeyError, TypeError):
+            return -1, p.stat().st_mtime
+
     done = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
-                   and (p / MANIFEST).is_file()), key=lambda p: p.stat().st_mtime)
+                   and (p / MANIFEST).is_file()), key=age)
     for old in done[:-keep_last]:
         if old.name != keep:
-            shutil.rmtree(old)
+            gone = root / f".tmp-pruned-{old.name}"
+            shutil.rmtree(gone, ignore_errors=True)
+            os.replace(old, gone)
+            fsync_dir(root)
+            shutil.rmtree(gone)
 
 
 # ---- load ---------------------------------------------------------------------------------------
