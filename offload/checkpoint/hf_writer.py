@@ -1,7 +1,8 @@
 """Writing weights as a Hugging Face directory: safetensors files of at most `max_shard_bytes` each
 (model.safetensors, or model-0000k-of-0000n.safetensors with model.safetensors.index.json, as transformers
 names them), filled from an iterator so one file's tensors are in memory at a time. Everything is written
-under OUT/.partial-PID and renamed into OUT at the end, so a reader never sees a half-written file.
+under OUT/.partial-PID, synced, and renamed into OUT at the end (the index last, an earlier save's other weight
+files removed after), so a reader never sees a half-written file and a kill never leaves OUT without weights.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
+
+from .files import fsync_dir
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -37,6 +40,7 @@ def write_hf_weights(out_dir: str | os.PathLike, tensors: Iterable[tuple[str, to
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _remove_dead_partials(out)
     tmp = out / f".partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -72,10 +76,37 @@ def write_hf_weights(out_dir: str | os.PathLike, tensors: Iterable[tuple[str, to
                                                   "weight_map": dict(sorted(weight_map.items()))}, indent=2))
     if add_files is not None:
         add_files(tmp)
-    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_NAME]:
-        if stale.exists():  # the weights of an earlier save, which the new ones replace
-            stale.unlink()
-    for f in sorted(tmp.iterdir()):
+    written = sorted(tmp.iterdir())
+    for f in written:  # on the disk before any name in OUT points at them (a power cut: never an empty file)
+        _fsync(f)
+    # the new files take their names first, the index last; only then do an earlier save's other weight files go
+    # (removed first, a kill in between left OUT with no weights at all)
+    for f in sorted(written, key=lambda f: f.name == INDEX_NAME):
         os.replace(f, out / f.name)
+    names = {f.name for f in written}
+    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_NAME]:
+        if stale.name not in names and stale.exists():
+            stale.unlink()
+    fsync_dir(out)
     tmp.rmdir()
     return out
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_dead_partials(out: Path) -> None:
+    """.partial-PID folders of writers that died (a killed save): as large as the model, never used again."""
+    for partial in out.glob(".partial-*"):
+        try:
+            pid = int(partial.name[len(".partial-"):])
+            os.kill(pid, 0)  # alive (or another user's process): left alone
+        except ProcessLookupError:
+            shutil.rmtree(partial, ignore_errors=True)
+        except (ValueError, PermissionError):
+            continue
