@@ -329,6 +329,28 @@ def test_corrupt_or_truncated_files_are_detected_before_any_write(saved_run):
         rt.load_checkpoint(ckpt)
 
 
+def test_a_manifest_that_does_not_fit_is_refused_before_any_write(saved_run):
+    """The manifest is not checksummed (the files it names are): a unit's padded size changed made the load read
+    past each tensor's end and set that unit's weights to zeros; an unknown optimizer family was found after 23 of
+    34 parameters were loaded. Both are refused before anything is written."""
+    rt, model, opt, ckpt = saved_run
+    _train(rt, model, opt, 1, seed=1)  # the live state now differs from the checkpoint's
+    before = rt.full_state_dict(model)
+    path = ckpt / "step-2" / "manifest.json"
+    original = json.loads(path.read_text())
+    for change, message in ((lambda m: m["units"][-1].update(padded_numel=16), r"padded to 16 over 1 rank"),
+                            (lambda m: [u.update(optimizer_states="nonsense") for u in m["units"]], "nonsense")):
+        manifest = json.loads(json.dumps(original))
+        change(manifest)
+        path.write_text(json.dumps(manifest))
+        with pytest.raises(CheckpointError, match=message):
+            rt.load_checkpoint(ckpt)
+        assert _unchanged(rt, model, before)
+    path.write_text(json.dumps(original))
+    rt.load_checkpoint(ckpt)
+    assert not _unchanged(rt, model, before)
+
+
 def test_loads_back_exactly_and_returns_extra(saved_run):
     rt, model, opt, ckpt = saved_run
     saved = rt.full_state_dict(model)

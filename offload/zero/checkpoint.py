@@ -467,6 +467,9 @@ def _load_verified(rt, path: Path, manifest: dict, saved: dict, needed: list, fi
               if f"{unit.uid}/master" not in keys[r]]
     if absent:
         raise CheckpointError(f"{path}: {'; '.join(absent[:4])}; the checkpoint is corrupt")
+    # every rank checks what it will read before any rank writes: a load refused half-way through left the model
+    # part loaded (and a bad size read past a tensor's end as zeros)
+    _agree(rt, "checking the checkpoint's shards", lambda: _check_shards(rt, path, saved, handles, keys, old_world))
     rt.backward_updates.check_quiet("rt.load_checkpoint")  # a speculated update would shadow what is loaded
     rt.quiesce()  # nothing may be updating the shards written below
     try:
@@ -495,6 +498,29 @@ def _load_verified(rt, path: Path, manifest: dict, saved: dict, needed: list, fi
     _barrier(rt)
     rt.last_checkpoint_seconds = time.perf_counter() - t0
     return manifest["extra"]
+
+
+def _check_shards(rt, path: Path, saved: dict, handles: dict, keys: dict, old_world: int) -> None:
+    """The manifest's sizes and families against the model and the files, before anything is written."""
+    for unit in rt.units:
+        entry, label = saved[unit.uid], unit.uid or "<root>"
+        numel, padded = entry.get("numel"), entry.get("padded_numel")
+        if numel != unit.layout.numel or not isinstance(padded, int) or padded < numel or padded % old_world:
+            raise CheckpointError(f"{path}: unit {label!r}: the manifest says {numel} elements padded to {padded} "
+                                  f"over {old_world} rank(s), the model has {unit.layout.numel}; the manifest is "
+                                  "corrupt or of another model")
+        try:
+            schema = schema_by_name(entry.get("optimizer_states") or "adamw", "checkpoint optimizer_states")
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: unit {label!r}: {exc}") from None
+        labels = ["master"] + ([v.name for v in schema.logical] if entry["moments"] else []) + \
+            (["grad"] if entry.get("grad") else [])
+        for r, handle in handles.items():
+            for name in (f"{unit.uid}/{x}" for x in labels):
+                if name in keys[r] and handle.get_slice(name).get_shape() != [padded // old_world]:
+                    raise CheckpointError(f"{path}: {name} of rank {r} holds {handle.get_slice(name).get_shape()} "
+                                          f"elements, the manifest's shard is {padded // old_world}; the checkpoint "
+                                          "is corrupt")
 
 
 def _load_unit(rt, unit, entry: dict, handles: dict, keys: dict, old_world: int) -> None:
