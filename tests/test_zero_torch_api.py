@@ -2,6 +2,7 @@
 error): model.zero_grad, several optimizers with clipping, zero_grad(set_to_none=False), state_dict /
 load_state_dict, loading inside the block, requires_grad changes, a failed backward, a double backward (refused),
 the swap directory."""
+import contextlib
 import copy
 import os
 import sys
@@ -24,6 +25,28 @@ def _one_thread():
 def _worst(got: dict, ref: nn.Module) -> float:
     return max(((got[n] - p.detach()).norm() / p.detach().norm().clamp_min(1e-12)).item()
                for n, p in ref.named_parameters())
+
+
+@contextlib.contextmanager
+def _beside_torch():
+    """One TinyTransformer twice, from the same weights: plain PyTorch's with torch.optim.AdamW, and one wrapped
+    by offload.init with offload.AdamW. Yields (rt, (ref, ref_opt), (model, opt))."""
+    torch.manual_seed(0)
+    base = TinyTransformer()
+    ref = copy.deepcopy(base)
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(copy.deepcopy(base))
+        yield rt, (ref, torch.optim.AdamW(ref.parameters(), lr=1e-2)), (model, offload.AdamW(model.parameters(),
+                                                                                               lr=1e-2))
+
+
+def _steps_side_by_side(rt, pairs, steps: int, after_backward=lambda rt, m: None) -> None:
+    for s in range(steps):
+        for m, o in pairs:
+            compute_loss(m, _ids(s), "tiny").backward()
+            after_backward(rt, m)
+            o.step()
+            o.zero_grad()
 
 
 def test_model_zero_grad_clears_runtime_gradients():
@@ -272,25 +295,17 @@ class _Boom(torch.autograd.Function):
 
 
 def test_backward_that_raises_does_not_break_later_steps():
-    torch.manual_seed(0)
-    base = TinyTransformer()
-    ref = copy.deepcopy(base)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    with offload.init(_cfg()) as rt:
-        model = rt.wrap(copy.deepcopy(base))
-        opt = offload.AdamW(model.parameters(), lr=1e-2)
+    with _beside_torch() as (rt, (ref, ropt), (model, opt)):
+        def nothing_stays_gathered(rt, m):
+            if m is model:  # the end-of-backward callback ran again
+                assert rt.gathered_bytes == 0 and rt.peak_gathered_bytes <= rt.gathered_bound()
+
         h = model.frozen.register_forward_hook(lambda mod, a, out: _Boom.apply(out))
         with pytest.raises(ValueError, match="boom"):
             compute_loss(model, _ids(0), "tiny").backward()
         h.remove()
         opt.zero_grad()
-        for s in range(2):
-            for m, o in ((ref, ropt), (model, opt)):
-                compute_loss(m, _ids(s), "tiny").backward()
-                if m is model:  # the end-of-backward callback ran again: nothing stays gathered
-                    assert rt.gathered_bytes == 0 and rt.peak_gathered_bytes <= rt.gathered_bound()
-                o.step()
-                o.zero_grad()
+        _steps_side_by_side(rt, ((ref, ropt), (model, opt)), 2, nothing_stays_gathered)
         got = rt.full_state_dict()
     assert _worst(got, ref) < 1e-5
 
@@ -299,23 +314,13 @@ def test_backward_that_raises_does_not_break_later_steps():
 def test_a_double_backward_is_refused_by_name_and_later_steps_train_as_torch():
     """create_graph=True (a gradient penalty) needs the parameters after their backward freed them: it raised a
     storage error naming no setting; now it is refused naming create_graph, and the run goes on exactly."""
-    torch.manual_seed(0)
-    base = TinyTransformer()
-    ref = copy.deepcopy(base)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    with offload.init(_cfg()) as rt:
-        model = rt.wrap(copy.deepcopy(base))
-        opt = offload.AdamW(model.parameters(), lr=1e-2)
+    with _beside_torch() as (rt, (ref, ropt), (model, opt)):
         loss = compute_loss(model, _ids(0), "tiny")
         with pytest.raises(RuntimeError, match="create_graph=True"):
             loss.backward(create_graph=True)
         del loss
         opt.zero_grad()
-        for s in range(2):
-            for m, o in ((ref, ropt), (model, opt)):
-                compute_loss(m, _ids(s), "tiny").backward()
-                o.step()
-                o.zero_grad()
+        _steps_side_by_side(rt, ((ref, ropt), (model, opt)), 2)
         got = rt.full_state_dict()
     assert _worst(got, ref) < 1e-5
 
