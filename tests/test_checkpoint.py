@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -189,6 +190,42 @@ def test_reshards_through_uneven_world_sizes(tmp_path):
     for k in original:
         assert all(torch.equal(original[k], f[k]) for f in flats), k
     assert on3["losses"]["4"] == first["losses"]["4"]
+
+
+def test_ranks_the_checkpoint_had_no_streams_for_get_streams_of_their_own(tmp_path):
+    """Saved at 2 ranks, loaded at 3: rank 2 had no random streams saved. It took rank 1's, so both drew the same
+    dropout masks and the same random data; now its own, the same at every such resume. Ranks 0 and 1 go on
+    with their saved streams."""
+    from zero_common import run_torchrun
+
+    code = textwrap.dedent(f"""
+        import json, os, random, sys
+        import numpy as np
+        import torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import offload
+        from zero_common import TinyTransformer, small_config
+        world = int(os.environ["WORLD_SIZE"])
+        with offload.init(small_config()) as rt:
+            model = TinyTransformer()
+            opt = offload.AdamW(model.parameters(), lr=1e-2)
+            torch.manual_seed(10 + rt.rank); random.seed(10 + rt.rank); np.random.seed(10 + rt.rank)
+            if world == 2:
+                rt.save_checkpoint({str(tmp_path / "ckpt")!r})
+            else:
+                rt.load_checkpoint({str(tmp_path / "ckpt")!r})
+            draws = [torch.rand(3).tolist(), random.random(), float(np.random.rand())]
+            with open(os.path.join({str(tmp_path)!r}, f"draws-{{rt.rank}}.json"), "w") as f:
+                json.dump(draws, f)
+        """)
+
+    def draws(nproc):
+        run_torchrun(code, tmp_path, nproc=nproc)
+        return {r: (tmp_path / f"draws-{r}.json").read_text() for r in range(nproc)}
+
+    before, first, second = draws(2), draws(3), draws(3)
+    assert first[0] == before[0] and first[1] == before[1]  # their own saved streams, going on
+    assert first[2] != first[1] and first == second  # its own, the same at each resume
 
 
 def test_a_rank_without_moments_for_a_unit_resumes_and_reshards(tmp_path):

@@ -106,6 +106,19 @@ def _set_rng_state(json_part: dict, tensors: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state, device)
 
 
+def _fork_rng(rank: int) -> None:
+    """Reseed python's, numpy's and torch's generators (and this GPU's) from one draw of the restored torch stream
+    and `rank`: a rank the checkpoint had no streams for gets streams of its own, the same at every such resume."""
+    import numpy as np
+
+    seed = (int(torch.randint(0, 2 ** 62, (1,)).item()) + 1_000_003 * rank) % 2 ** 63
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(seed)  # this rank's GPU only (the others are other ranks')
+
+
 # ---- save ---------------------------------------------------------------------------------------
 RESERVED = (LATEST, MANIFEST)
 
@@ -222,6 +235,8 @@ def _clean_partial(root: Path) -> None:
     (a kill between the two renames of a re-save leaves the complete old copy there, which load falls back to)."""
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(f".{LATEST}.tmp-*"):  # a `latest` being replaced when the save was killed
+        stale.unlink(missing_ok=True)
     for old in root.glob(".old-*"):
         if (root / old.name[len(".old-"):] / MANIFEST).is_file():
             shutil.rmtree(old, ignore_errors=True)
@@ -494,6 +509,8 @@ def _load_verified(rt, path: Path, manifest: dict, saved: dict, needed: list, fi
     for sched, sd in zip(lr_schedulers, manifest["lr_schedulers"]):
         sched.load_state_dict({**sched.state_dict(), **sd})
     _set_rng_state(manifest["rng"][min(rt.rank, old_world - 1)], rng_tensors)
+    if rt.rank >= old_world:  # no saved streams of its own: its own, drawn from the last rank's and its rank
+        _fork_rng(rt.rank)     # (they were that rank's copy: the same dropout masks, the same random data)
     rt.step_stats.steps = manifest["optimizer_steps"]
     _barrier(rt)
     rt.last_checkpoint_seconds = time.perf_counter() - t0
