@@ -82,12 +82,17 @@ def open_private(path: Path, write: bool):
     return os.fdopen(fd, "wb" if write else "rb")
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: Path, directory: bool = False) -> None:
+    """A file's (or a directory's: its entries, after a rename) bytes on the disk."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    fsync_path(path, directory=True)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .files import fsync_dir
+from .files import fsync_dir, fsync_path
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -78,7 +78,7 @@ def write_hf_weights(out_dir: str | os.PathLike, tensors: Iterable[tuple[str, to
         add_files(tmp)
     written = sorted(tmp.iterdir())
     for f in written:  # on the disk before any name in OUT points at them (a power cut: never an empty file)
-        _fsync(f)
+        fsync_path(f)
     # the new files take their names first, the index last; only then do an earlier save's other weight files go
     # (removed first, a kill in between left OUT with no weights at all)
     for f in sorted(written, key=lambda f: f.name == INDEX_NAME):
@@ -90,14 +90,6 @@ def write_hf_weights(out_dir: str | os.PathLike, tensors: Iterable[tuple[str, to
     fsync_dir(out)
     tmp.rmdir()
     return out
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_dead_partials(out: Path) -> None:
