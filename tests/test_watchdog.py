@@ -76,6 +76,26 @@ def test_a_dead_rank_without_a_launcher_to_stop_the_rest_is_named_by_the_survivo
     assert re.search(r"Rank 1 is (behind .*)?silent for [0-9.]+ s \(dead or frozen\)", msg), msg
 
 
+def test_a_rank_has_reported_before_its_first_collective(tmp_path):
+    """The first heartbeat is published when the watchdog starts, not a second later: a rank that dies within
+    its first second of training (a fast step) is then read by the survivor as silent, not as never started
+    (a CI run saw that message when rank 1 reached step 2 before its first beat)."""
+    import torch.distributed as dist
+
+    from offload.zero.collectives.watchdog import _KEY, Watchdog
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        watchdog = Watchdog(rank=0, world_size=2, timeout_s=3.0)  # a world of 2: the heartbeat runs
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            assert store.check([_KEY.format(0)])  # no sleep: published by the constructor itself
+        finally:
+            watchdog.close()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_collective_timeout_setting():
     assert parse_duration("250ms", "x") == 0.25 and parse_duration("10min", "x") == 600.0
     assert parse_duration(30, "x") == 30.0 and parse_duration("1.5h", "x") == 5400.0

@@ -3,8 +3,8 @@ with an error that says where each rank was, instead of a silent 30-minute hang.
 
 Every collective of the runtime runs through `Watchdog.run(group, collective, what, fn)`, which counts it
 per group (main, gather, reduce: each group's collectives are in the same order on every rank) and notes
-what this rank is waiting in. A heartbeat thread publishes that position to the process group's store
-once a second. The process groups are created with the timeout, so a collective that waits too long (or
+what this rank is waiting in. That position goes to the process group's store when the watchdog starts
+(before any collective) and then once a second from a heartbeat thread. The process groups are created with the timeout, so a collective that waits too long (or
 whose peer died) raises inside `fn`; the watchdog then reads every rank's last position and raises
 CollectiveError naming this rank's collective and unit and, for each other rank, its last collective and
 whether its heartbeat is fresh (alive but stuck in its own code) or stale (dead or frozen). After one
@@ -40,6 +40,9 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = None
         if self._store is not None:
+            # the first beat before any collective: a rank that dies within its first second (a fast step)
+            # is then read as silent, not as one that never started
+            self._publish()
             self._thread = threading.Thread(target=self._beat, name="offload-watchdog", daemon=True)
             self._thread.start()
 
@@ -82,11 +85,16 @@ class Watchdog:
             return {"t": time.time(), "entered": dict(self.entered),
                     "waiting": [list(w) for w in self.waiting.values()], "last": list(self.last or ())}
 
+    def _publish(self) -> bool:
+        try:
+            self._store.set(_KEY.format(self.rank), json.dumps(self._position()))
+            return True
+        except Exception:  # noqa: BLE001 - the store went with a dead launcher: nothing left to report to
+            return False
+
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            try:
-                self._store.set(_KEY.format(self.rank), json.dumps(self._position()))
-            except Exception:  # noqa: BLE001 - the store went with a dead launcher: nothing left to report to
+            if not self._publish():
                 return
 
     def _describe(self, group: str, collective: str, what: str, count: int, exc: BaseException) -> str:
