@@ -137,9 +137,10 @@ def test_swap_checksums_can_be_turned_off(tmp_path):
 def test_a_torn_write_is_never_read_back(tmp_path, checksums):
     """A write-behind fails after its first page landed (EIO, injected into the engine's write): the slot holds
     neither the old bytes nor the new. Reading it back raised SwapCorruptError blaming the drive (the checksum
-    was recorded before the write), or, without checksums, returned the torn bytes; now the read is refused
-    naming the failed write, and the neighbour's slot is intact."""
-    from offload.store import LeaseMode, StoreError
+    was recorded before the write), or, without checksums, returned the torn bytes. Now the working copy is
+    kept while the slot is torn: a release retries the write and, while that fails, raises and keeps the copy;
+    the neighbour's slot is intact."""
+    from offload.store import LeaseMode
 
     with TieredStore(cfg(tmp_path / "s", checksums=checksums)) as st:
         st.register("m", 4096, home="nvme", init=torch.zeros(4096)).result()
@@ -154,11 +155,44 @@ def test_a_torn_write_is_never_read_back(tmp_path, checksums):
         lease = st.lease("m", "cpu", LeaseMode.UPDATE)
         lease.wait().fill_(1.0)
         assert isinstance(lease.release().exception(), AioError)
-        engine.write = write
-        st.release("m").result()  # the working copy goes (its update with it: the write failed)
-        with pytest.raises(StoreError, match=r"shard 'm': its last write to .* failed \(AioError: .*injected EIO"):
-            st.fetch("m", "cpu").result()
+        assert isinstance(st.release("m").exception(), AioError)  # retried, failed again: the copy stays
+        assert st.residency("m") is Residency.CPU
+        assert torch.equal(st.fetch("m", "cpu").result(), torch.ones(4096))  # the working copy, not the slot
         assert torch.equal(st.fetch("n", "cpu").result(), torch.full((4096,), 2.0))
+        engine.write = write  # the drive recovers: the next release saves the update
+        st.release("m").result()
+        assert st.residency("m") is Residency.NVME
+        assert torch.equal(st.fetch("m", "cpu").result(), torch.ones(4096))
+
+
+@pytest.mark.filterwarnings("ignore:offload aio.*O_DIRECT:RuntimeWarning")
+@pytest.mark.parametrize("later", ["read lease", "release"])
+def test_a_copy_whose_write_behind_failed_is_saved_by_the_next_release(tmp_path, later):
+    """An UPDATE lease's write-behind fails (EIO once): the working copy keeps the update. A later READ lease's
+    release (or a plain release without writeback) used to drop that copy, losing the update with no error
+    until the torn slot was read; now it writes the copy home first, and the update reads back."""
+    from offload.store import LeaseMode
+
+    with TieredStore(cfg(tmp_path / "s")) as st:
+        st.register("m", 4096, home="nvme", init=torch.zeros(4096)).result()
+        engine, write = st._engine, st._engine.write
+
+        def fails_once(f, offset, buf):
+            engine.write = write
+            raise AioError(errno.EIO, "injected EIO")
+
+        engine.write = fails_once
+        lease = st.lease("m", "cpu", LeaseMode.UPDATE)
+        lease.wait().fill_(1.0)
+        assert isinstance(lease.release().exception(), AioError)
+        if later == "read lease":
+            reader = st.lease("m", "cpu", LeaseMode.READ)
+            assert torch.equal(reader.wait(), torch.ones(4096))  # the working copy, not the torn slot
+            reader.release().result()
+        else:
+            st.release("m").result()
+        assert st.residency("m") is Residency.NVME
+        assert torch.equal(st.fetch("m", "cpu").result(), torch.ones(4096))  # read from the slot: the update
 
 
 def test_symlink_planted_at_swap_path(tmp_path):

@@ -35,6 +35,8 @@ Guarantees
   A request that can never fit raises (naming the size and the budget); one that does not fit *now*
   blocks in the calling thread until a release frees space (`timeout`, else StoreConfig.alloc_timeout),
   or with timeout=0 raises ArenaBusyError at once (a prefetch backs off instead of stalling).
+- A working copy whose writeback failed is never dropped unsaved: every later release of it (with
+  writeback or not, a READ lease's included) writes it home first, and keeps it when that fails again.
 - fetch(name, tier, read=False) makes a working copy without reading it (its bytes are undefined until
   the caller writes them all): no I/O for bytes about to be overwritten.
 - Short-lived cpu buffers (working copies, staging) take one slot of `staging_slot` bytes each when it is
@@ -149,6 +151,8 @@ class _Shard:
     digest: int | None = None  # XXH3-64 of the slot's bytes as last written (StoreConfig.checksums)
     torn: str | None = None  # the slot's last write failed (its error): no complete copy there; reads refuse it
     leases: int = 0  # leases handed out and not released: they share the working copy (freed after the last)
+    unsaved: str | None = None  # the last writeback failed (its error): the working copy holds changes the home
+    #                             copy lacks, so every later release writes it home first (or fails, keeping it)
 
 
 def _view(block, s: _Shard) -> torch.Tensor:
@@ -410,7 +414,7 @@ class TieredStore:
         returns to its tier's budget once every move of it has finished. unless_leased: a lease's release; the copy
         stays if a lease was taken after it was asked (that lease's fetch may return this very copy)."""
         s = self._get(name)
-        need = self._writeback_needs(s) if writeback else []
+        need = self._writeback_needs(s) if writeback or s.unsaved is not None else []
         new = self._alloc(s, need, self.config.alloc_timeout if timeout is None else timeout)
         after = self._stream_point()
         this: dict = {}  # its own future, for the move (nothing queued after it: the plan is the copy it kept)
@@ -919,6 +923,14 @@ class TieredStore:
             self._drop_unused(new)
 
     def _writeback_now(self, s: _Shard, new: dict, after=None):
+        try:
+            yield from self._writeback_steps(s, new, after)
+        except BaseException as e:
+            s.unsaved = f"{type(e).__name__}: {e}"
+            raise
+        s.unsaved = None
+
+    def _writeback_steps(self, s: _Shard, new: dict, after=None):
         st = s.residency
         if s.home is Tier.DEVICE or st is R.NVME or (st is R.CPU and s.home is Tier.CPU):
             return  # no working copy apart from the home copy
@@ -957,7 +969,7 @@ class TieredStore:
     def _do_release(self, s: _Shard, writeback: bool, new: dict, after=None, unless_leased: bool = False,
                     this: dict | None = None):
         try:
-            if writeback:
+            if writeback or s.unsaved is not None:  # a copy an earlier writeback failed to save is saved now
                 yield from self._writeback_now(s, new, after)  # a failure keeps the working copy: nothing is lost
             if unless_leased:
                 with self._lock:
