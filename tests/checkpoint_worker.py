@@ -4,7 +4,7 @@
 SPEC: {"out": file, "nvme": dir, "ckpt": dir, "steps": total steps, "save_at": [steps after which to save],
        "resume": bool, "save_loaded_to": dir, "params": tier, "optimizer": tier, "compute_dtype": ...,
        "keep_last": n, "accum": micro-batches per step, "save_mid_at": step to save after its first micro-batch,
-       "cpu_budget": the runtime's (default 64MiB: every state stays resident)}
+       "cpu_budget": the runtime's (default 64MiB: every state stays resident), "family": "adamw" | "adamw8bit"}
 Data come from the global torch RNG (so a resume must restore it); the LR follows a warmup schedule (so a
 resume must restore the scheduler); the loop position travels in `extra`. Writes the per-step losses and
 the final fp32 parameters (out + ".safetensors").
@@ -54,11 +54,13 @@ def main():
     torch.manual_seed(100 + rank)
     cfg = offload.Config(params=spec.get("params", "nvme"), optimizer=spec.get("optimizer", "nvme"),
                          nvme_path=spec["nvme"], compute_dtype=spec.get("compute_dtype", "fp32"),
-                         cpu_budget=spec.get("cpu_budget", "64MiB"), device_budget="16MiB", seed=7)
+                         cpu_budget=spec.get("cpu_budget", "64MiB"), device_budget="16MiB", seed=7,
+                         optimizer_states=spec.get("family", "adamw"))
     losses = {}
     with offload.init(cfg) as rt:
         model = FrozenFront() if spec.get("model") == "frozen_front" else TinyTransformer()
-        opt = offload.AdamW(param_groups(model.named_parameters()), lr=1e-2)
+        family = {"adamw": offload.AdamW, "adamw8bit": offload.AdamW8bit}[spec.get("family", "adamw")]
+        opt = family(param_groups(model.named_parameters()), lr=1e-2)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
         start, first_micro = 0, 0
         if spec.get("resume"):

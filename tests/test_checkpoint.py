@@ -192,6 +192,27 @@ def test_reshards_through_uneven_world_sizes(tmp_path):
     assert on3["losses"]["4"] == first["losses"]["4"]
 
 
+def test_8bit_moments_reshard_without_loss(tmp_path):
+    """AdamW8bit saved at 2 ranks, loaded at 3 (every shard boundary moves) and saved again: each moment element
+    is what it was, bit for bit. Shard boundaries fall on the moments' quantization blocks at any world size, so
+    each block is re-quantized from its own dequantized values, which gives back its codes and scale; with
+    boundaries inside blocks (ALIGN 16) a block mixed two old ones and the moments moved by up to a code step."""
+    from offload.ops.adam8bit import BLOCK
+    from offload.zero.placement import CHUNK_ALIGN
+    from offload.zero.units.layout import ALIGN
+
+    assert ALIGN % BLOCK == 0 and CHUNK_ALIGN % BLOCK == 0  # (what the bit-for-bit claim rests on)
+    ckpt, three = tmp_path / "ckpt", tmp_path / "three"
+    _worker(tmp_path, "first", world=2, steps=3, save_at=[3], ckpt=str(ckpt), family="adamw8bit")
+    _worker(tmp_path, "to3", world=3, steps=3, resume=True, ckpt=str(ckpt), save_loaded_to=str(three),
+            family="adamw8bit")
+    original, resharded = _flats(ckpt), _flats(three)
+    assert original.keys() == resharded.keys()
+    assert any(original[k].abs().sum() > 0 for k in original if k[1] == "exp_avg")  # moments were trained
+    for k in original:
+        assert torch.equal(original[k], resharded[k]), k
+
+
 def test_ranks_the_checkpoint_had_no_streams_for_get_streams_of_their_own(tmp_path):
     """Saved at 2 ranks, loaded at 3: rank 2 had no random streams saved. It took rank 1's, so both drew the same
     dropout masks and the same random data; now its own, the same at every such resume. Ranks 0 and 1 go on

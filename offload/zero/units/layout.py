@@ -3,7 +3,10 @@ world_size equal shards.
 
 Slot = one distinct parameter (tied / shared parameters appear once, referenced by several
 (module, name) pairs). Padding makes the total a multiple of world_size * ALIGN elements, so every shard
-has the same length and starts on a 64-byte boundary (fp32) for the vectorized optimizer kernels.
+has the same length and starts on a 1 KiB boundary (fp32) for the vectorized optimizer kernels, and on a
+quantization block of the 8-bit moments (ops/adam8bit.py: blocks anchored at each chunk, chunks a multiple of
+a block): every block is then the same 256 elements at any world size, and a checkpoint resharded to
+another one re-quantizes each block from exactly its own values, losing nothing.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-ALIGN = 16  # elements per shard boundary: 64 bytes of fp32, 32 of bf16
+ALIGN = 256  # elements per shard boundary: one 8-bit quantization block (ops.adam8bit.BLOCK)
 
 
 @dataclass
