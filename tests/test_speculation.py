@@ -153,17 +153,17 @@ def test_the_updates_overlap_a_slow_backward(tmp_path):
     """FSDP2's overlap test, for the default path: every block's backward made 30 ms slow (a sleep: compute the
     cores are free for) and each unit's update 25 ms (one chunk each). Without speculation the 9 updates wait for
     opt.step() and follow the backward (about 240 + 225 ms); with it, a step that does not clip updates under the
-    backward, and only the last two reduced (block 0, the root) follow it. Asserted as a ratio of the two runs
-    side by side, over the steps after the second (the first speculating step is the second)."""
+    backward, and only the last two reduced (block 0, the root) follow it. Asserted as a ratio of the two runs'
+    fastest steps, side by side, after the second (the first speculating step is the second)."""
     def run(speculate):
-        seconds, stats = slow_backward_steps(_config(tmp_path / str(speculate), speculate), _step, steps=6,
+        seconds, stats = slow_backward_steps(_config(tmp_path / str(speculate), speculate), _step, steps=8,
                                              update_s=0.025)
-        return seconds, stats["speculation"]
+        return min(seconds), stats["speculation"]
 
     t_exact, _ = run(False)
     t_fast, report = run(True)
-    assert report["steps"] == 5 and report["missed"] == 0 and report["committed"] >= 5 * 8, report
-    assert t_fast < 0.85 * t_exact, (t_fast, t_exact)  # measured here: 0.63-0.66
+    assert report["steps"] == 7 and report["missed"] == 0 and report["committed"] >= 7 * 8, report
+    assert t_fast < 0.85 * t_exact, (t_fast, t_exact)  # measured here: 0.62
 
 
 def test_no_room_for_the_spare_slots_turns_it_off_with_one_warning(tmp_path, caplog):

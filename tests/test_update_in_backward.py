@@ -52,16 +52,16 @@ def test_the_updates_overlap_a_slow_backward(tmp_path):
     """Every block's backward made 30 ms slow (a sleep: compute the cores are free for) and every unit's update
     20 ms (one chunk each): by default the step is their sum; with the updates in the backward only the last
     two (block 0, reduced last, and the root unit, whose tied embedding is final only at the end) follow it.
-    8 blocks: about 420 against 280 ms. Asserted as a ratio of the two runs, measured side by side, over the
-    steps after the second (step 1's forward still waits for step 0's updates, queued by opt.step() in both)."""
+    8 blocks: about 420 against 280 ms. Asserted as a ratio of the two runs' fastest steps, measured side by side,
+    after the second (step 1's forward still waits for step 0's updates, queued by opt.step() in both)."""
     def run(in_backward):
-        seconds, stats = slow_backward_steps(_config(tmp_path, in_backward), _step, steps=5, update_s=0.02)
-        return seconds, stats["last_step"].get("clip", {}).get("in_backward", 0)
+        seconds, stats = slow_backward_steps(_config(tmp_path, in_backward), _step, steps=7, update_s=0.02)
+        return min(seconds), stats["last_step"].get("clip", {}).get("in_backward", 0)
 
     t_default, _ = run(False)
     t_early, issued = run(True)
     assert issued == 9  # the root unit and the eight blocks
-    assert t_early < 0.85 * t_default, (t_early, t_default)  # measured here: 0.69-0.70
+    assert t_early < 0.85 * t_default, (t_early, t_default)  # measured here: 0.69
 
 
 def test_first_step_exact_then_the_previous_coefficient(tmp_path):

@@ -61,11 +61,13 @@ def test_slow_queues_overlap_instead_of_adding_up():
     the step is their sum; pipelined, gathers run ahead of compute, reduces behind the backward and the
     optimizer's tail under the next forward. Asserted as a ratio of the two, measured side by side."""
     delays = [(Queue.GATHER, 0.02), (Queue.REDUCE, 0.02), (Queue.OPTIMIZER, 0.02)]
-    sync = _train(small_config(pipeline=False), steps=4, layers=4, delays=delays)
-    piped = _train(small_config(pipeline=True), steps=4, layers=4, delays=delays)
+    sync = _train(small_config(pipeline=False), steps=6, layers=4, delays=delays)
+    piped = _train(small_config(pipeline=True), steps=6, layers=4, delays=delays)
     assert _same(sync[2], piped[2]) and sync[1] == piped[1]  # overlapped, yet the same bits
-    t_sync, t_piped = sum(sync[0][1:]), sum(piped[0][1:])
-    assert t_piped < 0.8 * t_sync, (piped[0], sync[0])  # measured: 0.63
+    # the fastest step of each from the third on (the second's forward waits for the first's optimizer tail, not
+    # slowed): a burst of other load on the shared machine raises it only if it hits every step of one run
+    t_sync, t_piped = min(sync[0][2:]), min(piped[0][2:])
+    assert t_piped < 0.8 * t_sync, (piped[0], sync[0])  # measured: 0.42
     waits = piped[3]["last_step"]["wait_s"]
     assert waits.get("gather", 0) > 0  # the training thread did wait, and says on what
 
