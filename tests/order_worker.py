@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import json
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,13 +50,23 @@ def run(model, expected, broken: bool, result: dict) -> None:
         lane = rt.ctx.lanes.gather
         if broken:  # the bug the check is for: two threads issuing one group's collectives
             lane._pool = cf.ThreadPoolExecutor(2, thread_name_prefix="offload-gather-broken")
-        late = u0._gather_now
+        late, second = u0._gather_now, u1._gather_now
+        second_done = threading.Event()
 
-        def slow_gather(*args):
-            time.sleep(0.3)  # unit 0's work starts late: a second thread would issue unit 1's collective first
+        def slow_gather(*args):  # unit 0's work starts late: a second thread would issue unit 1's collective first
+            if broken:
+                second_done.wait(60)  # (after unit 1's work ended, however the threads are scheduled)
+            else:
+                time.sleep(0.3)  # one lane thread: unit 1's work waits behind this one
             return late(*args)
 
-        u0._gather_now = slow_gather
+        def marked_gather(*args):
+            try:
+                return second(*args)
+            finally:
+                second_done.set()
+
+        u0._gather_now, u1._gather_now = slow_gather, marked_gather
         u0.unshard(async_op=True)
         u1.unshard(async_op=True)
         try:
@@ -67,7 +78,7 @@ def run(model, expected, broken: bool, result: dict) -> None:
         except OrderError as e:
             result["error"] = str(e)
         finally:
-            u0._gather_now = late
+            u0._gather_now, u1._gather_now = late, second
             u0.reshard()
             u1.reshard()
 

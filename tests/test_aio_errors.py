@@ -203,7 +203,7 @@ def test_symlink_at_path_is_refused(engine, tmp_path, mode):
 
 def test_filesystem_without_o_direct_falls_back_to_buffered(tmp_path):
     """ramfs (and tmpfs before Linux 6.6) refuse O_DIRECT: the engine reopens buffered and warns once."""
-    probe = "/dev/shm/offload-odirect-probe"
+    probe = f"/dev/shm/offload-odirect-probe-{os.getpid()}"  # its own: runs side by side do not share it
     shm_refuses = False
     if os.path.isdir("/dev/shm"):
         try:

@@ -32,13 +32,13 @@ def test_a_stalled_rank_stops_the_other_with_where_each_was(tmp_path):
     proc, wall = _run(tmp_path, "stall")
     assert proc.returncode != 0
     out = proc.stdout
-    # rank 0 gives up 3 s (the timeout) after rank 1 stalls, plus 2.5 s to see whether rank 1 is alive
+    # rank 0 gives up 10 s (the timeout) after rank 1 stalls, plus 2.5 s to see whether rank 1 is alive
     waited = _stamp(out, "rank 0 error") - _stamp(out, "rank 1 stalls")
-    assert 3.0 <= waited < 60.0, out  # the upper bound only guards against a hang on a busy machine
+    assert 10.0 <= waited < 60.0, out  # the upper bound only guards against a hang on a busy machine
     assert wall < 120.0  # not the 120 s the stalled rank sleeps, nor torch's 30-minute default
     msg = next(line for line in out.splitlines() if line.startswith("rank 0 error"))
     assert re.search(r"rank 0 gave up after [0-9.]+ s in all_gather #\d+ on the gather group \(gather of unit \d+ "
-                     r"\(.+\)\); collective_timeout is 3 s", msg), msg
+                     r"\(.+\)\); collective_timeout is 10 s", msg), msg
     assert re.search(r"Rank 1 is behind \(it has entered \d+ of the gather group's collectives, this rank \d+\) "
                      r"alive, in no collective; its last collective was", msg), msg
 

@@ -14,12 +14,17 @@ import offload  # noqa: E402
 from zero_common import SEQ, VOCAB, TinyTransformer  # noqa: E402
 
 
+# every collective's limit, the start-up's included (the process group's rendezvous, the budgets' all-reduce): long
+# enough for two ranks importing torch side by side on a busy 2-core machine to meet, short for the stalled one
+TIMEOUT = "10s"
+
+
 def main():
     nvme, mode = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     cfg = offload.Config(params="cpu", optimizer="cpu", cpu_budget="64MiB", device_budget="16MiB",
-                         collective_timeout="3s", nvme_path=nvme)
+                         collective_timeout=TIMEOUT, nvme_path=nvme)
     try:
         train(rank, mode, cfg)
     except offload.CollectiveError as exc:
