@@ -180,7 +180,7 @@ class Config:
             value = getattr(self, name)
             if value != "auto":
                 parse_size(value, name)
-        if self.nvme_budget is not None:
+        if self.nvme_budget is not None and self.nvme_budget != "auto":
             parse_size(self.nvme_budget, "nvme_budget")
         if self.machine is not None:
             bench_figures(self.machine, "offload.Config.machine")  # unreadable: say so now, not at wrap

@@ -207,6 +207,15 @@ def test_update_in_backward_with_accumulation(tmp_path, tiny_model, text_file):
     assert early.losses == pytest.approx(base.losses, rel=1e-2)
 
 
+def test_max_grad_norm_0_is_no_clipping(tmp_path, tiny_model, text_file):
+    """--max-grad-norm 0 means no clipping (HF Trainer's and DeepSpeed's meaning): the losses are a run's whose
+    limit no gradient reaches, bit for bit. It clipped every gradient to norm 0, so only the decay moved."""
+    kw = dict(model=str(tiny_model), data=str(text_file), steps=3, seq_len=64, cpu_budget="8MiB")
+    unclipped = finetune(FinetuneConfig(output=str(tmp_path / "a"), max_grad_norm=0, **kw))
+    never_reached = finetune(FinetuneConfig(output=str(tmp_path / "b"), max_grad_norm=1e30, **kw))
+    assert unclipped.losses == never_reached.losses and unclipped.losses[-1] < unclipped.losses[0]
+
+
 def test_activations_offloaded_to_nvme_train_as_without(tmp_path, tiny_model, text_file):
     """--activations nvme with --grad-checkpointing: each block's input waits in the swap directory; the losses
     are those of the run without, bit for bit."""
@@ -332,6 +341,7 @@ def _fails(capsys, args, *needles):
     (["--seq-len", "0"], "--seq-len must be at least 1 (got 0)"),
     (["--lr", "-1"], "--lr must be positive (got -1.0)"),
     (["--weight-decay", "-3"], "--weight-decay must be 0 or more (got -3.0)"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm must be 0 (no clipping) or more (got -1.0)"),
     (["--lora-r", "8"], "--lora-r trains adapters over a pretrained base: give --model DIR"),
     (["--lora-alpha", "16"], "--lora-alpha and --lora-merge go with --lora-r R"),
 ])

@@ -196,6 +196,14 @@ def test_plan_refuses_nonsense_numbers_naming_the_flag(flag, value, says, capsys
     assert f"argument {flag}" in err and says in err, err
 
 
+@pytest.mark.parametrize("flag", ["--nvme-read", "--pcie"])
+def test_plan_refuses_a_zero_rate_naming_the_flag(flag, capsys):
+    """A rate of 0 ended in a ZeroDivisionError traceback."""
+    assert main(["plan", "--model", "llama-7b", flag, "0GB/s"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} '0GB/s': a rate must be above zero" in err and "Traceback" not in err, err
+
+
 def test_plan_counts_and_advice_read_right(capsys):
     """"1 ranks"; and with NVMe unbounded, "a larger NVMe drive" was advised where only host RAM was short."""
     assert main(["plan", "--model", "llama-7b", "--gpus", "1", "--gpu-mem", "24GiB", "--cpu-mem", "16GiB"]) == 0

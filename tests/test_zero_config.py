@@ -16,9 +16,14 @@ def test_parse_size_units():
     assert parse_size("4096") == 4096
     assert parse_size(123) == 123
     assert format_bytes(3 * 1024**3) == "3.00 GiB"
-    for bad in ("12 parsecs", "GiB", "-1", True):
+    for bad in ("12 parsecs", "GiB", "-1", True, float("nan"), float("inf")):  # (NaN: "cannot convert float NaN")
         with pytest.raises(ValueError, match="device_budget"):
             parse_size(bad, "device_budget")
+
+
+def test_nvme_budget_auto_is_accepted():
+    """The docstring and `offload finetune --nvme-budget` say "auto"; Config refused it as not a size."""
+    assert Config(nvme_budget="auto").bytes_of("nvme_budget") is None
 
 
 def test_defaults_and_dtypes():

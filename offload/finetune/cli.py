@@ -211,7 +211,7 @@ def add_finetune_parser(sub) -> None:
                    help="the optimizer: adamw (fp32 moments, the default), adamw8bit (8-bit block-quantized moments: "
                         "half the optimizer's bytes, lossy) or lion (one fp32 moment; wants a 3-10x smaller --lr)")
     p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm,
-                   help="gradients clipped to this global L2 norm each step")
+                   help="gradients clipped to this global L2 norm each step (0: no clipping)")
     p.add_argument("--params", choices=("device", "cpu", "nvme", "auto"), help="parameter tier (default nvme)")
     p.add_argument("--optimizer", choices=("device", "cpu", "nvme", "auto"),
                    help="tier of the fp32 master and AdamW moments (default nvme)")

@@ -99,6 +99,8 @@ class FinetuneConfig:
             raise InputError("give --steps or --epochs, not both")
         if not self.lr > 0:
             raise InputError(f"--lr must be positive (got {self.lr})")
+        if not self.max_grad_norm >= 0:
+            raise InputError(f"--max-grad-norm must be 0 (no clipping) or more (got {self.max_grad_norm})")
         if not self.weight_decay >= 0:
             raise InputError(f"--weight-decay must be 0 or more (got {self.weight_decay})")
         if self.optim not in OPTIMIZERS:
@@ -439,7 +441,8 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                         scaler.scale(loss_sum * (rt.world_size / max(1, tokens))).backward()
                     local += loss_sum.detach().cpu()
                 scaler.unscale_(opt)
-                rt.clip_grad_norm_(cfg.max_grad_norm)
+                if cfg.max_grad_norm > 0:  # 0: no clipping (HF Trainer's and DeepSpeed's meaning)
+                    rt.clip_grad_norm_(cfg.max_grad_norm)
                 scaler.step(opt)  # (opt.step(), unless fp16 gradients overflowed)
                 scaler.update()
                 sched.step()

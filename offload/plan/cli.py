@@ -31,9 +31,12 @@ def parse_rate(text: str, flag: str) -> float:
     if value.lower().endswith("/s"):
         value = value[:-2]
     try:
-        return float(parse_size(value, flag))
+        rate = float(parse_size(value, flag))
     except ValueError:
         raise ValueError(f"{flag} {text!r}: give a rate such as 25GB/s or 3.5GiB/s") from None
+    if rate <= 0:
+        raise ValueError(f"{flag} {text!r}: a rate must be above zero; give one such as 25GB/s or 3.5GiB/s")
+    return rate
 
 
 def _count(flag: str, least: int = 1):

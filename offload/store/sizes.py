@@ -27,6 +27,8 @@ def parse_size(value: int | str, what: str = "size") -> int:
     if isinstance(value, bool):
         raise ValueError(f"{what} must be a size like '60GiB' or a byte count, got {value!r}")
     if isinstance(value, (int, float)):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"{what} must be a finite size like '60GiB' or a byte count, got {value!r}")
         if value < 0:
             raise ValueError(f"{what} must be >= 0 bytes, got {value}")
         return int(value)
