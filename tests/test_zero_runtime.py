@@ -586,6 +586,32 @@ def test_auto_tiers_follow_budgets(tmp_path):
             rt.wrap(TinyTransformer())
 
 
+def _mostly_frozen() -> nn.Module:
+    """Four frozen 256x256 layers (a LoRA base: 1 MiB of fp32 parameters) and one small trainable one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)], nn.Linear(256, 16, bias=False))
+    for layer in model[:4]:
+        layer.requires_grad_(False)
+    return model
+
+
+def test_frozen_units_are_sized_and_homed_without_gradients_or_moments(tmp_path):
+    """A frozen unit never has a gradient or a moment. The placement counted both for every unit (an explicit
+    optimizer='cpu' refused where the base's parameters fit), and with the gradients in another tier than the
+    optimizer's their shards were registered for frozen units too, held for the whole run."""
+    units = dict(unit_classes=(nn.Linear,), persist_threshold=0)
+    with offload.init(_cfg(params="cpu", optimizer="cpu", cpu_budget="1280KiB", **units)) as rt:
+        model = rt.wrap(_mostly_frozen())  # 1 MiB frozen + 16 KiB trained and its 48 KiB of states
+        opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model(torch.randn(4, 256)).square().mean().backward()
+        opt.step()
+        assert rt.states.nbytes_in("cpu") <= (1024 + 16 + 48 + 16) * 1024  # (+ one unit's padding to 256 x 4 KiB)
+    with offload.init(_cfg(params="cpu", optimizer="nvme", grads="cpu", cpu_budget="8MiB", nvme_path=str(tmp_path),
+                           **units)) as rt:
+        rt.wrap(_mostly_frozen())
+        assert rt.states.nbytes_in("cpu") == 1024 * 1024 + 16 * 1024 + 16 * 1024  # params and the trained one's grad
+
+
 def test_auto_tiers_take_the_pair_the_step_model_predicts_fastest(tmp_path):
     """140 KiB of cpu budget holds the params at home with the optimizer's states paged (what taking the
     fastest tier for params first gives) or the optimizer's states at home with the params paged: "auto"

@@ -58,13 +58,6 @@ class Placement:
         return equal_chunk(shard_numel, self.chunk_numel)
 
 
-def optimizer_fp32_states(width: int, schema: Schema = ADAMW) -> float:
-    """Bytes homed with the optimizer per element, in fp32 elements: the family's states (AdamW: exp_avg and
-    exp_avg_sq, 2; AdamW8bit: about 0.5), the gradient, and the fp32 master unless the parameter is it (compute
-    dtype of `width` bytes)."""
-    return schema.bytes_per_element / 4 + 1 + (1 if width != 4 else 0)
-
-
 def equal_chunk(shard_numel: int, chunk_numel: int) -> int:
     """Elements per chunk cutting a shard of shard_numel into equal (aligned) chunks of at most chunk_numel."""
     pieces = max(1, -(-shard_numel // chunk_numel))
@@ -187,10 +180,15 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
     chunks = {s.index: [hi - lo for lo, hi in chunk_bounds(s.layout.shard_numel,
                                                           equal_chunk(s.layout.shard_numel, chunk_numel))]
               for s in sizes}
-    # bytes the new units' shards hold in their home tier, as the store holds them (every chunk page-rounded)
+    # bytes the new units' shards hold in their home tier, as the store holds them (every chunk page-rounded); a
+    # frozen unit (a LoRA base) has the parameter and its fp32 master (its values as loaded, for the export) and
+    # never a gradient or a moment
     new_chunks = [n for s in new for n in chunks[s.index]]
+    trained_chunks = [n for s in new if s.layout.trainable for n in chunks[s.index]]
     param_bytes = sum(page_bytes(n * width) for n in new_chunks)
-    opt_bytes = int(optimizer_fp32_states(width, schema) * sum(page_bytes(n * 4) for n in new_chunks))
+    grad_bytes = sum(page_bytes(n * 4) for n in trained_chunks)
+    master_bytes = sum(page_bytes(n * 4) for n in new_chunks) if width != 4 else 0
+    opt_bytes = master_bytes + int((schema.bytes_per_element / 4 + 1) * grad_bytes)  # + the states, the gradient
 
     def staging(p: str, o: str) -> int:
         return host_working_set(list(chunks.values()), width, p == "nvme", o == "nvme",
@@ -264,7 +262,6 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
             "params='cpu' / 'nvme'"
         )
     device_left = device_free - (param_bytes if params == "device" else 0) - (opt_bytes if optimizer == "device" else 0)
-    grad_bytes = sum(page_bytes(n * 4) for n in new_chunks)
     grads = grads_tier(grads, optimizer, grad_bytes, device_left - gathered_bound(sizes, width, ahead=True),
                        cpu_free - cpu_need - working, device_budget_given)
     if grads == "device" and optimizer != "device":

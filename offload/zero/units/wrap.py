@@ -84,7 +84,7 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
             _register_unit(rt, shards, shard)
             del shard
             unit = ShardedUnit(rt.ctx, index, uid, spec.name, spec.module, layout, shards)
-            if shards.tiers.grads is not shards.tiers.optimizer:
+            if shards.tiers.grads is not shards.tiers.optimizer and layout.trainable:  # (a frozen unit has none)
                 unit.register_grads()  # now, so the next wrap's placement sees their bytes in use
             _adopt(rt, unit, spec, ordinal)
             if spec.island or layout.padded_numel * width <= persist:
