@@ -144,6 +144,30 @@ def test_the_swap_check_and_the_store_agree(tmp_path, tiny_model, text_file, mon
     assert list(swap.iterdir()) == []
 
 
+def test_a_lora_runs_swap_check_counts_states_of_the_adapters_only(tmp_path, tiny_model, text_file):
+    """With --lora-r the frozen base has no gradient and no optimizer states: the check counted them for every
+    parameter (a 7B base with --lora-r 16 asked for about 126 GB of swap where about 14 GB is used) and refused
+    runs that fit. Its bound now holds the store's own count closely, as for a full fine-tune."""
+    from offload.finetune.job import _with_lora
+
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    common = dict(model=str(tiny_model), data=str(text_file), steps=1, seq_len=64, compute_dtype="bf16",
+                  cpu_budget="8MiB", eval_blocks=4, nvme_path=str(swap), output=str(tmp_path / "out"), lora_r=4)
+    rcfg = runtime_config(FinetuneConfig(**common), str(swap))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shapes = _with_lora(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model)),
+                            FinetuneConfig(**common))
+    params = list(shapes.parameters())
+    bound = swap_bytes_per_rank(rcfg, sum(p.numel() for p in params), len(params), 1,
+                                sum(p.numel() for p in params if p.requires_grad))
+    used = {}
+    finetune(FinetuneConfig(**common), on_trained=lambda rt, m: used.update(rt.states.stats()["nvme"]))
+    assert used["bytes_in_use"] <= bound <= 1.15 * used["bytes_in_use"] + (1 << 20), (used, bound)
+
+
 # ---- one line, naming the flag ------------------------------------------------------------------
 def test_runtime_refusals_name_the_flags(tmp_path, tiny_model, text_file, capsys):
     """--cpu-budget 1MiB raised a MemoryError naming offload.Config.cpu_budget and advising params and

@@ -315,6 +315,7 @@ class _Inputs:
     n_params: int
     n_tensors: int
     ignored: list[str]
+    trained_params: int  # n_params in a full fine-tune; the adapters' with --lora-r (the rest has no states)
 
 
 def _inputs(cfg: FinetuneConfig) -> _Inputs:
@@ -350,10 +351,13 @@ def _inputs(cfg: FinetuneConfig) -> _Inputs:
     train, heldout = split_heldout(blocks, cfg.eval_blocks)
     with torch.device("meta"):  # the shapes alone: to check the weights and the swap space before any byte moves
         shapes_only = AutoModelForCausalLM.from_config(hf_config)
+    ignored = model_dir.check(shapes_only) if model_dir is not None else []
+    if cfg.lora_r:  # (the same adapters the run adds, on the shapes: the swap is sized for them)
+        shapes_only = _with_lora(shapes_only, cfg)
     n_params = sum(p.numel() for p in shapes_only.parameters())
     n_tensors = sum(1 for _ in shapes_only.parameters())
-    ignored = model_dir.check(shapes_only) if model_dir is not None else []
-    return _Inputs(model_dir, tokenizer, hf_config, train, heldout, n_params, n_tensors, ignored)
+    trained = sum(p.numel() for p in shapes_only.parameters() if p.requires_grad)
+    return _Inputs(model_dir, tokenizer, hf_config, train, heldout, n_params, n_tensors, ignored, trained)
 
 
 def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneResult:
@@ -390,7 +394,8 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
     inputs = _inputs(cfg)
     model_dir, tokenizer, train, heldout = inputs.model_dir, inputs.tokenizer, inputs.train, inputs.heldout
     n_params = inputs.n_params
-    preflight.check_swap_room(rcfg, n_params, inputs.n_tensors, world, budget_setting=(
+    preflight.check_swap_room(rcfg, n_params, inputs.n_tensors, world, trained_params=inputs.trained_params,
+                              budget_setting=(
         f"--nvme-budget {cfg.nvme_budget}" if cfg.nvme_budget is not None else f"nvme_budget {rcfg.nvme_budget} (in --config)"))
     try:
         with offload.init(rcfg) as rt:

@@ -56,27 +56,33 @@ def check_budgets(cfg: Config, world: int) -> None:
         raise InputError(str(exc)) from None
 
 
-def swap_bytes_per_rank(cfg: Config, n_params: int, n_tensors: int, world: int) -> int:
+def swap_bytes_per_rank(cfg: Config, n_params: int, n_tensors: int, world: int, trained_params: int | None = None) -> int:
     """An upper bound of the swap space one rank's nvme-homed states take, as the store lays them out: this
-    rank's share of every parameter at the bytes its states keep (placement.py: the compute-dtype parameter; the
-    optimizer family's states, the fp32 gradient and the fp32 master unless the parameter is it), plus each unit's padding and page rounding (at most one alignment quantum
-    a unit and one page a chunk, chunks being at least half a MiB; every unit holds at least one tensor)."""
+    rank's share of every parameter at the bytes its states keep (placement.py: the compute-dtype parameter and
+    the fp32 master unless the parameter is it; of the `trained_params` (default all; a LoRA run's adapters) also
+    the optimizer family's states and the fp32 gradient), plus each unit's padding and page rounding (at most
+    one alignment quantum a unit and one page a chunk, chunks being at least half a MiB; every unit holds at
+    least one tensor)."""
     from ..store.swap_file import SLOT_ALIGN
     from ..zero.units.layout import ALIGN
     from ..optim.schema import by_name
 
     compute = cfg.torch_compute_dtype.itemsize
-    kinds = []  # bytes per element of each nvme-homed state
+    every, trained = [], []  # bytes per element of each nvme-homed state: of every parameter, of trained ones
     if cfg.params == "nvme":
-        kinds.append(compute)
+        every.append(compute)
     if cfg.optimizer == "nvme":
-        kinds += [s.bytes_per_element for s in by_name(cfg.optimizer_states).states] + [4] + ([4] if compute != 4 else [])
+        every += [4] if compute != 4 else []
+        trained += [s.bytes_per_element for s in by_name(cfg.optimizer_states).states] + [4]
     numel = math.ceil(n_params / world)
+    trained_numel = numel if trained_params is None else math.ceil(trained_params / world)
     chunks = math.ceil(numel * 4 / (512 << 10)) + n_tensors
-    return math.ceil(sum(k * (numel + n_tensors * ALIGN) + chunks * SLOT_ALIGN for k in kinds))
+    return math.ceil(sum(k * (numel + n_tensors * ALIGN) + chunks * SLOT_ALIGN for k in every)
+                     + sum(k * (trained_numel + n_tensors * ALIGN) + chunks * SLOT_ALIGN for k in trained))
 
 
-def check_swap_room(cfg: Config, n_params: int, n_tensors: int, world: int, budget_setting: str) -> None:
+def check_swap_room(cfg: Config, n_params: int, n_tensors: int, world: int, budget_setting: str,
+                    trained_params: int | None = None) -> None:
     """Before the first byte is written: room for this rank's swap by the runtime's own rule (the same
     budget the store will enforce: nvme_budget, else 90% of the free space split among this node's ranks).
     `budget_setting`: where an explicit nvme budget came from, as the user wrote it (the flag or --config)."""
@@ -90,7 +96,7 @@ def check_swap_room(cfg: Config, n_params: int, n_tensors: int, world: int, budg
         budget = prepare_swap_dir(cfg.nvme_path, cfg.nvme_budget, local)
     except OSError as exc:
         raise InputError(as_flags(str(exc))) from None
-    need = swap_bytes_per_rank(cfg, n_params, n_tensors, world)
+    need = swap_bytes_per_rank(cfg, n_params, n_tensors, world, trained_params)
     if need <= budget:
         return
     states = f"this run swaps up to {format_bytes(need)} a rank (params on {cfg.params}, optimizer states on {cfg.optimizer})"
