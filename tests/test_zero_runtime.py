@@ -612,6 +612,29 @@ def test_frozen_units_are_sized_and_homed_without_gradients_or_moments(tmp_path)
         assert rt.states.nbytes_in("cpu") == 1024 * 1024 + 16 * 1024 + 16 * 1024  # params and the trained one's grad
 
 
+def test_optimizer_on_the_device_is_counted_against_the_device_budget():
+    """optimizer='device' (DeepSpeed's stage 3 without offload) keeps the master, gradient and moments in the
+    device tier: the wrap counted only the parameter shards and the gathered units, accepted, and the run failed
+    at its first reduce or step (on a GPU with an "auto" budget: out of memory)."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(256, 256, bias=False) for _ in range(4)])  # 1 MiB of fp32 parameters
+
+    units = dict(unit_classes=(nn.Linear,), persist_threshold=0, params="device", optimizer="device")
+    with offload.init(_cfg(device_budget="2MiB", **units)) as rt:  # the params and a unit gathered: 1.25 MiB
+        with pytest.raises(MemoryError, match=r"device_budget: params='device' keeps 1.00 MiB .* and "
+                                              r"optimizer='device' keeps 3.00 MiB .* of fp32 master, gradient and "
+                                              r"optimizer states on the device .* raise device_budget or set "
+                                              r"params='cpu' / 'nvme' / optimizer='cpu' / 'nvme'"):
+            rt.wrap(model())
+    with offload.init(_cfg(device_budget="5MiB", **units)) as rt:
+        m = rt.wrap(model())
+        opt = offload.AdamW(m.parameters(), lr=1e-2)
+        m(torch.randn(4, 256)).square().mean().backward()
+        opt.step()
+        assert rt.states.nbytes_in("device") >= 4 << 20  # the states, all four kinds, in the device tier
+
+
 def test_auto_tiers_take_the_pair_the_step_model_predicts_fastest(tmp_path):
     """140 KiB of cpu budget holds the params at home with the optimizer's states paged (what taking the
     fastest tier for params first gives) or the optimizer's states at home with the params paged: "auto"

@@ -197,6 +197,9 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
     def cpu_homed(p: str, o: str) -> int:
         return (param_bytes if p == "cpu" else 0) + (opt_bytes if o == "cpu" else 0)
 
+    def device_homed(p: str, o: str) -> int:
+        return (param_bytes if p == "device" else 0) + (opt_bytes if o == "device" else 0)
+
     cpu_free = budgets["cpu"] - in_use["cpu"]
     device_free = budgets["device"] - in_use["device"]
     gathered = gathered_bound(sizes, width, ahead=False)
@@ -205,8 +208,8 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
     def fits(p: str, o: str) -> bool:
         if cpu_homed(p, o) + staging(p, o) > cpu_free:
             return False
-        if p == "device" and param_bytes + max(2 * biggest_full, gathered) > device_free:
-            return False  # the param shards, and two units gathered at once (or the persistent ones)
+        if device_homed(p, o) and device_homed(p, o) + max(2 * biggest_full, gathered) > device_free:
+            return False  # the device-homed shards, and two units gathered at once (or the persistent ones)
         nvme = (param_bytes if p == "nvme" else 0) + (opt_bytes if o == "nvme" else 0)
         return not nvme or (nvme_path is not None and (budgets["nvme"] is None or nvme <= budgets["nvme"])
                             and _nvme_free(nvme_path) >= nvme)
@@ -252,14 +255,20 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
                 "free space)"
             )
         check_nvme_path(nvme_path, nvme_need, "the model's nvme-homed states")
-    if params == "device" and param_bytes + gathered > device_free:
+    on_device = device_homed(params, optimizer)
+    if on_device and on_device + gathered > device_free:
         # device-homed shards and the gathered units share the device: both must fit device_budget
+        what = " and ".join(f"{name}='device' keeps {format_bytes(n)} ({n} bytes) of {kind}"
+                            for name, tier, n, kind in (("params", params, param_bytes, "parameter shards"),
+                                                        ("optimizer", optimizer, opt_bytes,
+                                                         "fp32 master, gradient and optimizer states"))
+                            if tier == "device")
         raise MemoryError(
-            f"offload.Config.device_budget: params='device' keeps {format_bytes(param_bytes)} ({param_bytes} bytes) "
-            f"of parameter shards on the device and gathering units needs up to {format_bytes(gathered)} "
-            f"({gathered} bytes) more (root + persistent units + the largest unit), but only "
+            f"offload.Config.device_budget: {what} on the device and gathering units needs up to "
+            f"{format_bytes(gathered)} ({gathered} bytes) more (root + persistent units + the largest unit), but only "
             f"{format_bytes(device_free)} ({device_free} bytes) of device_budget is left; raise device_budget or set "
-            "params='cpu' / 'nvme'"
+            + " / ".join(f"{name}='cpu' / 'nvme'" for name, tier in (("params", params), ("optimizer", optimizer))
+                         if tier == "device")
         )
     device_left = device_free - (param_bytes if params == "device" else 0) - (opt_bytes if optimizer == "device" else 0)
     grads = grads_tier(grads, optimizer, grad_bytes, device_left - gathered_bound(sizes, width, ahead=True),
