@@ -29,6 +29,7 @@ from offload.finetune import FinetuneConfig, finetune  # noqa: E402
 from offload.finetune.batches import IGNORE, Sampler, build_blocks, split_heldout  # noqa: E402
 from offload.finetune.corpus import Example, read_data_file, stdlib_corpus  # noqa: E402
 from offload.finetune.tokenizer import train_bpe  # noqa: E402
+from offload.errors import InputError  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 
@@ -282,6 +283,28 @@ def test_torchrun_two_ranks_same_losses(tmp_path, tiny_model, text_file, lora):
 
 
 # ---- settings ----------------------------------------------------------------------------------
+def test_a_deepspeed_configs_training_settings_are_the_runs_or_refused(tmp_path):
+    """--config ds.json with a micro-batch, accumulation, clipping or learning rate other than the run's: the run
+    used its own (flags or defaults) and the file's were dropped without a word. Now a differing one is refused
+    naming the flag; equal ones and Hugging Face's "auto" are accepted."""
+    from offload.finetune.job import runtime_config
+
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    for extra, says in (({"train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu=8 differs from "
+                                                                 "this run's --micro-batch 4"),
+                        ({"gradient_accumulation_steps": 16}, "give --grad-accum 16"),
+                        ({"gradient_clipping": 0.5}, "--max-grad-norm 1.0"),
+                        ({"optimizer": {"type": "AdamW", "params": {"lr": 2e-5}}}, "optimizer.params.lr=2e-05")):
+        (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": zero, **extra}))
+        with pytest.raises(InputError, match=re.escape(says)):
+            runtime_config(FinetuneConfig(model="m", offload_config=str(tmp_path / "ds.json")), "/tmp/x")
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": zero, "train_micro_batch_size_per_gpu": 8,
+                                                  "gradient_accumulation_steps": "auto",
+                                                  "optimizer": {"params": {"lr": 2e-5, "weight_decay": 0.0}}}))
+    runtime_config(FinetuneConfig(model="m", offload_config=str(tmp_path / "ds.json"), micro_batch=8, lr=2e-5,
+                                  weight_decay=0.0), "/tmp/x")
+
+
 def test_runtime_settings_from_flags_config_file_and_defaults(tmp_path):
     from offload.finetune.job import runtime_config
 

@@ -181,6 +181,7 @@ def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
                 from_file, _ = deepspeed_fields(loaded)
             except ValueError as exc:
                 raise InputError(f"--config {path}: {exc}") from None
+            _check_deepspeed_training(loaded, cfg, path)
         else:
             unknown = set(loaded) - {f.name for f in dataclasses.fields(Config)}
             if unknown:
@@ -200,6 +201,32 @@ def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
                          "overflow check could skip them; drop one of the two (the default speculative updates are "
                          "taken back when a step overflows)")
     return config
+
+
+# A DeepSpeed config's training settings, which offload finetune takes from its own flags: (where in the file,
+# the FinetuneConfig field, the flag)
+_DS_TRAINING = (
+    (("train_micro_batch_size_per_gpu",), "micro_batch", "--micro-batch"),
+    (("gradient_accumulation_steps",), "grad_accum", "--grad-accum"),
+    (("gradient_clipping",), "max_grad_norm", "--max-grad-norm"),
+    (("optimizer", "params", "lr"), "lr", "--lr"),
+    (("optimizer", "params", "weight_decay"), "weight_decay", "--weight-decay"),
+)
+
+
+def _check_deepspeed_training(ds: dict, cfg: FinetuneConfig, path: Path) -> None:
+    """A DeepSpeed config's micro-batch, accumulation, clipping, learning rate or decay that differs from the run's
+    (its flags, or their defaults) is refused naming the flag: the run used its own values, silently."""
+    for keys, field, flag in _DS_TRAINING:
+        value = ds
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is None or value == "auto":  # absent, or Hugging Face's placeholder
+            continue
+        ours = getattr(cfg, field)
+        if not isinstance(value, (int, float)) or float(value) != float(ours):
+            raise InputError(f"--config {path}: {'.'.join(keys)}={value!r} differs from this run's {flag} {ours}; "
+                             f"offload finetune takes it from {flag}: give {flag} {value}, or drop it from the file")
 
 
 def _lora_alpha(cfg: FinetuneConfig) -> float:
