@@ -507,6 +507,20 @@ def test_resume_goes_on_exactly_and_exports(tmp_path, tiny_model, text_file):
         finetune(FinetuneConfig(**{**common, "seq_len": 32}, output=str(tmp_path / "c"), resume=str(ckpts)))
 
 
+def test_an_fp32_export_of_a_bf16_model_loads_as_fp32(tmp_path, tiny_model, text_file):
+    """A model whose config.json says bfloat16, fine-tuned and exported in fp32: the export kept the source's
+    "dtype", so transformers (dtype="auto") loaded the fp32 weights as bf16, rounding them."""
+    source = tmp_path / "bf16-model"
+    shutil.copytree(tiny_model, source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    finetune(FinetuneConfig(model=str(source), data=str(text_file), steps=1, seq_len=64, compute_dtype="fp32",
+                            cpu_budget="8MiB", eval_blocks=4, output=str(tmp_path / "out"), checkpoint_every=1))
+    assert main(["export", str(tmp_path / "out" / "checkpoints"), str(tmp_path / "exported")]) == 0
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["dtype"] == "float32"
+    assert {p.dtype for p in AutoModelForCausalLM.from_pretrained(tmp_path / "exported").parameters()} == {torch.float32}
+
+
 def test_a_lora_run_resumes_exactly(tmp_path, tiny_model, text_file):
     """The adapters' states checkpoint and resume bit for bit (the frozen base has none); other LoRA settings are
     another run."""

@@ -47,11 +47,14 @@ def export_checkpoint(ckpt, out, max_shard_bytes: int = 2 << 30, dtype: torch.dt
                 with open_private(safe_member(path, name, "the manifest's aux files"), write=False) as src, \
                         open(tmp / name, "wb") as dst:
                     shutil.copyfileobj(src, dst)
-        if dtype != torch.float32 and (tmp / "config.json").is_file():
-            import json
+        if (tmp / "config.json").is_file():  # the dtype written, always: transformers loads a model in the config's
+            import json  # dtype (dtype="auto"), so fp32 weights under a bf16 source config came back as bf16
 
             config = json.loads((tmp / "config.json").read_text())
-            config["dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+            name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+            config["dtype"] = name
+            if "torch_dtype" in config:  # (transformers 4's spelling)
+                config["torch_dtype"] = name
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
 
     return write_hf_weights(out, tensors(), max_shard_bytes, add_files)
