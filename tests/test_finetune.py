@@ -440,6 +440,13 @@ def test_model_directory_errors(tmp_path, capsys, tiny_model, text_file):
     (wrong / "config.json").write_text(json.dumps(cfg))
     _fails(capsys, ["--model", str(wrong), *data], "model.layers.0.mlp.up_proj.weight", "[128, 64]", "[96, 64]",
            "same model")
+    # quantized weights (an FP8 release: the same names and shapes, scales beside them) were read as plain values
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(tiny_model, fp8)
+    cfg = json.loads((fp8 / "config.json").read_text())
+    (fp8 / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
+    _fails(capsys, ["--model", str(fp8), *data], str(fp8), "quantization_config (quant_method 'fp8')",
+           "give the model in bf16 or fp32")
     # a shard named in the index that is missing
     sharded = tmp_path / "sharded"
     tok = AutoTokenizer.from_pretrained(tiny_model)

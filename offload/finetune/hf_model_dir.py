@@ -48,6 +48,16 @@ class HFModelDir:
         if not (self.path / "config.json").is_file():
             raise ModelDirError(f"{where}: no config.json; a Hugging Face model directory holds config.json and "
                                 "model.safetensors (save one with model.save_pretrained(DIR))")
+        try:
+            quantized = json.loads((self.path / "config.json").read_text()).get("quantization_config")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ModelDirError(f"{where}: config.json is not a JSON object ({exc})") from None
+        if quantized:  # FP8 / GPTQ / AWQ / bitsandbytes: same names and shapes, other numbers (scales beside)
+            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+            raise ModelDirError(f"{where}: config.json has a quantization_config (quant_method {method!r}): its "
+                                "weights are quantized, with scales the plain read here would drop; give the model "
+                                "in bf16 or fp32 (the unquantized release, or one dequantized and saved with "
+                                "save_pretrained)")
         index = self.path / INDEX_NAME
         if index.is_file():
             try:
