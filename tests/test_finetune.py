@@ -514,6 +514,19 @@ def test_resume_goes_on_exactly_and_exports(tmp_path, tiny_model, text_file):
         finetune(FinetuneConfig(**{**common, "seq_len": 32}, output=str(tmp_path / "c"), resume=str(ckpts)))
 
 
+def test_the_models_generation_config_is_kept(tmp_path, tiny_model, text_file):
+    """The input's generation_config.json (a chat model's sampling defaults and extra end-of-sequence ids) was
+    replaced in the output by defaults derived from config.json: the model was built from its config alone."""
+    source = tmp_path / "chat-model"
+    shutil.copytree(tiny_model, source)
+    (source / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": [2, 7], "bos_token_id": 1}))
+    finetune(FinetuneConfig(model=str(source), data=str(text_file), steps=1, seq_len=64, cpu_budget="8MiB",
+                            eval_blocks=4, output=str(tmp_path / "out")))
+    written = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert (written["temperature"], written["top_p"], written["eos_token_id"]) == (0.6, 0.9, [2, 7]), written
+
+
 def test_an_fp32_export_of_a_bf16_model_loads_as_fp32(tmp_path, tiny_model, text_file):
     """A model whose config.json says bfloat16, fine-tuned and exported in fp32: the export kept the source's
     "dtype", so transformers (dtype="auto") loaded the fp32 weights as bf16, rounding them."""

@@ -90,6 +90,14 @@ class HFModelDir:
             except Exception as exc:  # safetensors raises its own error types for a bad header
                 raise ModelDirError(f"{where}: {f} is not a readable safetensors file ({exc})") from None
 
+    def adopt_generation_config(self, model: nn.Module) -> None:
+        """The directory's generation_config.json (sampling defaults, extra end-of-sequence ids) onto `model`, as
+        from_pretrained does; a model built from its config alone has defaults derived from the config."""
+        if model.can_generate() and (self.path / "generation_config.json").is_file():
+            from transformers import GenerationConfig
+
+            model.generation_config = GenerationConfig.from_pretrained(str(self.path))
+
     def config(self):
         from transformers import AutoConfig
 

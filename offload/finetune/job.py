@@ -431,6 +431,7 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                 model = _with_lora(model, cfg)
             if model_dir is not None:
                 rt.wrap(model, weights=base_weights(model_dir, model) if cfg.lora_r else model_dir.weights(model))
+                model_dir.adopt_generation_config(model)  # written out with the model, as the input had it
             else:
                 rt.wrap(model)
             if cfg.grad_checkpointing:
