@@ -512,6 +512,11 @@ def test_resume_goes_on_exactly_and_exports(tmp_path, tiny_model, text_file):
         assert n == m and torch.equal(p, q), n
     with pytest.raises(ValueError, match=r"--resume .*seq_len 64 -> 32"):
         finetune(FinetuneConfig(**{**common, "seq_len": 32}, output=str(tmp_path / "c"), resume=str(ckpts)))
+    # the optimization settings too: the checkpoint's optimizer and schedule carry the old ones (a new --lr was
+    # ignored while a new --warmup-steps took effect)
+    for change, says in (({"lr": 2e-3}, "lr 0.001 -> 0.002"), ({"warmup_steps": 3}, "warmup_steps 1 -> 3")):
+        with pytest.raises(ValueError, match=rf"--resume .*{re.escape(says)}"):
+            finetune(FinetuneConfig(**{**common, **change}, output=str(tmp_path / "c"), resume=str(ckpts)))
 
 
 def test_the_models_generation_config_is_kept(tmp_path, tiny_model, text_file):

@@ -276,6 +276,10 @@ def _all_sum(rt, value: torch.Tensor) -> torch.Tensor:
         else value.detach().float().cpu()
 
 
+# the run's optimization settings, compared at a resume since they were recorded (older checkpoints lack them)
+_OPTIMIZATION_KEYS = frozenset({"lr", "weight_decay", "warmup_steps", "min_lr_ratio", "max_grad_norm"})
+
+
 def _resume(rt, cfg: FinetuneConfig, sched, scaler, run_key: dict) -> int:
     """Load --resume into the run (the loss scaler's state too); the step to go on from. The data order and
     schedule must be the same."""
@@ -286,7 +290,8 @@ def _resume(rt, cfg: FinetuneConfig, sched, scaler, run_key: dict) -> int:
     except CheckpointError as exc:
         raise InputError(f"--resume {cfg.resume}: {exc}") from None
     saved = extra.get("run", {})
-    differ = [f"{k} {saved.get(k)} -> {v}" for k, v in run_key.items() if saved.get(k) != v]
+    differ = [f"{k} {saved.get(k)} -> {v}" for k, v in run_key.items()
+              if saved.get(k) != v and (k in saved or k not in _OPTIMIZATION_KEYS)]
     if differ == [f"steps {saved.get('steps')} -> {run_key['steps']}"]:
         raise InputError(f"--resume {cfg.resume}: the checkpoint is of a {saved.get('steps')}-step run and this one "
                          f"asks for {run_key['steps']}; a resumed run keeps its length, because the learning rate's "
@@ -296,8 +301,9 @@ def _resume(rt, cfg: FinetuneConfig, sched, scaler, run_key: dict) -> int:
                          f"{saved.get('steps')}")
     if differ:
         raise InputError(f"--resume {cfg.resume}: the run differs from the checkpoint's ({', '.join(differ)}); resume "
-                         "with the same data, --seq-len, --micro-batch x ranks, --grad-accum, --seed, --steps and "
-                         "--lora-* settings")
+                         "with the same data, --seq-len, --micro-batch x ranks, --grad-accum, --seed, --steps, "
+                         "--lr, --weight-decay, --warmup-steps, --min-lr-ratio, --max-grad-norm and --lora-* settings "
+                         "(the checkpoint's optimizer and schedule carry the old ones: a change would mix the two)")
     if scaler.is_enabled() and extra.get("scaler"):
         scaler.load_state_dict(extra["scaler"])
     return int(extra["next_step"])
@@ -448,7 +454,9 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
             warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, steps // 20)
             sched = get_cosine_with_min_lr_schedule_with_warmup(opt, warmup, steps, min_lr_rate=cfg.min_lr_ratio)
             run_key = {"seq_len": cfg.seq_len, "global_micro_batch": cfg.micro_batch * rt.world_size, "optim": cfg.optim,
-                       "grad_accum": cfg.grad_accum, "seed": cfg.seed, "steps": steps, "train_blocks": len(train)}
+                       "grad_accum": cfg.grad_accum, "seed": cfg.seed, "steps": steps, "train_blocks": len(train),
+                       "lr": cfg.lr, "weight_decay": cfg.weight_decay, "warmup_steps": warmup,
+                       "min_lr_ratio": cfg.min_lr_ratio, "max_grad_norm": cfg.max_grad_norm}
             if cfg.lora_r:  # another adapter is another run (its states would not fit)
                 run_key["lora"] = [cfg.lora_r, _lora_alpha(cfg), cfg.lora_targets, cfg.lora_dropout]
             # fp16: loss scaling (a disabled scaler passes every call through to the optimizer)
