@@ -506,7 +506,7 @@ def test_aux_files_are_checksummed_and_exported(saved_run, tmp_path):
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["files"]["config.json"]["aux"] is True
     out = export_checkpoint(ckpt, tmp_path / "exported")
-    assert (out / "config.json").read_text() == '{"model_type": "tiny"}'
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "tiny", "dtype": "float32"}  # (its dtype)
     (path / "config.json").write_text('{"model_type": "evil"}')
     with pytest.raises(CheckpointError, match="config.json: sha256 differs"):
         export_checkpoint(ckpt, tmp_path / "exported2")

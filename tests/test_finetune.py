@@ -564,6 +564,16 @@ def test_a_lora_run_resumes_exactly(tmp_path, tiny_model, text_file):
         finetune(FinetuneConfig(**common, lora_alpha=16, output=str(tmp_path / "c"), resume=str(ckpts)))
     with pytest.raises(ValueError, match=r"--resume .*does not fit this model"):  # other shapes: the manifest says
         finetune(FinetuneConfig(**{**common, "lora_r": 8}, output=str(tmp_path / "d"), resume=str(ckpts)))
+    # export of a LoRA checkpoint wrote PEFT's wrapped names beside the base's config: neither transformers nor PEFT
+    # loads that directory (and a longer run was told to do exactly that)
+    with pytest.raises(ValueError, match=r"--resume .*To train on: resume it to its end and start a new run"):
+        finetune(FinetuneConfig(**{**common, "steps": 6}, output=str(tmp_path / "e"), resume=str(ckpts)))
+    from offload.checkpoint import CheckpointError
+    from offload.checkpoint.export import export_checkpoint
+
+    with pytest.raises(CheckpointError, match=r"a LoRA run's checkpoint \(PEFT's wrapped names, such as .*base_layer"):
+        export_checkpoint(ckpts, tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()
 
 
 def test_a_stop_signal_swallowed_by_a_finalizer_is_kept_for_the_next_step():

@@ -24,6 +24,13 @@ def export_checkpoint(ckpt, out, max_shard_bytes: int = 2 << 30, dtype: torch.dt
     from safetensors import safe_open
 
     path, manifest = verified(ckpt)
+    wrapped = next((s["name"] for u in manifest["units"] for s in u["slots"]
+                    if ".lora_A." in s["name"] or ".base_layer." in s["name"]), None)
+    if wrapped is not None:  # PEFT's names over the base: neither transformers nor PEFT could load the directory
+        raise CheckpointError(f"{path}: a LoRA run's checkpoint (PEFT's wrapped names, such as {wrapped!r}); export "
+                              "writes a full model's weights under the model's own names, which these are not. The "
+                              "adapters are what the run saves at its end (offload finetune --lora-r: its --output, "
+                              "a PEFT adapter directory): resume the run to its end to get them")
     world = manifest["world_size"]
     handles = [safe_open(str(path / rank_file(r, world)), framework="pt") for r in range(world)]
 

@@ -293,12 +293,13 @@ def _resume(rt, cfg: FinetuneConfig, sched, scaler, run_key: dict) -> int:
     differ = [f"{k} {saved.get(k)} -> {v}" for k, v in run_key.items()
               if saved.get(k) != v and (k in saved or k not in _OPTIMIZATION_KEYS)]
     if differ == [f"steps {saved.get('steps')} -> {run_key['steps']}"]:
+        train_on = ("resume it to its end and start a new run over the base with the adapters it saved"
+                    if cfg.lora_r else f"`offload export {cfg.resume} DIR` and start a new run with --model DIR")
         raise InputError(f"--resume {cfg.resume}: the checkpoint is of a {saved.get('steps')}-step run and this one "
                          f"asks for {run_key['steps']}; a resumed run keeps its length, because the learning rate's "
                          "warmup and cosine decay are laid over --steps (a longer run is another run, whose earlier "
-                         f"steps had other rates). To train on: `offload export {cfg.resume} DIR` and start a new "
-                         "run with --model DIR (the optimizer's moments start afresh), or resume with --steps "
-                         f"{saved.get('steps')}")
+                         f"steps had other rates). To train on: {train_on} (the optimizer's moments start afresh), or "
+                         f"resume with --steps {saved.get('steps')}")
     if differ:
         raise InputError(f"--resume {cfg.resume}: the run differs from the checkpoint's ({', '.join(differ)}); resume "
                          "with the same data, --seq-len, --micro-batch x ranks, --grad-accum, --seed, --steps, "
