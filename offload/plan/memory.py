@@ -103,10 +103,15 @@ def activation_bytes(m: ModelSpec, w: Workload) -> int:
     return kept - offloaded_activation_bytes(m, w) + 6 * w.seq_len * w.micro_batch * m.vocab
 
 
-def gathered_bytes(m: ModelSpec, compute_bytes: int = 2) -> int:
+REDUCES_IN_FLIGHT = 2  # full gradients the reduce lane holds at once (offload.zero.context: max_reduces_in_flight)
+
+
+def gathered_bytes(m: ModelSpec, compute_bytes: int = 2, ranks: int = 1) -> int:
     """Gathered parameters on the device at once: the unit in use and the next one gathered ahead, and their
-    gradients before the reduce (compute dtype)."""
-    return 2 * m.largest_unit_params * compute_bytes * 2
+    gradients before the reduce (compute dtype); with more than one rank also the fp32 copies of the full
+    gradients the reduce lane holds (the ranks sum in fp32: Config.reduce_dtype's default)."""
+    held = 2 * m.largest_unit_params * compute_bytes * 2
+    return held + (REDUCES_IN_FLIGHT * m.largest_unit_params * 4 if ranks > 1 else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +159,7 @@ def tier_bytes(m: ModelSpec, w: Workload, ranks: int, place: Placement, sb: Stat
         out[w.activations]["activations"] = offloaded_activation_bytes(m, w)
     if place.optimizer == "nvme" and w.speculative_updates:  # what a speculative update writes beside the old
         out["nvme"]["spares"] = states["master"] + states["moments"]
-    out["device"]["gathered"] = gathered_bytes(m, sb.params)
+    out["device"]["gathered"] = gathered_bytes(m, sb.params, ranks)
     if "nvme" in (place.params, place.optimizer):
         # staging: the lanes' working copies (about four units' shards, read-ahead included)
         out["cpu"]["staging"] = 4 * m.largest_unit_params / ranks * (sb.params + sb.total - sb.params)
