@@ -196,6 +196,24 @@ def test_plan_refuses_nonsense_numbers_naming_the_flag(flag, value, says, capsys
     assert f"argument {flag}" in err and says in err, err
 
 
+def test_the_plan_names_the_config_that_makes_the_runtime_take_its_placement(capsys):
+    """The plan counts on 80% of host memory where the runtime's "auto" cpu budget is half of what is available
+    (a 70B on 1.5 TiB: the plan's params=device, optimizer=cpu needs 129 GiB a rank, "auto" gives at most 96), and
+    puts gradients on the device where "auto" does so only under a given device budget: the run took another
+    placement, or refused. The plan now names the fields that make the runtime take its choice, and the runtime
+    takes it."""
+    import offload
+
+    assert main(["plan", "--model", "llama-70b", "--gpus", "8", "--gpu-mem", "80GiB", "--cpu-mem", "1.5TiB"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: placement params=device, optimizer=cpu" in out
+    assert "run it with: offload.Config(params='device', optimizer='cpu', cpu_budget='135GiB')" in out, out
+    assert main(["plan", "--model", "llama-7b", "--gpus", "3", "--gpu-mem", "24GiB", "--cpu-mem", "64GiB"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("run it with"))
+    assert line == "run it with: offload.Config(params='device', optimizer='nvme', grads='device')"
+    offload.Config(params="device", optimizer="nvme", grads="device", nvme_path="/tmp")  # fields the Config takes
+
+
 @pytest.mark.parametrize("flag", ["--nvme-read", "--pcie"])
 def test_plan_refuses_a_zero_rate_naming_the_flag(flag, capsys):
     """A rate of 0 ended in a ZeroDivisionError traceback."""

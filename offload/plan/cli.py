@@ -17,7 +17,7 @@ from ..config import parse_size
 from ..store.sizes import format_bytes
 from .memory import Workload, state_bytes
 from .model_spec import PRESETS, model_from
-from .sizing import DEVICES, SEQ_MAX, advice, capacity, choose, evaluate, longest_sequences
+from .sizing import DEVICES, SEQ_MAX, advice, capacity, choose, config_for, evaluate, longest_sequences
 from ..bench.figures import bench_figures
 from .step_time import Machine
 
@@ -111,6 +111,7 @@ def plan_from_args(args: argparse.Namespace) -> dict:
     return {"model": dataclasses.asdict(m) | {"params": m.params}, "workload": dataclasses.asdict(w),
             "machine": dataclasses.asdict(mc), "capacity": dataclasses.asdict(cap), "options": options,
             "chosen": chosen, "advice": advice(m, w, mc, cap, chosen),
+            "config": config_for(chosen, cap, mc.gpus_per_node, chosen["activations"]) if chosen else None,
             "longest_seq": {"placement": str(closest["placement"]),
                             "tokens": longest_sequences(m, w, mc, cap, closest["placement"])}}
 
@@ -150,6 +151,7 @@ def _print(plan: dict) -> None:
     for cls in classes:
         print(f"  {cls:<14}" + "".join(f"{_gib(c['tiers'][t].get(cls, 0)) if cls in c['tiers'][t] else '-':>12}"
                                       for t in ("device", "cpu", "nvme")))
+    print("run it with: offload.Config(" + ", ".join(f"{k}={v!r}" for k, v in plan["config"].items()) + ")")
     p = c["prediction"]
     print(f"predicted step {p['step_s']:.2f} s, {p['tokens_per_s']:.0f} tokens/s; bottleneck: {p['bottleneck']}")
     print("  busy per step: " + ", ".join(f"{k} {v:.2f} s" for k, v in p["resources"].items()))

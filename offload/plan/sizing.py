@@ -104,6 +104,25 @@ def choose(options: list[dict]) -> dict | None:
     return min(fitting, key=lambda o: o["prediction"]["step_s"]) if fitting else None
 
 
+def config_for(chosen: dict, cap: Capacity, gpus_per_node: int, activations: str) -> dict:
+    """The offload.Config fields that make the runtime take the chosen placement on this machine. The plan counts
+    on HOST_USABLE of the host memory, where the runtime's "auto" cpu budget is half of what is available at start
+    (store/budget.py): a placement with states or activations in host memory names its cpu budget (its cpu bytes a rank, 5% and a GiB
+    over, within what the plan counts on); gradients on the device are named too (the runtime's "auto" puts them
+    there only under a given device budget)."""
+    place = chosen["placement"]
+    fields = {"params": place.params, "optimizer": place.optimizer}
+    if place.grads and place.grads != place.optimizer:
+        fields["grads"] = place.grads
+    cpu = sum(chosen["tiers"]["cpu"].values())
+    if set(chosen["tiers"]["cpu"]) - {"staging"}:  # (staging alone: "auto" holds it, and keeps more resident)
+        room = cap.cpu_per_node / gpus_per_node
+        fields["cpu_budget"] = f"{max(1, int(min(room, 1.05 * cpu + (1 << 30)) // (1 << 30)))}GiB"
+    if activations != "none":
+        fields["activations"] = activations
+    return fields
+
+
 def advice(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity, chosen: dict | None) -> list[str]:
     """The smallest changes worth making, each with its predicted effect."""
     tips = []
