@@ -214,9 +214,11 @@ class Config:
         parse_size(self.activations_min_size, "activations_min_size")
         if not isinstance(self.pipeline, bool):
             raise ValueError(f"offload.Config.pipeline: expected True or False, got {self.pipeline!r}")
-        if self.chunk_size is not None and parse_size(self.chunk_size, "chunk_size") < 4096:
-            raise ValueError(f"offload.Config.chunk_size: {self.chunk_size!r} is below 4096 bytes; give at least "
-                             "'1MiB' (or None for the default)")
+        if self.chunk_size is not None and parse_size(self.chunk_size, "chunk_size") < 8192:
+            # (a chunk is a multiple of placement.CHUNK_ALIGN elements: anything smaller was raised to it silently)
+            raise ValueError(f"offload.Config.chunk_size: {self.chunk_size!r} is below 8 KiB, the smallest chunk (2048 "
+                             "fp32 elements); give at least '8KiB' ('1MiB' or more for a real run), or None for the "
+                             "default")
         parse_duration(self.collective_timeout, "collective_timeout")
         if not isinstance(self.log_every, int) or self.log_every < 0:
             raise ValueError(f"offload.Config.log_every: expected an int >= 0, got {self.log_every!r}")

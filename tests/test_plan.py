@@ -200,8 +200,8 @@ def test_the_plan_names_the_config_that_makes_the_runtime_take_its_placement(cap
     """The plan counts on 80% of host memory where the runtime's "auto" cpu budget is half of what is available
     (a 70B on 1.5 TiB: the plan's params=device, optimizer=cpu needs 129 GiB a rank, "auto" gives at most 96), and
     puts gradients on the device where "auto" does so only under a given device budget: the run took another
-    placement, or refused. The plan now names the fields that make the runtime take its choice, and the runtime
-    takes it."""
+    placement, or refused. The plan now names the fields that make the runtime take its choice (fields Config
+    accepts)."""
     import offload
 
     assert main(["plan", "--model", "llama-70b", "--gpus", "8", "--gpu-mem", "80GiB", "--cpu-mem", "1.5TiB"]) == 0

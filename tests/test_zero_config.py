@@ -44,6 +44,7 @@ def test_defaults_and_dtypes():
     (dict(optimizer="nvme"), "nvme_path"),
     (dict(cpu_budget="lots"), "cpu_budget"),
     (dict(nvme_budget="x"), "nvme_budget"),
+    (dict(chunk_size="4KiB"), "chunk_size"),  # below the smallest chunk: it was raised to 8 KiB silently
     (dict(unit_classes=("Block",), unit_min_bytes="1MiB"), "unit_min_bytes"),
     (dict(unit_classes=(3,)), "unit_classes"),
 ])
