@@ -58,6 +58,17 @@ class Placement:
         return equal_chunk(shard_numel, self.chunk_numel)
 
 
+def master_fp32(width: int) -> int:
+    """fp32 elements of master copy per element: one, unless the parameter (compute dtype of `width` bytes) is it."""
+    return 1 if width != 4 else 0
+
+
+def optimizer_fp32_states(width: int, schema: Schema = ADAMW) -> float:
+    """Bytes homed with the optimizer per trained element, in fp32 elements: the family's states (AdamW: exp_avg
+    and exp_avg_sq, 2; AdamW8bit: about 0.5), the gradient, and the fp32 master (master_fp32)."""
+    return schema.bytes_per_element / 4 + 1 + master_fp32(width)
+
+
 def equal_chunk(shard_numel: int, chunk_numel: int) -> int:
     """Elements per chunk cutting a shard of shard_numel into equal (aligned) chunks of at most chunk_numel."""
     pieces = max(1, -(-shard_numel // chunk_numel))
@@ -187,8 +198,8 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
     trained_chunks = [n for s in new if s.layout.trainable for n in chunks[s.index]]
     param_bytes = sum(page_bytes(n * width) for n in new_chunks)
     grad_bytes = sum(page_bytes(n * 4) for n in trained_chunks)
-    master_bytes = sum(page_bytes(n * 4) for n in new_chunks) if width != 4 else 0
-    opt_bytes = master_bytes + int((schema.bytes_per_element / 4 + 1) * grad_bytes)  # + the states, the gradient
+    master_bytes = master_fp32(width) * sum(page_bytes(n * 4) for n in new_chunks)
+    opt_bytes = master_bytes + int((optimizer_fp32_states(width, schema) - master_fp32(width)) * grad_bytes)
 
     def staging(p: str, o: str) -> int:
         return host_working_set(list(chunks.values()), width, p == "nvme", o == "nvme",
