@@ -339,6 +339,32 @@ def test_pairs_take_the_loss_on_the_response_only(tiny_model):
     assert labels[len(prompt) - 1 + len(response):].eq(IGNORE).all()
 
 
+def test_a_tokenizer_that_starts_sequences_with_bos_gets_it_before_each_document_and_prompt(tiny_model):
+    """Text was tokenized without special tokens, so a Llama, Mistral or Gemma fine-tune never saw the BOS token
+    it was pretrained with and sees at inference. Now each document and each prompt starts with it, where the
+    tokenizer puts it in front of what it encodes; the built-in tokenizer (no BOS of its own) is unchanged."""
+    from tokenizers.processors import TemplateProcessing
+
+    plain = AutoTokenizer.from_pretrained(tiny_model)
+    docs = [Example("first document"), Example("second one")]
+    unchanged = build_blocks(docs, plain, 4)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.add_special_tokens({"bos_token": "<s>"})
+    bos = tok.bos_token_id
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    stream = build_blocks(docs, tok, 4)
+    first, second = (tok(e.text, add_special_tokens=False)["input_ids"] for e in docs)
+    expect = [bos, *first, tok.eos_token_id, bos, *second, tok.eos_token_id]
+    got = torch.cat([stream.inputs.reshape(-1), stream.labels[-1, -1:]]).tolist()
+    assert got == expect[:len(got)] and got.count(bos) == 2
+    assert torch.cat([unchanged.inputs.reshape(-1), unchanged.labels[-1, -1:]]).tolist() == \
+        [t for t in expect if t != bos][:unchanged.inputs.numel() + 1]
+    pair = build_blocks([Example("question: 1+1?", " answer: 2")], tok, 32)
+    prompt = [bos] + tok("question: 1+1?", add_special_tokens=False)["input_ids"]
+    assert pair.inputs[0, :len(prompt)].tolist() == prompt
+    assert pair.labels[0, :len(prompt) - 1].eq(IGNORE).all() and pair.labels[0, len(prompt) - 1] != IGNORE
+
+
 def test_sampler_global_batch_is_the_same_for_every_world_size():
     one = Sampler(50, micro_batch=4, grad_accum=2, world_size=1, seed=3)
     two = Sampler(50, micro_batch=2, grad_accum=2, world_size=2, seed=3)

@@ -3,7 +3,9 @@
 Documents are packed: concatenated with an end-of-text token between them and cut into blocks of
 seq_len + 1 tokens (inputs are the first seq_len, labels the last seq_len: next-token prediction, every
 position counts). A prompt/response pair is one block of its own: prompt + response + end-of-text,
-truncated to seq_len + 1, padded, labels -100 (no loss) on the prompt and the padding.
+truncated to seq_len + 1, padded, labels -100 (no loss) on the prompt and the padding. Where the tokenizer
+marks a sequence's start itself (Llama, Mistral, Gemma: a BOS token, what the model saw in pretraining and
+sees at inference), each document and each prompt starts with it.
 
 The held-out evaluation set is the tail of the blocks (the last documents: for the default corpus, other
 source files than the ones trained on). The training blocks are shuffled once per epoch from the seed.
@@ -34,15 +36,25 @@ class TokenBlocks:
         return TokenBlocks(self.inputs[index], self.labels[index])
 
 
+def start_tokens(tokenizer) -> list[int]:
+    """[BOS] when the tokenizer puts it in front of a text it encodes with its special tokens, else []."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return []
+    probe = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return [bos] if probe and probe[0] == bos else []
+
+
 def build_blocks(examples: list[Example], tokenizer, seq_len: int) -> TokenBlocks:
     eos = tokenizer.eos_token_id
+    bos = start_tokens(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     docs = [e for e in examples if e.response is None]
     pairs = [e for e in examples if e.response is not None]
     rows_in, rows_lab = [], []
     if docs:
         ids = tokenizer([e.text for e in docs], add_special_tokens=False)["input_ids"]
-        stream = torch.tensor([t for doc in ids for t in (*doc, eos)], dtype=torch.long)
+        stream = torch.tensor([t for doc in ids for t in (*bos, *doc, eos)], dtype=torch.long)
         n = (stream.numel() - 1) // seq_len
         if n:
             # block i is tokens [i*seq_len, (i+1)*seq_len] inclusive: inputs and labels shifted by one
@@ -54,7 +66,8 @@ def build_blocks(examples: list[Example], tokenizer, seq_len: int) -> TokenBlock
         ins = torch.full((len(pairs), seq_len + 1), pad, dtype=torch.long)
         lab = torch.full((len(pairs), seq_len + 1), IGNORE, dtype=torch.long)
         for i, (p, r) in enumerate(zip(prompts, responses)):
-            seq = (list(p) + list(r) + [eos])[:seq_len + 1]
+            p = bos + list(p)
+            seq = (p + list(r) + [eos])[:seq_len + 1]
             ins[i, :len(seq)] = torch.tensor(seq)
             lab[i, len(p):len(seq)] = torch.tensor(seq[len(p):], dtype=torch.long)
         rows_in.append(ins[:, :-1])
