@@ -49,6 +49,20 @@ def test_a_save_that_fails_halfway_leaves_the_earlier_weights(tmp_path, monkeypa
     earlier = load_file(str(out / SINGLE_NAME))  # the earlier save, whole (transformers reads it: no index came)
     assert not (out / INDEX_NAME).exists() and len(earlier) == 5
     assert all(torch.equal(earlier[f"layer{i}.weight"], torch.full((64, 64), 1.0 + i)) for i in range(5))
+    assert list(out.glob(".partial-*")) == []  # the failed save's folder went with it (it waited for another save)
+
+
+def test_a_save_whose_tensors_fail_leaves_no_partial_folder(tmp_path):
+    """A tensor that cannot be read (an I/O error, a collective that failed) stopped the save; its folder, as
+    large as what was written so far, stayed in OUT until another process saved there."""
+    def failing():
+        yield from list(_tensors(1.0))[:3]
+        raise OSError(5, "injected: reading a tensor failed")
+
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="injected"):
+        write_hf_weights(out, failing(), max_shard_bytes=20 << 10)
+    assert list(out.iterdir()) == []
 
 
 def test_a_killed_writers_partial_folder_is_removed(tmp_path):

@@ -44,50 +44,54 @@ def write_hf_weights(out_dir: str | os.PathLike, tensors: Iterable[tuple[str, to
     tmp = out / f".partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    mode = _plain_file_mode(tmp)
-    parts: list[list[str]] = []
-    pending: dict[str, torch.Tensor] = {}
-    pending_bytes = total = 0
+    try:
+        mode = _plain_file_mode(tmp)
+        parts: list[list[str]] = []
+        pending: dict[str, torch.Tensor] = {}
+        pending_bytes = total = 0
 
-    def flush():
-        nonlocal pending, pending_bytes
-        if pending:
-            part = tmp / f"part-{len(parts)}.safetensors"
-            save_file(pending, str(part), metadata={"format": "pt"})
-            os.chmod(part, mode)  # safetensors creates its file 0600; the weights are as shareable as config.json
-            parts.append(list(pending))
-        pending, pending_bytes = {}, 0
+        def flush():
+            nonlocal pending, pending_bytes
+            if pending:
+                part = tmp / f"part-{len(parts)}.safetensors"
+                save_file(pending, str(part), metadata={"format": "pt"})
+                os.chmod(part, mode)  # safetensors creates its file 0600; the weights are as shareable as config.json
+                parts.append(list(pending))
+            pending, pending_bytes = {}, 0
 
-    for name, t in tensors:
-        t = t.detach().contiguous()
-        if pending and pending_bytes + t.nbytes > max_shard_bytes:
-            flush()
-        pending[name] = t
-        pending_bytes += t.nbytes
-        total += t.nbytes
-    flush()
-    n = len(parts)
-    finals = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    for i, final in enumerate(finals):
-        os.replace(tmp / f"part-{i}.safetensors", tmp / final)
-    if n > 1:
-        weight_map = {name: final for names, final in zip(parts, finals) for name in names}
-        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
-                                                  "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    if add_files is not None:
-        add_files(tmp)
-    written = sorted(tmp.iterdir())
-    for f in written:  # on the disk before any name in OUT points at them (a power cut: never an empty file)
-        fsync_path(f)
-    # the new files take their names first, the index last; only then do an earlier save's other weight files go
-    # (removed first, a kill in between left OUT with no weights at all)
-    for f in sorted(written, key=lambda f: f.name == INDEX_NAME):
-        os.replace(f, out / f.name)
-    names = {f.name for f in written}
-    for stale in list(out.glob("model*.safetensors")) + [out / INDEX_NAME]:
-        if stale.name not in names and stale.exists():
-            stale.unlink()
-    fsync_dir(out)
+        for name, t in tensors:
+            t = t.detach().contiguous()
+            if pending and pending_bytes + t.nbytes > max_shard_bytes:
+                flush()
+            pending[name] = t
+            pending_bytes += t.nbytes
+            total += t.nbytes
+        flush()
+        n = len(parts)
+        finals = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for i, final in enumerate(finals):
+            os.replace(tmp / f"part-{i}.safetensors", tmp / final)
+        if n > 1:
+            weight_map = {name: final for names, final in zip(parts, finals) for name in names}
+            (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
+                                                      "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+        if add_files is not None:
+            add_files(tmp)
+        written = sorted(tmp.iterdir())
+        for f in written:  # on the disk before any name in OUT points at them (a power cut: never an empty file)
+            fsync_path(f)
+        # the new files take their names first, the index last; only then do an earlier save's other weight files go
+        # (removed first, a kill in between left OUT with no weights at all)
+        for f in sorted(written, key=lambda f: f.name == INDEX_NAME):
+            os.replace(f, out / f.name)
+        names = {f.name for f in written}
+        for stale in list(out.glob("model*.safetensors")) + [out / INDEX_NAME]:
+            if stale.name not in names and stale.exists():
+                stale.unlink()
+        fsync_dir(out)
+    except BaseException:  # (a failed read of the tensors, a full disk, a kill signal): no model-sized leftover
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     tmp.rmdir()
     return out
 
