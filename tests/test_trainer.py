@@ -284,3 +284,18 @@ def test_the_trainers_runtime_does_not_take_over_the_process(tmp_path, reference
             second.train()
         first.train()
         assert logged(first) == pytest.approx(reference[0], rel=1e-5) == logged(second)
+
+
+def test_save_model_pushes_to_the_hub_as_trainer_does(tmp_path, monkeypatch):
+    """With push_to_hub, Trainer.save_model called by the user pushes the saved model; OffloadTrainer's override
+    wrote the directory and dropped the push. (The hub calls are replaced: no network here.)"""
+    pushed = []
+    monkeypatch.setattr(OffloadTrainer, "init_hf_repo", lambda self, *a, **k: None)
+    monkeypatch.setattr(OffloadTrainer, "push_to_hub", lambda self, **kw: pushed.append(kw))
+    args = training_args(tmp_path / "out", push_to_hub=True, hub_model_id="someone/tiny")
+    with OffloadTrainer(model=tiny_llama(), args=args, train_dataset=Blocks(),
+                        offload_config=nvme_config(tmp_path)) as trainer:
+        trainer.save_model(str(tmp_path / "saved"))
+        trainer.save_model(str(tmp_path / "internal"), _internal_call=True)  # a checkpoint's: no push of its own
+    assert [kw["commit_message"] for kw in pushed] == ["Model save"]
+    assert (tmp_path / "saved" / "config.json").is_file() and (tmp_path / "saved" / "model.safetensors").is_file()

@@ -229,6 +229,8 @@ class OffloadTrainer(Trainer):
             save_pretrained(self.offload_runtime, self.model, output_dir, tokenizer)
         if self.args.should_save:
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model: a user's call pushes the model
+            self.push_to_hub(commit_message="Model save", revision=getattr(self.args, "hub_revision", None))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         self.offload_runtime.save_checkpoint(output_dir, lr_scheduler=self.lr_scheduler, tag=OFFLOAD_STATE)
