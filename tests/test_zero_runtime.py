@@ -635,6 +635,31 @@ def test_optimizer_on_the_device_is_counted_against_the_device_budget():
         assert rt.states.nbytes_in("device") >= 4 << 20  # the states, all four kinds, in the device tier
 
 
+def test_ranks_agree_their_budgets_before_any_store_is_built(tmp_path):
+    """Each rank built its store (its pinned arena) with its own budgets and only then agreed the smallest: a rank
+    pinned memory it never planned with, and its arena shrank the host memory that ranks starting after it read
+    for their "auto" budgets. Given 64 MiB on rank 0 and 32 MiB on rank 1, both stores now hold 32 MiB."""
+    import json
+    import textwrap
+
+    from zero_common import run_torchrun
+
+    code = textwrap.dedent(f"""
+        import json, os, sys
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        import offload
+        from zero_common import small_config
+        rank = int(os.environ["RANK"])
+        with offload.init(small_config(cpu_budget="64MiB" if rank == 0 else "32MiB")) as rt:
+            seen = {{"rank": rank, "capacity": rt.states.capacity("cpu"), "planned": rt.budgets["cpu"]}}
+        with open(os.path.join({str(tmp_path)!r}, f"rank{{rank}}.json"), "w") as f:  # (one stdout: lines mix)
+            json.dump(seen, f)
+    """)
+    run_torchrun(code, tmp_path)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["capacity"] == r["planned"] == 32 << 20 for r in seen), seen
+
+
 def test_auto_tiers_take_the_pair_the_step_model_predicts_fastest(tmp_path):
     """140 KiB of cpu budget holds the params at home with the optimizer's states paged (what taking the
     fastest tier for params first gives) or the optimizer's states at home with the params paged: "auto"

@@ -166,16 +166,18 @@ class Runtime:
         self.machine = placement.machine_for(self.device, local, cfg.machine)  # what "auto" tiers compare
         if cfg.nvme_path:  # dead runs' swap removed first: the auto budget counts the space they held
             self.budgets["nvme"] = prepare_swap_dir(cfg.nvme_path, cfg.nvme_budget, local)
-        self.states = UnitStateStore(self.device, self.budgets, cfg.nvme_path, self.group.rank, cfg.swap_checksums)
-        # the store rounded the budgets to pages: plan against what it enforces
-        self.budgets = {t: self.states.capacity(t) for t in ("device", "cpu")} | {"nvme": self.budgets["nvme"]}
         if self.group.distributed:  # every rank plans with the same numbers: placement decides how many gathers a
-            # step issues (gather ahead, what stays gathered, the "auto" tiers), and ranks that decide apart hang
+            # step issues (gather ahead, what stays gathered, the "auto" tiers), and ranks that decide apart hang.
+            # Agreed before any rank builds its store: a rank's pinned arena would shrink the memory the ranks
+            # after it read for their "auto" budgets, and each store holds only the agreed budget
             agreed = comm.all_reduce_host_(self.group, torch.tensor(
                 [float(self.budgets[t] if self.budgets[t] is not None else -1) for t in ("device", "cpu", "nvme")],
                 dtype=torch.float64), "min", what="the budgets every rank plans with")
             self.budgets.update(device=int(agreed[0]), cpu=int(agreed[1]),
                                 nvme=int(agreed[2]) if agreed[2] >= 0 else None)
+        self.states = UnitStateStore(self.device, self.budgets, cfg.nvme_path, self.group.rank, cfg.swap_checksums)
+        # the store rounded the budgets to pages (the same on every rank): plan against what it enforces
+        self.budgets = {t: self.states.capacity(t) for t in ("device", "cpu")} | {"nvme": self.budgets["nvme"]}
         # each lane issues its collectives on a group of its own (created in the same order on every rank)
         timeout = parse_duration(cfg.collective_timeout, "collective_timeout")
         order = comm.ProgramOrder()  # one issue order for the lanes' collectives and the training thread's (comm.py)
