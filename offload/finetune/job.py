@@ -428,9 +428,10 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
     inputs = _inputs(cfg)
     model_dir, tokenizer, train, heldout = inputs.model_dir, inputs.tokenizer, inputs.train, inputs.heldout
     n_params = inputs.n_params
-    preflight.check_swap_room(rcfg, n_params, inputs.n_tensors, world, trained_params=inputs.trained_params,
-                              budget_setting=(
-        f"--nvme-budget {cfg.nvme_budget}" if cfg.nvme_budget is not None else f"nvme_budget {rcfg.nvme_budget} (in --config)"))
+    budget_setting = (f"--nvme-budget {cfg.nvme_budget}" if cfg.nvme_budget is not None
+                      else f"nvme_budget {rcfg.nvme_budget} (in --config)")
+    preflight.check_swap_room(rcfg, n_params, inputs.n_tensors, world, budget_setting,
+                              trained_params=inputs.trained_params)
     try:
         with offload.init(rcfg) as rt:
             model = AutoModelForCausalLM.from_config(inputs.hf_config)  # meta placeholders: nothing allocated yet

@@ -56,7 +56,8 @@ def check_budgets(cfg: Config, world: int) -> None:
         raise InputError(str(exc)) from None
 
 
-def swap_bytes_per_rank(cfg: Config, n_params: int, n_tensors: int, world: int, trained_params: int | None = None) -> int:
+def swap_bytes_per_rank(cfg: Config, n_params: int, n_tensors: int, world: int,
+                        trained_params: int | None = None) -> int:
     """An upper bound of the swap space one rank's nvme-homed states take, as the store lays them out: this
     rank's share of every parameter at the bytes its states keep (placement.py: the compute-dtype parameter and
     the fp32 master unless the parameter is it; of the `trained_params` (default all; a LoRA run's adapters) also

@@ -107,8 +107,8 @@ def choose(options: list[dict]) -> dict | None:
 def config_for(chosen: dict, cap: Capacity, gpus_per_node: int, activations: str) -> dict:
     """The offload.Config fields that make the runtime take the chosen placement on this machine. The plan counts
     on HOST_USABLE of the host memory, where the runtime's "auto" cpu budget is half of what is available at start
-    (store/budget.py): a placement with states or activations in host memory names its cpu budget (its cpu bytes a rank, 5% and a GiB
-    over, within what the plan counts on); gradients on the device are named too (the runtime's "auto" puts them
+    (store/budget.py): a placement with states or activations in host memory names its cpu budget (its cpu bytes
+    a rank, 5% and a GiB over, within what the plan counts on); gradients on the device are named too (the runtime's "auto" puts them
     there only under a given device budget)."""
     place = chosen["placement"]
     fields = {"params": place.params, "optimizer": place.optimizer}
