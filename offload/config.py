@@ -185,6 +185,8 @@ class Config:
         if self.machine is not None:
             bench_figures(self.machine, "offload.Config.machine")  # unreadable: say so now, not at wrap
         parse_size(self.persist_threshold, "persist_threshold")
+        if isinstance(self.persist_threshold, PersistElements):  # DeepSpeed's count, in bytes of this compute dtype
+            self.persist_threshold = int(self.persist_threshold) * (2 if self.compute_dtype in ("bf16", "fp16") else 4)
         if isinstance(self.unit_classes, (str, type)):
             self.unit_classes = (self.unit_classes,)
         self.unit_classes = tuple(self.unit_classes)
@@ -303,6 +305,11 @@ def _from_deepspeed(cls, ds: dict, overrides: dict) -> Config:
     return cfg
 
 
+class PersistElements(int):
+    """A persist threshold in elements (DeepSpeed's stage3_param_persistence_threshold): the Config it is given to
+    turns it into bytes of its own compute dtype."""
+
+
 def deepspeed_fields(ds: dict) -> tuple[dict[str, Any], list[str]]:
     """(the Config fields a DeepSpeed config, or its zero_optimization section, sets; the keys it ignores).
     Raises ValueError naming an unknown key or a contradiction."""
@@ -378,10 +385,9 @@ def deepspeed_fields(ds: dict) -> tuple[dict[str, Any], list[str]]:
         ignored.append("zero_optimization.stage3_param_persistence_threshold=auto")
         zero.pop("stage3_param_persistence_threshold")
     if "stage3_param_persistence_threshold" in zero:
-        # DeepSpeed counts elements; offload counts bytes of the gathered unit (compute dtype).
-        elements = int(zero.pop("stage3_param_persistence_threshold"))
-        width = 2 if fields.get("compute_dtype") in ("bf16", "fp16") else 4
-        fields["persist_threshold"] = elements * width
+        # DeepSpeed counts elements; offload counts bytes of the gathered unit, in the compute dtype the Config ends
+        # up with (an override's, or the fine-tune's flag, as well as the file's)
+        fields["persist_threshold"] = PersistElements(zero.pop("stage3_param_persistence_threshold"))
     for key in list(zero):
         if key in _DS_ZERO_IGNORED:
             ignored.append(f"zero_optimization.{key}")

@@ -87,6 +87,8 @@ def test_from_deepspeed_maps_and_reports_ignored(tmp_path):
         assert Config.from_deepspeed(path, cpu_budget="1GiB").cpu_budget == "1GiB"
         section = Config.from_deepspeed(DS["zero_optimization"])  # the section alone
     assert section.compute_dtype == "fp32" and section.params == "nvme"
+    # in the compute dtype the Config ends up with: it was the file's (bf16) under an fp32 override
+    assert Config.from_deepspeed(DS, compute_dtype="fp32").persist_threshold == 4000
     plain = Config.from_deepspeed({"zero_optimization": {"stage": 3}})
     assert (plain.params, plain.optimizer, plain.deepspeed_ignored) == ("device", "device", ())
 
