@@ -53,7 +53,9 @@ class Config:
     """Where every class of training state lives and how the model is cut into units.
 
     params / optimizer: home tier of the parameter shards (compute dtype) and of the optimizer states
-      (fp32 master when compute is bf16, exp_avg, exp_avg_sq).
+      (fp32 master when compute is bf16, exp_avg, exp_avg_sq). "auto" params take the device only where the
+      shards and two gathered units fit in the device budget, in half of it when that budget is "auto" (the
+      other half left to the activations, unknown at wrap).
     grads: home tier of the fp32 gradient shards the step consumes. "auto" (default): with the optimizer
       states, except when those are on nvme and an explicitly given device_budget holds every gradient shard
       beside the gathered units: then the device tier (no nvme write in backward, no read in the step). With

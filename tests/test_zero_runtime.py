@@ -660,6 +660,31 @@ def test_ranks_agree_their_budgets_before_any_store_is_built(tmp_path):
     assert all(r["capacity"] == r["planned"] == 32 << 20 for r in seen), seen
 
 
+def test_auto_params_leave_half_an_auto_device_budget_to_the_activations():
+    """params='auto' put the parameter shards on the device whenever they and two gathered units fit an "auto"
+    device budget, whose room for the activations is unknown at wrap (and a shard's home never moves): a model
+    filling most of the GPU ran out of memory at its first forward. Under "auto" they now take half of it at most
+    (as the gradients under "auto" go there only within a given budget); a budget the user gave is used whole."""
+    import torch.nn as nn
+
+    from offload.zero import placement
+    from offload.zero.units.layout import FlatLayout
+
+    layers = [nn.Linear(512, 512, bias=False) for _ in range(8)]  # 8 units of 1 MiB in fp32: 8 MiB of shards
+    sizes = [placement.UnitSize(i, f"l{i}", "Linear", FlatLayout([(m.weight, [], f"l{i}.weight")], 1), False)
+             for i, m in enumerate(layers)]
+
+    def params_tier(device_budget: int, given: bool) -> str:
+        budgets = {"device": device_budget, "cpu": 1 << 30, "nvme": None}
+        place = placement.plan(sizes, sizes, "auto", "cpu", budgets, {"device": 0, "cpu": 0}, torch.float32, None,
+                               None, device_budget_given=given)
+        return place.tiers.params.value
+
+    assert params_tier(12 << 20, given=True) == "device"  # 8 MiB + 2 units gathered: 10 of 12 MiB
+    assert params_tier(12 << 20, given=False) == "cpu"  # more than half of an "auto" 12 MiB
+    assert params_tier(24 << 20, given=False) == "device"  # within half of an "auto" 24 MiB
+
+
 def test_auto_tiers_take_the_pair_the_step_model_predicts_fastest(tmp_path):
     """140 KiB of cpu budget holds the params at home with the optimizer's states paged (what taking the
     fastest tier for params first gives) or the optimizer's states at home with the params paged: "auto"

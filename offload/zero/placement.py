@@ -58,6 +58,9 @@ class Placement:
         return equal_chunk(shard_numel, self.chunk_numel)
 
 
+AUTO_DEVICE_ACTIVATION_SHARE = 0.5  # of an "auto" device budget that "auto" tiers leave to activations and workspace
+
+
 def master_fp32(width: int) -> int:
     """fp32 elements of master copy per element: one, unless the parameter (compute dtype of `width` bytes) is it."""
     return 1 if width != 4 else 0
@@ -219,8 +222,12 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
     def fits(p: str, o: str) -> bool:
         if cpu_homed(p, o) + staging(p, o) > cpu_free:
             return False
-        if device_homed(p, o) and device_homed(p, o) + max(2 * biggest_full, gathered) > device_free:
-            return False  # the device-homed shards, and two units gathered at once (or the persistent ones)
+        # the device-homed shards, and two units gathered at once (or the persistent ones); under an "auto" device
+        # budget (the activations' need unknown, and a shard's home never moves) in half of it at most, as the
+        # gradients under "auto" go to the device only within a budget the user gave
+        room = device_free if device_budget_given else device_free - budgets["device"] * AUTO_DEVICE_ACTIVATION_SHARE
+        if device_homed(p, o) and device_homed(p, o) + max(2 * biggest_full, gathered) > room:
+            return False
         nvme = (param_bytes if p == "nvme" else 0) + (opt_bytes if o == "nvme" else 0)
         return not nvme or (nvme_path is not None and (budgets["nvme"] is None or nvme <= budgets["nvme"])
                             and _nvme_free(nvme_path) >= nvme)
