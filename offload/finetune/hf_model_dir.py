@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -124,6 +125,13 @@ class HFModelDir:
                 errors.append(f"{hit} in {f} has shape {list(shape)} but the config gives {list(p.shape)}")
         if errors:
             shown = "; ".join(errors[:8]) + (f"; ... {len(errors) - 8} more" if len(errors) > 8 else "")
+            per_expert = next((n for n in self.entries if re.search(r"\.experts\.\d+\.", n)), None)
+            if per_expert is not None and any(".experts." in e for e in errors):  # transformers >= 5 fuses them
+                raise ModelDirError(
+                    f"{self.flag} {self.path}: the files hold one tensor per expert ({per_expert}) where this "
+                    f"transformers' model has the experts fused ({shown}); offload reads the files' tensors under "
+                    "the model's own names and does not convert them. Load this model with from_pretrained outside "
+                    "offload.init (transformers converts it) and rt.wrap(model)")
             raise ModelDirError(f"{self.flag} {self.path}: the safetensors do not match config.json: {shown}. The "
                                 "weights and config.json must come from the same model")
         return sorted(set(self.entries) - used)
