@@ -453,6 +453,30 @@ def test_a_signal_mid_run_removes_the_swap_and_says_how_to_resume(tmp_path, tiny
     assert re.search(rf"interrupted \({sig.name}\) after step \d+; resume with --resume .*checkpoints", err), err
 
 
+def test_persistent_buffers_are_read_from_the_weights(tmp_path):
+    """Only parameters were read: a persistent buffer in the files was listed as ignored and kept its initial
+    value, which the save then wrote out in place of the model's."""
+    from safetensors.torch import save_file
+
+    from offload.finetune.hf_model_dir import HFModelDir
+
+    class WithBuffer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.register_buffer("scale", torch.ones(4))  # persistent
+            self.register_buffer("cache", torch.zeros(2), persistent=False)
+
+    trained = WithBuffer()
+    trained.scale.fill_(3.0)
+    save_file({k: v.contiguous() for k, v in trained.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    fresh = WithBuffer()
+    model_dir = HFModelDir(tmp_path)
+    assert model_dir.check(fresh) == []  # nothing in the files goes unused
+    assert model_dir.load_buffers(fresh) == ["scale"] and torch.equal(fresh.scale, torch.full((4,), 3.0))
+
+
 def test_a_moe_saved_per_expert_is_refused_with_the_way_to_load_it(tmp_path):
     """transformers 5 saves a Mixtral's experts one tensor each (block_sparse_moe.experts.N.w1) where its model has
     them fused (mlp.experts.gate_up_proj): the check said the weights and config.json come from different models.

@@ -91,6 +91,21 @@ class HFModelDir:
             except Exception as exc:  # safetensors raises its own error types for a bad header
                 raise ModelDirError(f"{where}: {f} is not a readable safetensors file ({exc})") from None
 
+    def load_buffers(self, model: nn.Module, rename=None) -> list[str]:
+        """The persistent buffers the files hold, copied into `model`'s (after rt.wrap: buffers are replicated, not
+        sharded); left at their initial values they were written out so at the save. Returns the names loaded."""
+        from safetensors import safe_open
+
+        loaded = []
+        for name, buf in _persistent_buffers(model):
+            hit = rename(name) if rename is not None else name
+            if hit in self.entries:
+                with safe_open(str(self.path / self.entries[hit][0]), framework="pt") as fh:
+                    with torch.no_grad():
+                        buf.copy_(fh.get_tensor(hit))
+                loaded.append(hit)
+        return loaded
+
     def adopt_generation_config(self, model: nn.Module) -> None:
         """The directory's generation_config.json (sampling defaults, extra end-of-sequence ids) onto `model`, as
         from_pretrained does; a model built from its config alone has defaults derived from the config."""
@@ -123,6 +138,13 @@ class HFModelDir:
             f, shape = self.entries[hit]
             if shape != tuple(p.shape):
                 errors.append(f"{hit} in {f} has shape {list(shape)} but the config gives {list(p.shape)}")
+        for name, buf in _persistent_buffers(model):  # loaded too (load_buffers): not ignored
+            hit = rename(name) if rename is not None else name
+            if hit in self.entries:
+                if self.entries[hit][1] != tuple(buf.shape):
+                    errors.append(f"buffer {hit} in {self.entries[hit][0]} has shape {list(self.entries[hit][1])} but "
+                                  f"the config gives {list(buf.shape)}")
+                used.add(hit)
         if errors:
             shown = "; ".join(errors[:8]) + (f"; ... {len(errors) - 8} more" if len(errors) > 8 else "")
             per_expert = next((n for n in self.entries if re.search(r"\.experts\.\d+\.", n)), None)

@@ -28,7 +28,7 @@ from ..config import Config, deepspeed_fields, parse_size
 from ..device import is_out_of_memory
 from .batches import IGNORE, Sampler, TokenBlocks, build_blocks, split_heldout
 from .hf_model_dir import HFModelDir, save_pretrained
-from ..integrations.lora import base_weights, merged_params, save_adapter
+from ..integrations.lora import base_name, base_weights, merged_params, save_adapter
 from . import preflight
 from .corpus import DataError, read_data_file, stdlib_corpus
 from ..errors import InputError
@@ -439,6 +439,7 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                 model = _with_lora(model, cfg)
             if model_dir is not None:
                 rt.wrap(model, weights=base_weights(model_dir, model) if cfg.lora_r else model_dir.weights(model))
+                model_dir.load_buffers(model, rename=base_name if cfg.lora_r else None)
                 model_dir.adopt_generation_config(model)  # written out with the model, as the input had it
             else:
                 rt.wrap(model)

@@ -60,6 +60,7 @@ def _from_pretrained_streamed(rt, cls, path, *model_args, config=None, **kwargs)
                         "head, or a base model's class over a task model's directory, is not loaded there yet; "
                         "load it outside offload.init and rt.wrap(model)") from None
     rt.wrap(model, weights=model_dir.weights(model))
+    model_dir.load_buffers(model)
     model_dir.adopt_generation_config(model)
     model.eval()  # as transformers' from_pretrained leaves it
     return model
