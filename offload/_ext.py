@@ -169,8 +169,9 @@ def _pick_faster_isa(mod) -> None:
     import torch
 
     n = 1 << 20
-    master, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
-    grad, out = torch.randn(n).to(torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    own = torch.Generator().manual_seed(0)  # not the global one: loading the extension must not move a seeded run's
+    master, m, v = torch.randn(n, generator=own), torch.zeros(n), torch.zeros(n)
+    grad, out = torch.randn(n, generator=own).to(torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
     rate = {}
     for isa in ("avx512", "avx2"):
         mod.set_isa(isa)

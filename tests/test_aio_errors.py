@@ -301,3 +301,21 @@ def test_non_contiguous_tensor_is_refused(engine, tmp_path):
         t = torch.zeros(64, 64)[:, ::2]
         with pytest.raises(ValueError, match="contiguous"):
             engine.write(f, 0, t)
+
+
+def test_a_python_engine_worker_whose_piece_raises_finishes_it(tmp_path, monkeypatch):
+    """The python engine (no C++ extension) ran each piece outside any handler: an exception in it (an fstat after a
+    short read, say) killed the worker with the piece unfinished, and wait() never returned. The piece now
+    finishes with EIO naming the exception. (The fault is injected into the piece's run.)"""
+    from offload.store import _aio_py
+
+    def breaks(piece):
+        raise RuntimeError("injected: the piece's run failed")
+
+    with AioEngine(block_size="64KiB", queue_depth=2, backend="python") as eng:
+        with eng.open(tmp_path / "f.bin", "w+") as f:
+            monkeypatch.setattr(_aio_py, "_run_piece", breaks)
+            h = eng.write(f, 0, random_bytes(MiB, seed=1))
+            with pytest.raises(AioError, match="injected: the piece's run failed") as ei:
+                h.wait(timeout=60)
+            assert ei.value.errno == errno.EIO

@@ -105,3 +105,35 @@ def test_thread_count_is_bounded():
     C.set_num_threads(1024)  # the bound itself is allowed (threads start only as chunks need them)
     assert C.num_threads() == 1024
     C.set_num_threads(before)
+
+
+def test_loading_the_extension_leaves_the_global_random_stream_alone():
+    """On an AVX-512 CPU the load timed the kernel on torch.randn data from the global generator: a seeded run's
+    first draws (its initialization, its dropout masks) depended on whether, and when, the extension loaded."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys, torch; torch.manual_seed(0); import offload._ext as e; "
+            "e.get() if sys.argv[1] == 'load' else None; print(torch.rand(3).tolist())")
+    env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_ISA"}  # (the probe runs when no ISA is forced)
+    draws = [subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, env=env,
+                            timeout=300).stdout.strip().splitlines()[-1] for mode in ("load", "no")]
+    assert draws[0] == draws[1]
+
+
+def test_the_host_pool_refuses_a_size_beyond_its_classes():
+    """A size class above 2^63 looped forever (the power of two overflowed to 0), holding the GIL."""
+    with pytest.raises(ValueError, match="above 2\\^62"):
+        C.host_pool_size_class(2**63 + 1)
+
+
+def test_conjugate_and_negative_views_copy_their_values():
+    """The kernels read bytes: a conjugate (or negative) view was copied as the tensor under it."""
+    src = torch.randn(1000, dtype=torch.complex64)
+    dst = torch.empty_like(src)
+    ops.copy_(dst, src.conj())
+    assert torch.equal(dst, src.conj().resolve_conj())
+    real = torch.randn(1000)
+    out = torch.empty_like(real)
+    ops.copy_(out, torch._neg_view(real))
+    assert torch.equal(out, -real)

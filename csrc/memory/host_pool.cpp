@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
+#include <stdexcept>
 #include <cstring>
 #include <list>
 #include <mutex>
@@ -47,6 +48,7 @@ constexpr size_t kAlignment = 64;  // c10::gAlignment
 
 // The class a request of n bytes is served from: n rounded up to 1/8 of its power of two (at least a page).
 size_t size_class(size_t n) {
+  if (n > (size_t(1) << 62)) throw std::invalid_argument("host pool: a request above 2^62 bytes");
   size_t pow2 = 1;
   while (pow2 < n) pow2 <<= 1;  // the power of two at or above n
   size_t step = std::max(kPage, pow2 / 16);  // eighths of the power below: 1/8 of [pow2/2, pow2]

@@ -96,8 +96,9 @@ def _check_disjoint(items: list[tuple[str, torch.Tensor, bool]]) -> None:
 
 
 def _kernel_ok(*tensors: torch.Tensor):
-    """The extension when every tensor is a CPU tensor it can take, else None (torch path)."""
-    if not all(t.device.type == "cpu" for t in tensors):
+    """The extension when every tensor is a CPU tensor it can take, else None (torch path). A conjugate or negative
+    view takes the torch path: its bytes are not its values (the kernels read bytes)."""
+    if not all(t.device.type == "cpu" and not t.is_conj() and not t.is_neg() for t in tensors):
         return None
     mod = _ext.get()
     if mod is None:

@@ -59,13 +59,15 @@ class PyBatch:
 
 
 class _Piece:
-    __slots__ = ("batch", "req_index", "fd", "write", "addr", "offset", "length", "done", "retries")
+    __slots__ = ("batch", "req_index", "fd", "write", "addr", "offset", "length", "done", "retries", "finished")
 
     def __init__(self, batch, req_index, fd, write, addr, offset, length):
         self.batch, self.req_index, self.fd, self.write = batch, req_index, fd, write
         self.addr, self.offset, self.length, self.done, self.retries = addr, offset, length, 0, 0
+        self.finished = False
 
     def finish(self, err: int, detail: str = "") -> None:
+        self.finished = True
         self.batch.piece_finished(err, self.req_index, self.offset + self.done, self.length - self.done, detail)
 
 
@@ -147,7 +149,11 @@ class PyEngineCore:
             elif p.batch.failed():
                 p.finish(errno.ECANCELED, "skipped: an earlier block of this batch failed")
             else:
-                _run_piece(p)
+                try:
+                    _run_piece(p)
+                except BaseException as exc:  # noqa: BLE001 - an unfinished piece would leave its wait() hanging
+                    if not p.finished:
+                        p.finish(errno.EIO, f"the python engine's worker failed: {exc!r}")
 
     def submit(self, requests: list[tuple]) -> PyBatch:
         bs = self.block_size
