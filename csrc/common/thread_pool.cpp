@@ -2,6 +2,10 @@
 
 #include <pthread.h>
 #include <sched.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#define OFFLOAD_HAS_MXCSR 1
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -15,6 +19,25 @@
 
 namespace offload {
 namespace {
+
+// The floating-point mode (x86's MXCSR: flush-to-zero, denormals-are-zero, rounding) is per thread. A job's
+// helpers run in the caller's, so a chunk's result does not depend on which thread took it
+// (torch.set_flush_denormal(True) in the caller flushed only the caller's chunks).
+unsigned fp_mode() {
+#ifdef OFFLOAD_HAS_MXCSR
+  return _mm_getcsr();
+#else
+  return 0;
+#endif
+}
+
+void set_fp_mode(unsigned mode) {
+#ifdef OFFLOAD_HAS_MXCSR
+  _mm_setcsr(mode);
+#else
+  (void)mode;
+#endif
+}
 
 // Threads wanted (caller included); 0 = the default (usable cores). Kept outside the pool and atomic so
 // num_threads()/set_num_threads() never wait for the run lock a kernel holds (callers hold the GIL),
@@ -48,6 +71,7 @@ class Pool {
       error_ = nullptr;
       helpers_wanted_ = threads - 1;
       helpers_running_ = 0;
+      job_fp_mode_ = fp_mode();
       ++generation_;
     }
     cv_.notify_all();
@@ -84,8 +108,11 @@ class Pool {
       seen = generation_;
       --helpers_wanted_;
       ++helpers_running_;
+      const unsigned caller_mode = job_fp_mode_, own_mode = fp_mode();
       lk.unlock();
+      set_fp_mode(caller_mode);
       work();
+      set_fp_mode(own_mode);
       lk.lock();
       --helpers_running_;
       if (helpers_running_ == 0) done_cv_.notify_all();
@@ -118,6 +145,7 @@ class Pool {
   std::atomic<int64_t> next_{0};
   std::exception_ptr error_;
   uint64_t generation_ = 0;
+  unsigned job_fp_mode_ = 0;  // the caller's floating-point mode, for the helpers of this generation
   int helpers_wanted_ = 0;
   int helpers_running_ = 0;
   bool stop_ = false;
