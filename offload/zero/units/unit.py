@@ -113,7 +113,9 @@ class ShardedUnit:
         grad for every parameter). Made anew at every gather: autograd runs ready nodes newest first, so a split
         made at construction would run after the whole backward, holding every unit's gradient (and its reduce)
         until the end; made at the gather, it runs right after the unit's own backward."""
-        with torch.enable_grad():  # the views keep their autograd link to `flat` even when made under no_grad
+        # the views keep their autograd link to `flat` even when made under no_grad or inference_mode (a persistent
+        # unit re-gathered by an inference forward kept views without one: its parameters never trained again)
+        with torch.inference_mode(False), torch.enable_grad():
             pieces = self.flat.split(self._split_sizes)
             frozen = self.flat.detach().split(self._split_sizes)
             views = []
