@@ -380,3 +380,21 @@ def test_an_inference_mode_forward_leaves_persistent_units_training():
     evaluated = run(evaluate=True, wrapped=True)
     assert evaluated == run(evaluate=False, wrapped=True)
     assert evaluated == pytest.approx(run(evaluate=True, wrapped=False), rel=1e-6)
+
+
+def test_full_state_dict_loads_into_a_plain_model():
+    """rt.full_state_dict() held the non-persistent buffers too (Llama's rotary inv_freq): plain
+    model.load_state_dict refused it with unexpected keys."""
+    class WithCache(TinyTransformer):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cache", torch.arange(4.0), persistent=False)
+
+    torch.manual_seed(0)
+    base = WithCache()
+    with offload.init(_cfg()) as rt:
+        state = rt.full_state_dict(rt.wrap(copy.deepcopy(base)))
+    assert "cache" not in state and state.keys() == base.state_dict().keys()
+    plain = WithCache()
+    plain.load_state_dict(state)  # strict
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), base.state_dict().values()))

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from ..checkpoint.hf_writer import INDEX_NAME, SINGLE_NAME, write_hf_weights
 from ..errors import InputError
+from ..zero.units.state_dict import persistent_buffers
 
 
 
@@ -97,7 +98,7 @@ class HFModelDir:
         from safetensors import safe_open
 
         loaded = []
-        for name, buf in _persistent_buffers(model):
+        for name, buf in persistent_buffers(model):
             hit = rename(name) if rename is not None else name
             if hit in self.entries:
                 with safe_open(str(self.path / self.entries[hit][0]), framework="pt") as fh:
@@ -138,7 +139,7 @@ class HFModelDir:
             f, shape = self.entries[hit]
             if shape != tuple(p.shape):
                 errors.append(f"{hit} in {f} has shape {list(shape)} but the config gives {list(p.shape)}")
-        for name, buf in _persistent_buffers(model):  # loaded too (load_buffers): not ignored
+        for name, buf in persistent_buffers(model):  # loaded too (load_buffers): not ignored
             hit = rename(name) if rename is not None else name
             if hit in self.entries:
                 if self.entries[hit][1] != tuple(buf.shape):
@@ -177,13 +178,6 @@ class HFModelDir:
         return read
 
 
-def _persistent_buffers(model: nn.Module):
-    for mod_name, mod in model.named_modules():
-        for attr, buf in mod._buffers.items():
-            if buf is not None and attr not in mod._non_persistent_buffers_set:
-                yield (f"{mod_name}.{attr}" if mod_name else attr), buf
-
-
 def save_pretrained(rt, model: nn.Module, out_dir: str | os.PathLike, tokenizer=None,
                     max_shard_bytes: int = 2 << 30, dtype: torch.dtype = torch.float32, params=None) -> Path:
     """Write `model` (wrapped by `rt`) as a Hugging Face directory `out_dir`. Collective: every rank takes
@@ -196,7 +190,7 @@ def save_pretrained(rt, model: nn.Module, out_dir: str | os.PathLike, tokenizer=
             if value is not last:  # a tied weight comes once per name, the same tensor: stored once, under its
                 yield name, value.to(dtype)  # first name (as transformers does)
             last = value
-        for name, buf in _persistent_buffers(model):
+        for name, buf in persistent_buffers(model):
             yield name, buf.detach().cpu()
 
     if rt.rank != 0:

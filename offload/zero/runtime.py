@@ -669,12 +669,14 @@ class Runtime:
                 del full
 
     def full_state_dict(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-        """Every parameter (fp32 master values, gathered from all ranks) and buffer, by qualified name, on
-        the host. Collective: call on every rank."""
+        """Every parameter (fp32 master values, gathered from all ranks) and persistent buffer, by qualified name,
+        on the host (what plain model.load_state_dict takes). Collective: call on every rank."""
+        from .units.state_dict import persistent_buffers
+
         self._check_open("rt.full_state_dict")
         out = dict(self.iter_full_params(model))
         for m in [model] if model is not None else self.models:
-            for name, buf in m.named_buffers():
+            for name, buf in persistent_buffers(m):
                 out[name] = buf.detach().to("cpu").clone()
         return out
 

@@ -25,6 +25,15 @@ from .state import UnitState
 _RAW = [0]  # >0 while torch's own state_dict walk runs on wrapped modules (the overrides defer to it)
 
 
+def persistent_buffers(model: nn.Module):
+    """(qualified name, buffer) of the buffers a state dict holds: the non-persistent ones (Llama's rotary inv_freq)
+    are rebuilt by the model, and torch's load_state_dict refuses them as unexpected keys."""
+    for mod_name, mod in model.named_modules():
+        for attr, buf in mod._buffers.items():
+            if buf is not None and attr not in mod._non_persistent_buffers_set:
+                yield (f"{mod_name}.{attr}" if mod_name else attr), buf
+
+
 @contextlib.contextmanager
 def _raw():
     _RAW[0] += 1
