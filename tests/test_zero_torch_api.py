@@ -14,7 +14,8 @@ import torch.nn as nn
 import offload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import DIM, TinyTransformer, compute_loss, one_torch_thread, small_config as _cfg, token_ids as _ids  # noqa: E402
+from zero_common import (DIM, VOCAB, TinyTransformer, compute_loss, make_llama, one_torch_thread,  # noqa: E402
+                         small_config as _cfg, token_ids as _ids, transformers_available)
 
 
 @pytest.fixture(autouse=True)
@@ -398,3 +399,21 @@ def test_full_state_dict_loads_into_a_plain_model():
     plain = WithCache()
     plain.load_state_dict(state)  # strict
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), base.state_dict().values()))
+
+
+@pytest.mark.skipif(not transformers_available(), reason="transformers not installed")
+def test_a_hugging_face_models_device_and_dtype_are_the_runtimes():
+    """model.device and model.dtype read the first parameter, a meta placeholder: `ids.to(model.device)` moved the
+    batch to meta, and the forward returned garbage without an error. They are the compute device and dtype."""
+    torch.manual_seed(0)
+    base = make_llama()
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = base(ids).logits
+    with offload.init(_cfg(compute_dtype="fp32")) as rt:
+        model = rt.wrap(copy.deepcopy(base))
+        assert model.device == rt.device and model.dtype == torch.float32
+        with torch.no_grad():
+            assert torch.equal(model(ids.to(model.device)).logits, expected)
+    with offload.init(_cfg(compute_dtype="bf16")) as rt:
+        assert rt.wrap(copy.deepcopy(base)).dtype == torch.bfloat16

@@ -8,6 +8,8 @@ Nothing is patched on instances or globally:
   zero_grad       clears the runtime's gradients of the module's parameters (HF Trainer calls model.zero_grad)
   state_dict      real gathered values instead of meta placeholders (state_dict.py)
   load_state_dict written into the shards (state_dict.py)
+  device / dtype  where a class has them as properties (Hugging Face's, read from the first parameter, a meta
+                  placeholder here): the runtime's compute device and dtype, so `inputs.to(model.device)` works
 """
 from __future__ import annotations
 
@@ -49,8 +51,12 @@ def offload_class(cls: type) -> type:
         return cls
     made = _CLASSES.get(cls)
     if made is None:
-        made = type(cls.__name__, (OffloadModule, cls), {"__module__": cls.__module__,
-                                                         "__qualname__": cls.__qualname__})
+        body = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        if isinstance(getattr(cls, "device", None), property):
+            body["device"] = property(lambda self: self._offload_runtime_ref.device)
+        if isinstance(getattr(cls, "dtype", None), property):
+            body["dtype"] = property(lambda self: self._offload_runtime_ref.compute_dtype)
+        made = type(cls.__name__, (OffloadModule, cls), body)
         _CLASSES[cls] = made
     return made
 
