@@ -417,3 +417,13 @@ def test_a_hugging_face_models_device_and_dtype_are_the_runtimes():
             assert torch.equal(model(ids.to(model.device)).logits, expected)
     with offload.init(_cfg(compute_dtype="bf16")) as rt:
         assert rt.wrap(copy.deepcopy(base)).dtype == torch.bfloat16
+
+
+def test_a_parameter_of_a_dtype_the_shards_cannot_hold_is_refused():
+    """fp64 parameters were computed and stored in the compute dtype, the placeholder still saying float64 and
+    state_dict() returning float32: values changed without a word. The wrap refuses them, naming the parameter."""
+    model = TinyTransformer()
+    model.frozen.double()
+    with offload.init(_cfg()) as rt:
+        with pytest.raises(ValueError, match=r"parameter frozen.weight is torch.float64; .*\(model.float\(\)\)"):
+            rt.wrap(model)

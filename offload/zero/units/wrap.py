@@ -29,6 +29,13 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
     files do not hold: PEFT's new adapters) the parameter is initialized as a model built in the block is."""
     cfg = rt.config
     specs = [s for s in discover_units(model, cfg) if s.params]
+    for spec in specs:  # the shards hold fp32 masters and compute-dtype copies: other parameter dtypes would change
+        for p, _, fqn in spec.params:
+            if p.dtype == torch.float64 or p.is_complex() or not p.is_floating_point():
+                raise ValueError(f"offload: parameter {fqn} is {p.dtype}; the runtime trains parameters in "
+                                 f"offload.Config.compute_dtype ({cfg.compute_dtype}) with fp32 masters, so its "
+                                 "values would change silently. Cast the model (model.float()) before rt.wrap, or "
+                                 "keep this parameter outside the wrapped model")
     persist = parse_size(cfg.persist_threshold, "persist_threshold")
     width = rt.compute_dtype.itemsize
     sizes = [placement.UnitSize(u.index, u.name, type(u.module).__name__, u.layout,
