@@ -169,7 +169,7 @@ def _pick_faster_isa(mod) -> None:
     import torch
 
     n = 1 << 20
-    own = torch.Generator().manual_seed(0)  # not the global one: loading the extension must not move a seeded run's
+    own = torch.Generator().manual_seed(0)  # not torch's global one: a seeded run draws the same with or without this
     master, m, v = torch.randn(n, generator=own), torch.zeros(n), torch.zeros(n)
     grad, out = torch.randn(n, generator=own).to(torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
     rate = {}

@@ -58,7 +58,7 @@ def export_checkpoint(ckpt, out, max_shard_bytes: int = 2 << 30, dtype: torch.dt
             import json  # dtype (dtype="auto"), so fp32 weights under a bf16 source config came back as bf16
 
             config = json.loads((tmp / "config.json").read_text())
-            name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+            name = str(dtype).removeprefix("torch.")  # float32 / bfloat16 / float16
             config["dtype"] = name
             if "torch_dtype" in config:  # (transformers 4's spelling)
                 config["torch_dtype"] = name

@@ -111,7 +111,7 @@ def plan_from_args(args: argparse.Namespace) -> dict:
     return {"model": dataclasses.asdict(m) | {"params": m.params}, "workload": dataclasses.asdict(w),
             "machine": dataclasses.asdict(mc), "capacity": dataclasses.asdict(cap), "options": options,
             "chosen": chosen, "advice": advice(m, w, mc, cap, chosen),
-            "config": config_for(chosen, cap, mc.gpus_per_node, chosen["activations"]) if chosen else None,
+            "config": config_for(chosen, cap, mc.gpus_per_node) if chosen else None,
             "longest_seq": {"placement": str(closest["placement"]),
                             "tokens": longest_sequences(m, w, mc, cap, closest["placement"])}}
 

@@ -104,12 +104,12 @@ def choose(options: list[dict]) -> dict | None:
     return min(fitting, key=lambda o: o["prediction"]["step_s"]) if fitting else None
 
 
-def config_for(chosen: dict, cap: Capacity, gpus_per_node: int, activations: str) -> dict:
+def config_for(chosen: dict, cap: Capacity, gpus_per_node: int) -> dict:
     """The offload.Config fields that make the runtime take the chosen placement on this machine. The plan counts
     on HOST_USABLE of the host memory, where the runtime's "auto" cpu budget is half of what is available at start
     (store/budget.py): a placement with states or activations in host memory names its cpu budget (its cpu bytes
-    a rank, 5% and a GiB over, within what the plan counts on); gradients on the device are named too (the runtime's "auto" puts them
-    there only under a given device budget)."""
+    a rank, 5% and a GiB over, within what the plan counts on); gradients on the device are named too (the
+    runtime's "auto" puts them there only under a given device budget); so are the activations' tier."""
     place = chosen["placement"]
     fields = {"params": place.params, "optimizer": place.optimizer}
     if place.grads and place.grads != place.optimizer:
@@ -118,8 +118,8 @@ def config_for(chosen: dict, cap: Capacity, gpus_per_node: int, activations: str
     if set(chosen["tiers"]["cpu"]) - {"staging"}:  # (staging alone: "auto" holds it, and keeps more resident)
         room = cap.cpu_per_node / gpus_per_node
         fields["cpu_budget"] = f"{max(1, int(min(room, 1.05 * cpu + (1 << 30)) // (1 << 30)))}GiB"
-    if activations != "none":
-        fields["activations"] = activations
+    if chosen["activations"] != "none":
+        fields["activations"] = chosen["activations"]
     return fields
 
 

@@ -288,7 +288,7 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
             + " / ".join(f"{name}='cpu' / 'nvme'" for name, tier in (("params", params), ("optimizer", optimizer))
                          if tier == "device")
         )
-    device_left = device_free - (param_bytes if params == "device" else 0) - (opt_bytes if optimizer == "device" else 0)
+    device_left = device_free - on_device
     grads = grads_tier(grads, optimizer, grad_bytes, device_left - gathered_bound(sizes, width, ahead=True),
                        cpu_free - cpu_need - working, device_budget_given)
     if grads == "device" and optimizer != "device":

@@ -31,7 +31,7 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
     specs = [s for s in discover_units(model, cfg) if s.params]
     for spec in specs:  # the shards hold fp32 masters and compute-dtype copies: other parameter dtypes would change
         for p, _, fqn in spec.params:
-            if p.dtype == torch.float64 or p.is_complex() or not p.is_floating_point():
+            if p.dtype == torch.float64 or not p.is_floating_point():  # (complex ones are not floating point)
                 raise ValueError(f"offload: parameter {fqn} is {p.dtype}; the runtime trains parameters in "
                                  f"offload.Config.compute_dtype ({cfg.compute_dtype}) with fp32 masters, so its "
                                  "values would change silently. Cast the model (model.float()) before rt.wrap, or "
