@@ -356,8 +356,8 @@ def test_an_inference_mode_forward_leaves_persistent_units_training():
     """An evaluation under torch.inference_mode re-gathered the persistent units (stale after opt.step()) with
     views that had no autograd link to their shards: no gradient reached them again and their parameters stopped
     training without an error (LoRA's adapters are persistent). The losses are now those of the same run without
-    the evaluation, bit for bit (and plain PyTorch's within 1e-6: with every unit of this model persistent they
-    differ in the last bits from step 3 on, evaluation or not; cause not established)."""
+    the evaluation, bit for bit, and those of plain PyTorch with the same optimizer (offload.AdamW over plain
+    parameters: the fused kernel, whose rounding differs from torch.optim.AdamW's in the last bits)."""
     def run(evaluate: bool, wrapped: bool) -> list[float]:
         torch.manual_seed(0)
         model = TinyTransformer()
@@ -365,7 +365,7 @@ def test_an_inference_mode_forward_leaves_persistent_units_training():
             if wrapped:
                 model = rt.wrap(model)
                 assert all(u.persistent for u in rt.units)
-            opt = (offload.AdamW if wrapped else torch.optim.AdamW)(model.parameters(), lr=1e-2)
+            opt = offload.AdamW(model.parameters(), lr=1e-2)
             seen = []
             for s in range(4):
                 if s == 1 and evaluate:
@@ -380,7 +380,7 @@ def test_an_inference_mode_forward_leaves_persistent_units_training():
 
     evaluated = run(evaluate=True, wrapped=True)
     assert evaluated == run(evaluate=False, wrapped=True)
-    assert evaluated == pytest.approx(run(evaluate=True, wrapped=False), rel=1e-6)
+    assert evaluated == run(evaluate=True, wrapped=False)
 
 
 def test_full_state_dict_loads_into_a_plain_model():
