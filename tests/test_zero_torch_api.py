@@ -383,6 +383,69 @@ def test_an_inference_mode_forward_leaves_persistent_units_training():
     assert evaluated == run(evaluate=True, wrapped=False)
 
 
+def test_a_wrapped_model_is_not_deep_copied_or_pickled_and_says_what_to_do_instead(tmp_path):
+    """copy.deepcopy failed on a lock deep in the runtime and torch.save(model) on the module's class: errors that
+    named neither the cause (the values live in the shards) nor the fix (copy rt.full_state_dict())."""
+    import pickle
+
+    torch.manual_seed(0)
+    base, plain = TinyTransformer(), TinyTransformer()
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(copy.deepcopy(base))
+        for attempt in (lambda: copy.deepcopy(model), lambda: copy.deepcopy(model.layers[0]),
+                        lambda: pickle.dumps(model), lambda: torch.save(model, tmp_path / "model.pt")):
+            with pytest.raises(TypeError, match=r"values live in the runtime's shards.*"
+                                                r"plain.load_state_dict\(rt.full_state_dict\(model\)\)"):
+                attempt()
+        assert copy.copy(model).layers is model.layers  # a shallow copy shares the modules, as before
+        plain.load_state_dict(rt.full_state_dict(model))  # what the message says to do
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), base.state_dict().values()))
+
+
+@pytest.mark.parametrize("config", ["cpu", "nvme", "persistent"])
+def test_torch_compile_of_a_wrapped_model_trains_as_the_eager_one(config, tmp_path):
+    """torch.compile of a wrapped model failed inside Dynamo (it traced the runtime's hooks: lanes, futures,
+    locks). The hooks run eagerly now and each unit's forward is compiled between them: under aot_eager (Dynamo
+    and AOTAutograd, the gradients reaching the shards through the gathered views) the losses and parameters
+    are the eager run's bit for bit, and the steps after the first compile nothing new though every gather
+    makes new parameter views."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    kw = {"cpu": {}, "persistent": {"persist_threshold": "1MiB"},
+          "nvme": {"params": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path), "cpu_budget": "256KiB"}}[config]
+
+    def run(compiled: bool):
+        torch._dynamo.reset()  # (each runtime's global hook is new: no graph of an earlier run is reused)
+        counters.clear()
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        losses, graphs = [], []
+        with offload.init(_cfg(**kw)) as rt:
+            model = rt.wrap(model)
+            opt = offload.AdamW(model.parameters(), lr=1e-2)
+            forward = torch.compile(model, backend="aot_eager") if compiled else model
+            for step in range(4):
+                ids = _ids(step)
+                logits = forward(ids[:, :-1])
+                loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                graphs.append(counters["stats"]["unique_graphs"])
+            return losses, graphs, rt.full_state_dict(model)
+
+    try:
+        eager, _, eager_values = run(compiled=False)
+        compiled, graphs, values = run(compiled=True)
+    finally:
+        torch._dynamo.reset()
+    assert graphs[0] > 0 and graphs[-1] == graphs[0], graphs  # compiled once, then reused
+    assert compiled == eager
+    assert values.keys() == eager_values.keys() and all(torch.equal(values[k], eager_values[k]) for k in values)
+
+
 def test_full_state_dict_loads_into_a_plain_model():
     """rt.full_state_dict() held the non-persistent buffers too (Llama's rotary inv_freq): plain
     model.load_state_dict refused it with unexpected keys."""

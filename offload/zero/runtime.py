@@ -352,8 +352,13 @@ class Runtime:
             _ACTIVE.remove(self)
 
     def _auto_wrap(self, module, args):
+        """Every module's forward pre-hook: traced by torch.compile while nothing is pending (a flag read)."""
         if not self._pending:
             return None
+        return self._wrap_pending_before(module)
+
+    @torch.compiler.disable(reason="offload: wrapping a model built in the block runs eagerly")
+    def _wrap_pending_before(self, module) -> None:
         wrapped_before = {id(m) for m in self.models}
         self.materialize_pending()
         unit = getattr(module, "_offload_unit_obj", None)
@@ -396,9 +401,11 @@ class Runtime:
         """Config.activations: the saved-tensor hooks are open while `model`'s forward runs (wrap calls this)."""
         if self.activations is None:
             return
-        self._hooks.append(model.register_forward_pre_hook(lambda module, _: self.activations.enter(module),
-                                                           prepend=True))
-        self._hooks.append(model.register_forward_hook(lambda *_: self.activations.exit(), always_call=True))
+        enter = torch.compiler.disable(lambda module, _: self.activations.enter(module),
+                                       reason="offload: the saved-tensor hooks open eagerly")
+        leave = torch.compiler.disable(lambda *_: self.activations.exit(), reason="offload: and close eagerly")
+        self._hooks.append(model.register_forward_pre_hook(enter, prepend=True))
+        self._hooks.append(model.register_forward_hook(leave, always_call=True))
 
     def _lanes_host_bytes(self) -> int:
         """cpu-tier bytes the lanes must always find free (their working set and read-ahead): what offloaded

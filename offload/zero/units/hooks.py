@@ -48,8 +48,10 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def install(unit: ShardedUnit, schedule) -> list:
-    """`schedule` is the runtime's Schedule (schedule.py)."""
+    """`schedule` is the runtime's Schedule (schedule.py). Under torch.compile both hooks run eagerly (Dynamo
+    cannot trace the lanes, futures and locks behind them): each unit's forward is compiled between them."""
 
+    @torch.compiler.disable(reason="offload: a unit's gather runs eagerly, between compiled graphs")
     def pre_forward(module, args, kwargs):
         if in_backward():
             schedule.recompute(unit)
@@ -68,6 +70,7 @@ def install(unit: ShardedUnit, schedule) -> list:
             leaves[i] = t
         return tree_unflatten(leaves, spec)
 
+    @torch.compiler.disable(reason="offload: a unit's free runs eagerly, between compiled graphs")
     def post_forward(module, args, kwargs, output):
         if in_backward():
             return None

@@ -46,6 +46,12 @@ import torch.nn as nn
 _STAGED_ATTR = "_offload_initial_value"
 
 
+def _compiler_built(module: nn.Module) -> bool:
+    """A module torch.compile builds while a wrapped model runs (fx graphs, its tracers' roots): never a user's
+    model to shard, and noting it would tell the runtime a model is pending at every call, a recompile each time."""
+    return isinstance(module, torch.fx.GraphModule) or torch._guards.TracingContext.try_get() is not None
+
+
 class ConstructionCapture:
     """Context that turns parameter registration into meta placeholders and records created modules."""
 
@@ -65,7 +71,8 @@ class ConstructionCapture:
         self._orig_register, self._orig_init = orig_register, orig_init
 
         def register_parameter(module, name, param):
-            if param is not None and param.device.type != "meta" and not getattr(param, "_offload_keep", False):
+            if (param is not None and param.device.type != "meta" and not getattr(param, "_offload_keep", False)
+                    and not _compiler_built(module)):
                 meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
                 if _init_method(module) is None:
                     # no way to re-create this value later: keep it (rule 3 in the module docstring)
@@ -75,6 +82,8 @@ class ConstructionCapture:
 
         def module_init(module, *args, **kwargs):
             orig_init(module, *args, **kwargs)
+            if _compiler_built(module):
+                return
             capture.modules.append(weakref.ref(module))
             if capture.on_module is not None:
                 capture.on_module()

@@ -10,6 +10,7 @@ Nothing is patched on instances or globally:
   load_state_dict written into the shards (state_dict.py)
   device / dtype  where a class has them as properties (Hugging Face's, read from the first parameter, a meta
                   placeholder here): the runtime's compute device and dtype, so `inputs.to(model.device)` works
+  deepcopy/pickle refused, naming the fix: the values live in the runtime's shards, not in the module
 """
 from __future__ import annotations
 
@@ -40,6 +41,24 @@ class OffloadModule:
 
     state_dict = wrapped_state_dict
     load_state_dict = wrapped_load_state_dict
+
+    def __copy__(self):
+        """copy.copy stays what it was (a shallow copy sharing the parameters); only __reduce_ex__ is refused."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_NO_COPY.format(what="copy.deepcopy of"))
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NO_COPY.format(what="pickling (torch.save, multiprocessing) of"))
+
+
+_NO_COPY = ("offload: {what} a module of a wrapped model is refused: its parameters are placeholders and their "
+            "values live in the runtime's shards, which a copy would not take along. Copy the values into a plain "
+            "model instead: `plain.load_state_dict(rt.full_state_dict(model))`; to save them, "
+            "`torch.save(rt.full_state_dict(model), path)` or `model.save_pretrained(dir)`")
 
 
 _CLASSES: dict[type, type] = {}  # original class -> its offload class

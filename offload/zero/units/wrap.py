@@ -109,7 +109,9 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
             mod_name, _, attr = name.rpartition(".")
             model.get_submodule(mod_name)._buffers[attr] = buf.to(rt.device, dtype)
     patch_model(model, rt)
-    rt._hooks.append(model.register_forward_pre_hook(lambda module, _: refuse_unmanaged(module), prepend=True))
+    refuse = torch.compiler.disable(lambda module, _: refuse_unmanaged(module),
+                                    reason="offload: the check of unmanaged parameters runs eagerly")
+    rt._hooks.append(model.register_forward_pre_hook(refuse, prepend=True))
     model._offload_runtime = rt
     rt.models.append(model)
     rt.attach_activation_offload(model)
