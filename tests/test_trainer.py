@@ -120,6 +120,27 @@ def test_activation_checkpointing_as_trainer_turns_it_on(tmp_path, reference):
         assert logged(trainer) == pytest.approx(reference[0], rel=1e-5)
 
 
+def test_a_model_compiled_in_place_trains_as_trainers(tmp_path, reference):
+    """What the refusal of Trainer's torch_compile tells the user to do (that wrapper's zero_grad misses the
+    runtime's gradients: they summed over the steps): a model compiled in place steps as Trainer does."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_llama()
+    model.compile(backend="aot_eager")
+    try:
+        with OffloadTrainer(model=model, args=training_args(tmp_path / "run"), train_dataset=Blocks(),
+                            offload_config=nvme_config(tmp_path)) as trainer:
+            trainer.train()
+            assert counters["stats"]["unique_graphs"] > 0  # it really ran compiled
+            assert logged(trainer) == pytest.approx(reference[0], rel=1e-5)
+            assert logged(trainer, "grad_norm") == pytest.approx(reference[1], rel=1e-5)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_bf16_tracks_trainers_autocast(tmp_path):
     ref = Trainer(model=tiny_llama(), args=training_args(tmp_path / "ref", bf16=True), train_dataset=Blocks())
     ref.train()

@@ -51,7 +51,9 @@ REFUSED = (
     ("deepspeed", "offload replaces DeepSpeed ZeRO; map its JSON with offload.Config.from_deepspeed(path) and pass "
                   "that as offload_config"),
     ("fsdp", "offload shards the model itself; drop fsdp"),
-    ("torch_compile", "the runtime's gather/release hooks are not traced by torch.compile; drop torch_compile"),
+    ("torch_compile", "the module it wraps the model in clears gradients where the runtime keeps none (they would "
+                      "sum over the steps); compile the model in place before passing it: "
+                      "model.compile(backend=..., mode=...)"),
     ("load_best_model_at_end", "the best checkpoint's weights are not reloaded into the runtime yet; export it "
                                "with `offload export CHECKPOINT/offload-state OUT` instead"),
     ("fp16_full_eval", "evaluation would cast the model's buffers for good while its parameters stay as they are"),
