@@ -446,6 +446,38 @@ def test_torch_compile_of_a_wrapped_model_trains_as_the_eager_one(config, tmp_pa
     assert values.keys() == eager_values.keys() and all(torch.equal(values[k], eager_values[k]) for k in values)
 
 
+def test_a_submodule_called_outside_its_units_forward_raises_instead_of_computing_on_placeholders():
+    """A module holding a unit's parameters, called by itself (a Hugging Face model's lm_head or embeddings, a
+    probe on one layer's MLP), computed on meta placeholders: F.linear with a meta weight returned a cpu tensor of
+    garbage without an error, and a persistent unit's module after opt.step() gave the values before the step. It
+    raises now, naming the module and its unit; gathered and current (inside the model's forward, or a persistent
+    unit after a forward) it computes with the real values."""
+    torch.manual_seed(0)
+    x = torch.randn(2, DIM)
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(TinyTransformer())
+        names = {u.name for u in rt.units}
+        assert "layers.0" in names and "layers.0.mlp" not in names  # the MLP's linears belong to block 0's unit
+        with pytest.raises(RuntimeError, match=r"module 'layers.0.mlp.0' was called outside the forward of its "
+                                               r"unit \d \(layers.0\).*placeholders without values"):
+            model.layers[0].mlp(x)
+        with pytest.raises(RuntimeError, match=r"module 'head' .* unit 0 \(<root>\)"):
+            model.head(x)
+        compute_loss(model, _ids(0), "tiny").backward()  # inside the forward and its backward, as before
+    with offload.init(_cfg(persist_threshold="1MiB")) as rt:  # every unit persistent: gathered for good
+        model = rt.wrap(TinyTransformer())
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        compute_loss(model, _ids(0), "tiny").backward()
+        opt.step()
+        with pytest.raises(RuntimeError, match=r"'layers.0.mlp.0' .* outdated \(updated since it was gathered\)"):
+            model.layers[0].mlp[0](torch.randn(2, DIM))
+        with torch.no_grad():
+            model(_ids(1))  # the forward re-gathers the updated values
+            got = model.layers[0].mlp[0](x)
+        held = rt.full_state_dict(model)
+        assert torch.equal(got, nn.functional.linear(x, held["layers.0.mlp.0.weight"], held["layers.0.mlp.0.bias"]))
+
+
 def test_full_state_dict_loads_into_a_plain_model():
     """rt.full_state_dict() held the non-persistent buffers too (Llama's rotary inv_freq): plain
     model.load_state_dict refused it with unexpected keys."""

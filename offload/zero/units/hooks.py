@@ -11,12 +11,15 @@ final callback     (end of the backward pass) free whatever is still gathered, e
 Gradients are reduced by the flat parameter's post-accumulate-grad hook (unit.py).
 Inside backward (activation checkpointing re-running a unit's forward) the forward hooks only make sure
 the unit is gathered: it is already gathered for its backward and must stay so.
+inside-unit check  (pre-hook of every other module holding the unit's parameters) a call while the unit is not
+                   gathered, fresh, raises: the module would compute on meta placeholders or outdated values
 """
 from __future__ import annotations
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .state import UnitState
 from .unit import ShardedUnit
 
 
@@ -82,7 +85,25 @@ def install(unit: ShardedUnit, schedule) -> list:
         schedule.post_forward(unit)
         return None
 
+    def inside_unit(module, args):  # traced by torch.compile: inside the unit's forward it reads True
+        if unit.state is not UnitState.UNSHARDED or unit.stale:
+            _called_outside(unit, module)
+
+    holders = {id(m): m for slot in unit.layout.slots for m, _ in slot.refs}.values()
     return [
         unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True),
         unit.module.register_forward_hook(post_forward, with_kwargs=True),
-    ]
+    ] + [m.register_forward_pre_hook(inside_unit) for m in holders if m is not unit.module]
+
+
+@torch.compiler.disable(reason="offload: the error of a call outside its unit is raised eagerly")
+def _called_outside(unit: ShardedUnit, module) -> None:
+    inner = next((n for n, m in unit.module.named_modules() if m is module), "?")
+    name = ".".join(x for x in (unit.name, inner) if x)
+    why = ("the runtime has exited" if unit.state is UnitState.FREED else
+           "its values are outdated (updated since it was gathered)" if unit.state is UnitState.UNSHARDED else
+           "its parameters are placeholders without values")
+    raise RuntimeError(
+        f"offload: module {name!r} was called outside the forward of its {unit.label}, which holds its parameters "
+        f"sharded: {why}, and the result would be meaningless. Call the whole model (or the unit's module, "
+        f"{unit.name or 'the model itself'!r}); to read the weights, rt.full_state_dict(model)")
