@@ -6,6 +6,7 @@ import contextlib
 import copy
 import os
 import sys
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -236,7 +237,7 @@ def test_state_dict_and_load_state_dict_round_trip_real_values(tmp_path, dtype, 
         assert torch.equal(rt.full_state_dict(model)["emb.weight"], sd["emb.weight"])
         bad = dict(sd)
         del bad["ln_f.weight"]
-        with pytest.raises(RuntimeError, match="missing keys.*ln_f.weight"):
+        with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: .*ln_f.weight"):
             model.load_state_dict(bad)
         assert model.load_state_dict(bad, strict=False).missing_keys == ["ln_f.weight"]
 
@@ -476,6 +477,51 @@ def test_a_submodule_called_outside_its_units_forward_raises_instead_of_computin
             got = model.layers[0].mlp[0](x)
         held = rt.full_state_dict(model)
         assert torch.equal(got, nn.functional.linear(x, held["layers.0.mlp.0.weight"], held["layers.0.mlp.0.bias"]))
+
+
+def test_load_state_dict_runs_the_modules_load_hooks_as_torch_does():
+    """model.load_state_dict wrote the shards by key and ran none of the modules' own load code: a pre-hook that
+    renames a legacy key (here on a block, inside a unit) left the parameter unloaded under strict=False, or was
+    refused as missing and unexpected keys; a post-hook never ran; a module's own _load_from_state_dict (BatchNorm's
+    num_batches_tracked of old checkpoints) was bypassed. torch's own walk runs now: the wrapped model loads what the
+    plain one loads, and the hooks run once each."""
+    def legacy(module, state_dict, prefix, *args):  # "w_in" was "mlp.0" in an older version of the block
+        for suffix in ("weight", "bias"):
+            old = f"{prefix}w_in.{suffix}"
+            if old in state_dict:
+                state_dict[f"{prefix}mlp.0.{suffix}"] = state_dict.pop(old)
+
+    class WithNorm(TinyTransformer):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.BatchNorm1d(DIM)
+
+    def build():
+        torch.manual_seed(0)
+        model = WithNorm()
+        model.layers[1].register_load_state_dict_pre_hook(legacy)
+        model.register_load_state_dict_post_hook(lambda module, keys: posts.append(sorted(keys.missing_keys)))
+        return model
+
+    torch.manual_seed(1)
+    source = WithNorm()
+    sd = {k.replace("layers.1.mlp.0.", "layers.1.w_in."): v + 1.0 for k, v in source.state_dict().items()
+          if not k.endswith("num_batches_tracked")}  # (an old BatchNorm checkpoint: version 1, no counter)
+    sd = OrderedDict(sd)
+    sd._metadata = {"norm": {"version": 1}}
+    posts = []
+    plain = build()
+    plain.load_state_dict(sd)
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(build())
+        model.load_state_dict(sd)
+        held = rt.full_state_dict(model)
+    assert posts == [[], []]  # once per load, nothing missing
+    expected = plain.state_dict()
+    assert held.keys() == expected.keys()
+    assert all(torch.equal(held[k], expected[k]) for k in held)
+    assert torch.equal(held["layers.1.mlp.0.weight"], source.state_dict()["layers.1.mlp.0.weight"] + 1.0)
+    assert held["norm.num_batches_tracked"] == 0  # BatchNorm's own load filled it in
 
 
 def test_full_state_dict_loads_into_a_plain_model():

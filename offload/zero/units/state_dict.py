@@ -3,8 +3,9 @@ save_pretrained-style code and checkpoint loading see real values instead of the
 
 state_dict: the keys and order torch would give (the module's own state_dict walk, run on the placeholders),
 with every parameter replaced by its gathered fp32 value (the master copy when compute is bf16) on the host,
-and buffers as they are. load_state_dict: torch's missing / unexpected key rules (strict), shapes checked,
-then each touched unit's full fp32 value is gathered, overwritten where the state dict has a value, and this
+and buffers as they are. load_state_dict: torch's own walk (its key rules and messages, each module's
+_load_from_state_dict and load hooks) with assign=True over the placeholders, which only puts each loaded tensor
+in its module's place; then each touched unit's full fp32 value is gathered, overwritten with those, and this
 rank's shard written back to the master and the compute-dtype param shard (a gathered persistent unit
 re-gathers before its next use). Optimizer moments are untouched. Both are collectives (every rank calls
 them, with the same keys), and both gather whole units: a submodule's state dict costs its units' gathers.
@@ -98,38 +99,53 @@ def wrapped_state_dict(module: nn.Module, *args, destination=None, prefix: str =
 
 
 def wrapped_load_state_dict(module: nn.Module, state_dict, strict: bool = True, assign: bool = False):
+    """torch's own load_state_dict walk, so its key rules, error messages, each module's _load_from_state_dict and
+    its load pre- and post-hooks are what they are without the runtime, run with assign=True over the parameter
+    placeholders: each loaded tensor is only put in its module's place, and taken from there into the shards."""
     del assign  # the runtime owns parameter storage: values are always copied into its shards
     rt = module._offload_runtime_ref
     rt._check_open(f"{type(module).__name__}.load_state_dict() on a wrapped model")
     rt.backward_updates.check_quiet("model.load_state_dict")  # a speculated update would shadow what is loaded
     rt.quiesce()  # nothing may be updating the shards written below
-    raw = _placeholder_state(module)
-    missing = [k for k in raw if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in raw]
-    errors = []
-    if strict and (missing or unexpected):
-        errors.append(f"missing keys {missing}, unexpected keys {unexpected}")
-    for key, v in raw.items():
-        if key in state_dict and state_dict[key].device.type == "meta":
-            errors.append(f"{key} is a meta tensor (no data): take the state dict from a real model, or from a "
-                          "wrapped one (its state_dict() gathers real values)")
-        elif key in state_dict and tuple(state_dict[key].shape) != tuple(v.shape):
-            errors.append(f"size mismatch for {key}: checkpoint {tuple(state_dict[key].shape)}, "
-                          f"model {tuple(v.shape)}")
-    if errors:
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: " + "; ".join(errors))
-    per_unit: dict[int, list] = {}
+    names = {id(m): n for n, m in module.named_modules()}
+    refs = [(unit, slot, m, attr) for unit in rt.units for slot in unit.layout.slots for m, attr in slot.refs
+            if id(m) in names]
+    params = {(id(m), attr): m._parameters[attr] for _, _, m, attr in refs}  # placeholders, or a unit's views
+    buffers = {(id(m), attr): b for m in module.modules() for attr, b in m._buffers.items() if b is not None}
+    for unit, slot, m, attr in refs:
+        m._parameters[attr] = unit.placeholders[slot.index]  # (views are not Parameters: torch refuses them)
+    loaded, new_buffers = {}, []
+    try:
+        with rt._capture.paused() if rt._capture else contextlib.nullcontext():  # the tensors assigned are the
+            # state dict's, not parameters to shard
+            result = nn.Module.load_state_dict(module, state_dict, strict=strict, assign=True)
+        for unit, slot, m, attr in refs:
+            value = m._parameters[attr]
+            if value is not unit.placeholders[slot.index]:  # loaded (tied: the last module's, as torch copies)
+                loaded[(unit, slot.index)] = (_key(names[id(m)], attr), value)
+        for m in module.modules():
+            for attr, b in m._buffers.items():
+                before = buffers.get((id(m), attr))
+                if before is not None and b is not before:
+                    new_buffers.append((before, b))
+    finally:  # what the modules held before, whether the walk ended or raised
+        for _, _, m, attr in refs:
+            m._parameters[attr] = params[(id(m), attr)]
+        for m in module.modules():
+            for attr in list(m._buffers):
+                if (id(m), attr) in buffers:
+                    m._buffers[attr] = buffers[(id(m), attr)]
+    meta = [key for key, value in loaded.values() if value.device.type == "meta"]
+    if meta:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: "
+                           + "; ".join(f"{key} is a meta tensor (no data)" for key in meta)
+                           + ": take the state dict from a real model, or from a wrapped one (its state_dict() "
+                             "gathers real values)")
     with torch.no_grad():
-        for key, v in raw.items():
-            if key not in state_dict:
-                continue
-            p, unit = _unit_of(v)
-            if unit is None:
-                v.copy_(state_dict[key])  # a buffer: replicated, real
-            else:
-                per_unit.setdefault(id(unit), []).append((p._offload_slot, state_dict[key]))
+        for before, value in new_buffers:
+            before.copy_(value)  # replicated, on the compute device in its dtype: copied, not replaced
         for unit in rt.units:  # same order on every rank (collective)
-            items = per_unit.get(id(unit))
+            items = [(index, value) for (u, index), (_, value) in loaded.items() if u is unit]
             if not items:
                 continue
             full = gather_full(rt, unit)
@@ -137,4 +153,10 @@ def wrapped_load_state_dict(module: nn.Module, state_dict, strict: bool = True, 
                 slot = unit.layout.slots[slot_index]
                 full[slot.offset:slot.offset + slot.numel].copy_(value.detach().reshape(-1))
             write_full(rt, unit, full)
-    return _IncompatibleKeys(missing, unexpected)
+    return result
+
+
+def _key(module_name: str, attr: str) -> str:
+    return f"{module_name}.{attr}" if module_name else attr
+
+
