@@ -524,6 +524,20 @@ def test_load_state_dict_runs_the_modules_load_hooks_as_torch_does():
     assert held["norm.num_batches_tracked"] == 0  # BatchNorm's own load filled it in
 
 
+def test_a_gradient_hook_on_a_parameter_is_refused_rather_than_never_run():
+    """p.register_hook / p.register_post_accumulate_grad_hook on a wrapped model's parameter (a placeholder) were
+    accepted and never ran: the gradients go to the shards. They raise now, naming the parameter."""
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(TinyTransformer())
+        named = dict(model.named_parameters())
+        with pytest.raises(RuntimeError, match=r"gradient hook on parameter 'layers.0.mlp.0.weight' .* never run"):
+            named["layers.0.mlp.0.weight"].register_hook(lambda grad: grad * 2)
+        with pytest.raises(RuntimeError, match=r"parameter 'emb.weight' .*rt.clip_grad_norm_"):
+            named["emb.weight"].register_post_accumulate_grad_hook(lambda p: None)
+        compute_loss(model, _ids(0), "tiny").backward()  # the runtime's own hooks (on the gathered views) still run
+        assert rt.clip_grad_norm_(1e9) > 0
+
+
 def test_full_state_dict_loads_into_a_plain_model():
     """rt.full_state_dict() held the non-persistent buffers too (Llama's rotary inv_freq): plain
     model.load_state_dict refused it with unexpected keys."""

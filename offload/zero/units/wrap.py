@@ -129,6 +129,16 @@ def _register_unit(rt, shards: UnitShards, shard: torch.Tensor) -> None:
         f.result()  # the home copies hold the values before the init tensor goes
 
 
+def _hook_refused(fqn: str):
+    """A placeholder's register_hook / register_post_accumulate_grad_hook: such a hook would never run."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError(
+            f"offload: a gradient hook on parameter {fqn!r} of a wrapped model would never run: its gradient goes to "
+            "the runtime's shards, not to the parameter (its .grad stays None). Clip with rt.clip_grad_norm_; a "
+            "per-parameter gradient hook has no equivalent in offload yet")
+    return refuse
+
+
 def _adopt(rt, unit: ShardedUnit, spec, ordinal: dict) -> None:
     layout = unit.layout
     for slot, (p, _, _) in zip(layout.slots, spec.params):
@@ -142,6 +152,7 @@ def _adopt(rt, unit: ShardedUnit, spec, ordinal: dict) -> None:
         p._offload_unit = unit
         p._offload_slot = slot.index
         p._offload_rt = rt
+        p.register_hook = p.register_post_accumulate_grad_hook = _hook_refused(slot.fqn)
         unit.placeholders.append(p)
         unit.views[slot.index]._offload_placeholder = p  # model.parameters() while gathered (later views: unit)
     unit._install(unit.placeholders)
