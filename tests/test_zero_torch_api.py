@@ -409,7 +409,8 @@ def test_torch_compile_of_a_wrapped_model_trains_as_the_eager_one(config, tmp_pa
     locks). The hooks run eagerly now and each unit's forward is compiled between them: under aot_eager (Dynamo
     and AOTAutograd, the gradients reaching the shards through the gathered views) the losses and parameters
     are the eager run's bit for bit, and the steps after the first compile nothing new though every gather
-    makes new parameter views."""
+    makes new parameter views. The compiled wrapper's zero_grad clears the runtime's gradients (it cleared
+    nothing: they summed over the steps)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -432,7 +433,7 @@ def test_torch_compile_of_a_wrapped_model_trains_as_the_eager_one(config, tmp_pa
                 loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
                 loss.backward()
                 opt.step()
-                opt.zero_grad()
+                forward.zero_grad()  # (the compiled one: torch's wrapper, routed to the runtime's gradients)
                 losses.append(loss.item())
                 graphs.append(counters["stats"]["unique_graphs"])
             return losses, graphs, rt.full_state_dict(model)

@@ -41,6 +41,7 @@ from offload.config import Config
 from offload.zero.grad_scaler import GradState
 from offload.zero.update.optimizer import ShardedAdamW, ShardedOptimizer
 from offload.zero.runtime import current as current_runtime
+from offload.zero.units.torch_patches import route_compiled_zero_grad
 
 from . import hf_loading  # noqa: F401 - from_pretrained inside a runtime streams into the store
 
@@ -51,9 +52,6 @@ REFUSED = (
     ("deepspeed", "offload replaces DeepSpeed ZeRO; map its JSON with offload.Config.from_deepspeed(path) and pass "
                   "that as offload_config"),
     ("fsdp", "offload shards the model itself; drop fsdp"),
-    ("torch_compile", "the module it wraps the model in clears gradients where the runtime keeps none (they would "
-                      "sum over the steps); compile the model in place before passing it: "
-                      "model.compile(backend=..., mode=...)"),
     ("load_best_model_at_end", "the best checkpoint's weights are not reloaded into the runtime yet; export it "
                                "with `offload export CHECKPOINT/offload-state OUT` instead"),
     ("fp16_full_eval", "evaluation would cast the model's buffers for good while its parameters stay as they are"),
@@ -190,6 +188,7 @@ class OffloadTrainer(Trainer):
         pass  # every trainable parameter is the runtime's (sharded, reduced by it): nothing replicated to sync
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        route_compiled_zero_grad(model)  # torch_compile: Trainer's model.zero_grad() is the compiled wrapper's
         last = self.accelerator.sync_gradients  # Trainer sets it per micro-batch: the step's last one
         with contextlib.nullcontext() if last else self.offload_runtime.accumulating():
             return super().training_step(model, inputs, num_items_in_batch)

@@ -64,6 +64,7 @@ from .update.optimizer_pipeline import OptimizerPipeline
 from .schedule import Schedule
 from .units.shards import StateKind
 from .units.state import UnitState
+from .units.torch_patches import route_compiled_zero_grad
 from .state_store import UnitStateStore, prepare_swap_dir
 from .update.step import UpdatePath
 from .step_stats import StepStats
@@ -88,6 +89,7 @@ def init(config: Config | None = None, **fields) -> "Runtime":
     elif fields:
         raise TypeError("offload.init: give a Config or keyword fields, not both")
     return Runtime(config)
+
 
 
 class Runtime:
@@ -353,6 +355,8 @@ class Runtime:
 
     def _auto_wrap(self, module, args):
         """Every module's forward pre-hook: traced by torch.compile while nothing is pending (a flag read)."""
+        if type(module).__name__ == "OptimizedModule" and "zero_grad" not in module.__dict__:
+            route_compiled_zero_grad(module)  # (called before the compiled frame: eager)
         if not self._pending:
             return None
         return self._wrap_pending_before(module)

@@ -84,3 +84,12 @@ def patch_model(model: nn.Module, runtime) -> None:
     for m in model.modules():
         m.__class__ = offload_class(type(m))
         m._offload_runtime_ref = runtime
+
+
+def route_compiled_zero_grad(compiled: nn.Module) -> None:
+    """torch.compile(model) returns torch's OptimizedModule around the model: its own zero_grad walks the parameter
+    placeholders and clears nothing of the runtime's gradients, which then sum over the steps. Routed to the
+    wrapped model's zero_grad (an instance attribute, found before the class's method); anything else: no-op."""
+    inner = getattr(compiled, "_orig_mod", None)
+    if inner is not None and getattr(inner, "_offload_runtime_ref", None) is not None:
+        compiled.__dict__["zero_grad"] = inner.zero_grad
