@@ -399,6 +399,8 @@ def test_a_wrapped_model_is_not_deep_copied_or_pickled_and_says_what_to_do_inste
                                                 r"plain.load_state_dict\(rt.full_state_dict\(model\)\)"):
                 attempt()
         assert copy.copy(model).layers is model.layers  # a shallow copy shares the modules, as before
+        model.compile(backend="eager")
+        assert copy.copy(model)._compiled_call_impl is None  # as torch's: not the original's compiled call
         plain.load_state_dict(rt.full_state_dict(model))  # what the message says to do
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), base.state_dict().values()))
 

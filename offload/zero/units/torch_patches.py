@@ -45,7 +45,7 @@ class OffloadModule:
     def __copy__(self):
         """copy.copy stays what it was (a shallow copy sharing the parameters); only __reduce_ex__ is refused."""
         new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
+        new.__setstate__(self.__getstate__())  # torch's own state: drops what is bound to this module (compile's)
         return new
 
     def __deepcopy__(self, memo):
