@@ -135,9 +135,13 @@ def _all_train(module: nn.Module) -> bool:
     return bool(params) and all(p.requires_grad for p in params)
 
 
+# Containers whose entries are called or read by another module, never called themselves (PEFT calls
+# `lora_A["default"]` and reads `lora_embedding_A["default"]`): as a unit, their hooks would never run.
+_CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList)
+
+
 def trainable_islands(root: nn.Module, units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """(name, module) of each outermost submodule, not a unit already nor a ModuleDict / ModuleList (never called
-    itself: PEFT calls `lora_A["default"]`), whose parameters all train and whose enclosing unit (the innermost
+    """(name, module) of each outermost submodule, not a unit already nor a container (_CONTAINERS), whose parameters all train and whose enclosing unit (the innermost
     of `units` holding it, else the root) is mostly frozen."""
     if all(p.requires_grad for p in root.parameters()):
         return []
@@ -152,7 +156,7 @@ def trainable_islands(root: nn.Module, units: list[tuple[str, nn.Module]]) -> li
         return modules[best] if best else root
 
     def callable_island(module: nn.Module) -> bool:  # a container is never called: its hooks would never run
-        return _all_train(module) and not isinstance(module, (nn.ModuleDict, nn.ModuleList))
+        return _all_train(module) and not isinstance(module, _CONTAINERS)
 
     picked: list[tuple[str, nn.Module]] = []
     for name, module in root.named_modules():
