@@ -1,5 +1,6 @@
 """offload.init behaviour: construction inside the block, unit discovery, gathered-memory bound, state
 transitions, persistence, optimizer state dict, leaving the block, and the errors that must come early."""
+import contextlib
 import copy
 import os
 import sys
@@ -159,6 +160,42 @@ def test_hf_llama_built_inside_block_uses_hf_init():
 
 
 # ---- unit discovery ----------------------------------------------------------------------------
+def test_a_container_is_never_a_unit():
+    """unit_min_bytes made a ModuleList of small heads a unit (its heads under the threshold, the list over): a list
+    is never called, so its hooks never gathered it and the first head's call met placeholders. Containers leave
+    their parameters to the module that calls their entries; the run is plain PyTorch's, bit for bit."""
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(16, 16)
+            self.heads = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])  # 1088 bytes each, 4352 together
+
+        def forward(self, x):
+            x = self.inp(x)
+            return sum(h(x) for h in self.heads)
+
+    def run(wrapped: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = Heads()
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        with offload.init(_cfg(unit_min_bytes="2KiB")) if wrapped else contextlib.nullcontext() as rt:
+            if wrapped:
+                model = rt.wrap(model)
+                assert [u.name for u in rt.units] == [""]
+            opt = offload.AdamW(model.parameters(), lr=1e-2)
+            losses = []
+            for _ in range(3):
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            return losses
+
+    assert choose_unit_modules(Heads(), offload.Config(unit_min_bytes="2KiB")) == []
+    assert run(wrapped=True) == run(wrapped=False)
+
+
 def test_unit_policies():
     m = TinyTransformer()
     assert [n for n, _ in choose_unit_modules(m, offload.Config())] == ["layers.0", "layers.1"]

@@ -47,6 +47,11 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
+# Containers whose entries are called or read by another module, never called themselves (PEFT calls
+# `lora_A["default"]` and reads `lora_embedding_A["default"]`): as a unit, their hooks would never run.
+_CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList)
+
+
 def choose_unit_modules(root: nn.Module, cfg: Config) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) of the non-root units, in module order."""
     chosen: list[tuple[str, nn.Module]] = []
@@ -64,8 +69,8 @@ def choose_unit_modules(root: nn.Module, cfg: Config) -> list[tuple[str, nn.Modu
         def visit(name: str, module: nn.Module) -> None:
             for child_name, child in module.named_children():
                 visit(f"{name}.{child_name}" if name else child_name, child)
-            if module is root:
-                return
+            if module is root or isinstance(module, _CONTAINERS):
+                return  # (a container is never called: its parameters go to the module that calls its entries)
             free = [p for p in module.parameters() if id(p) not in claimed]
             if sum(p.numel() for p in free) * width >= threshold and free:
                 picked.append((name, module))
@@ -118,8 +123,8 @@ def _large_leftovers(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> li
             return
         for child_name, child in module.named_children():
             visit(f"{name}.{child_name}" if name else child_name, child)
-        if module is root or any(id(m) in block_ids for m in module.modules()):
-            return  # the root, or a container of blocks: its leftovers stay in the root
+        if module is root or isinstance(module, _CONTAINERS) or any(id(m) in block_ids for m in module.modules()):
+            return  # the root, a container (never called), or one of blocks: its leftovers stay in the root
         inside = {id(m) for m in module.modules()}
         free = [p for p in module.parameters() if id(p) not in claimed and holders[id(p)] <= inside]  # not tied out
         if free and _numel(free) >= threshold:
@@ -133,11 +138,6 @@ def _large_leftovers(root: nn.Module, blocks: list[tuple[str, nn.Module]]) -> li
 def _all_train(module: nn.Module) -> bool:
     params = list(module.parameters())
     return bool(params) and all(p.requires_grad for p in params)
-
-
-# Containers whose entries are called or read by another module, never called themselves (PEFT calls
-# `lora_A["default"]` and reads `lora_embedding_A["default"]`): as a unit, their hooks would never run.
-_CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList)
 
 
 def trainable_islands(root: nn.Module, units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
