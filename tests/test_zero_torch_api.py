@@ -454,8 +454,9 @@ def test_a_submodule_called_outside_its_units_forward_raises_instead_of_computin
     """A module holding a unit's parameters, called by itself (a Hugging Face model's lm_head or embeddings, a
     probe on one layer's MLP), computed on meta placeholders: F.linear with a meta weight returned a cpu tensor of
     garbage without an error, and a persistent unit's module after opt.step() gave the values before the step. It
-    raises now, naming the module and its unit; gathered and current (inside the model's forward, or a persistent
-    unit after a forward) it computes with the real values."""
+    raises now with gradients on, naming the module and its unit; without gradients the unit is gathered for the
+    call; gathered and current (inside the model's forward, or a persistent unit after a forward) it computes with
+    the real values."""
     torch.manual_seed(0)
     x = torch.randn(2, DIM)
     with offload.init(_cfg()) as rt:
@@ -468,6 +469,10 @@ def test_a_submodule_called_outside_its_units_forward_raises_instead_of_computin
         with pytest.raises(RuntimeError, match=r"module 'head' .* unit 0 \(<root>\)"):
             model.head(x)
         compute_loss(model, _ids(0), "tiny").backward()  # inside the forward and its backward, as before
+        with torch.no_grad():  # without gradients the unit is gathered for the call
+            got = model.layers[0].mlp[0](x)
+        held = rt.full_state_dict(model)
+        assert torch.equal(got, nn.functional.linear(x, held["layers.0.mlp.0.weight"], held["layers.0.mlp.0.bias"]))
     with offload.init(_cfg(persist_threshold="1MiB")) as rt:  # every unit persistent: gathered for good
         model = rt.wrap(TinyTransformer())
         opt = offload.AdamW(model.parameters(), lr=1e-2)
@@ -539,6 +544,44 @@ def test_a_gradient_hook_on_a_parameter_is_refused_rather_than_never_run():
             named["emb.weight"].register_post_accumulate_grad_hook(lambda p: None)
         compute_loss(model, _ids(0), "tiny").backward()  # the runtime's own hooks (on the gathered views) still run
         assert rt.clip_grad_norm_(1e9) > 0
+
+
+@pytest.mark.skipif(not transformers_available(), reason="transformers not installed")
+@pytest.mark.parametrize("kind", ["t5", "peft"])
+@pytest.mark.parametrize("persist", ["0B", "1MiB"])
+def test_generate_that_calls_a_submodule_first_gives_the_plain_models_tokens(kind, persist):
+    """generate() of an encoder-decoder model calls its encoder by itself, and a PeftModel's calls the base model's
+    generate: both reached modules of a unit outside its forward, which failed on meta placeholders (or, with the
+    unit persistent, used the values before the last step). Without gradients such a call gathers the unit: after a
+    training step the greedy tokens are the plain model's."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    def build():
+        if kind == "t5":
+            torch.manual_seed(0)
+            return T5ForConditionalGeneration(T5Config(
+                vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+        peft = pytest.importorskip("peft")
+        torch.manual_seed(1)
+        return peft.get_peft_model(make_llama(tie=False), peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                                          init_lora_weights="gaussian"))
+
+    ids = torch.randint(2, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+
+    def run(wrapped: bool) -> torch.Tensor:
+        model = build()
+        with offload.init(_cfg(persist_threshold=persist)) if wrapped else contextlib.nullcontext() as rt:
+            if wrapped:
+                model = rt.wrap(model)
+            opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                return model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+
+    assert torch.equal(run(wrapped=True), run(wrapped=False))
 
 
 def test_full_state_dict_loads_into_a_plain_model():

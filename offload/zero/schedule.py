@@ -110,6 +110,13 @@ class Schedule:
         self.on_forward(unit)  # trace it; issue what the plan puts here (reads and the next gather)
         unit.wait_for_unshard()
 
+    def gather_for_call(self, unit) -> None:
+        """A module of `unit` is called by itself, gradients off: gathered now (current values), left gathered
+        until the unit's own next forward or the end of a backward frees it (the root stays within its bound)."""
+        unit.check_alive()
+        self.before_gather(unit)
+        unit.unshard()
+
     def recompute(self, unit) -> None:
         """Activation checkpointing re-runs the unit's forward inside backward: it must be gathered."""
         unit.check_alive()

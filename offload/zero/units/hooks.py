@@ -87,7 +87,7 @@ def install(unit: ShardedUnit, schedule) -> list:
 
     def inside_unit(module, args):  # traced by torch.compile: inside the unit's forward it reads True
         if unit.state is not UnitState.UNSHARDED or unit.stale:
-            _called_outside(unit, module)
+            _called_outside(unit, module, schedule)
 
     holders = {id(m): m for slot in unit.layout.slots for m, _ in slot.refs}.values()
     return [
@@ -96,8 +96,14 @@ def install(unit: ShardedUnit, schedule) -> list:
     ] + [m.register_forward_pre_hook(inside_unit) for m in holders if m is not unit.module]
 
 
-@torch.compiler.disable(reason="offload: the error of a call outside its unit is raised eagerly")
-def _called_outside(unit: ShardedUnit, module) -> None:
+@torch.compiler.disable(reason="offload: a call outside its unit gathers or raises eagerly")
+def _called_outside(unit: ShardedUnit, module, schedule) -> None:
+    """Without gradients (generate() of an encoder-decoder model calls its encoder, a PeftModel's calls the base
+    model's), the unit is gathered for the call and stays so until its own next forward frees it; with gradients
+    the call would bypass the unit's backward (its reduce and free): refused."""
+    if not torch.is_grad_enabled() and not in_backward() and unit.state is not UnitState.FREED:
+        schedule.gather_for_call(unit)
+        return
     inner = next((n for n, m in unit.module.named_modules() if m is module), "?")
     name = ".".join(x for x in (unit.name, inner) if x)
     why = ("the runtime has exited" if unit.state is UnitState.FREED else
@@ -105,5 +111,6 @@ def _called_outside(unit: ShardedUnit, module) -> None:
            "its parameters are placeholders without values")
     raise RuntimeError(
         f"offload: module {name!r} was called outside the forward of its {unit.label}, which holds its parameters "
-        f"sharded: {why}, and the result would be meaningless. Call the whole model (or the unit's module, "
-        f"{unit.name or 'the model itself'!r}); to read the weights, rt.full_state_dict(model)")
+        f"sharded: {why}, and the result would be meaningless with gradients on. Call the whole model (or the "
+        f"unit's module, {unit.name or 'the model itself'!r}), or make the call under torch.no_grad(), where the "
+        "unit is gathered for it; to read the weights, rt.full_state_dict(model)")
