@@ -584,6 +584,21 @@ def test_generate_that_calls_a_submodule_first_gives_the_plain_models_tokens(kin
     assert torch.equal(run(wrapped=True), run(wrapped=False))
 
 
+def test_modules_built_in_every_forward_are_not_kept_on_record():
+    """A module built in every forward (a loss, `nn.CrossEntropyLoss()`) inside the block was recorded for good: the
+    records of dead modules piled up, and the scan for models to wrap before each forward walked all of them, a
+    cost growing with the step count. Dead records go before each scan."""
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(TinyTransformer())
+        records = []
+        for step in range(20):
+            ids = _ids(step)
+            logits = model(ids[:, :-1])
+            nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
+            records.append(len(rt._capture.modules))
+        assert records[-1] == records[1], records  # as many as live (was one more each step)
+
+
 def test_full_state_dict_loads_into_a_plain_model():
     """rt.full_state_dict() held the non-persistent buffers too (Llama's rotary inv_freq): plain
     model.load_state_dict refused it with unexpected keys."""

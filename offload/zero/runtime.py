@@ -378,6 +378,7 @@ class Runtime:
         self._pending = False
         if self._capture is None:
             return []
+        self._capture.forget_dead()  # (a module built in every forward, a loss: the scan stays as long as what lives)
         metas = [p for r in self._capture.modules for m in [r()] if m is not None
                  for p in m._parameters.values() if p is not None and p.device.type == "meta"
                  and not hasattr(p, "_offload_unit")]

@@ -145,6 +145,10 @@ class ConstructionCapture:
             (nn.Module.register_parameter, nn.Module.__init__, nn.Module.load_state_dict,
              nn.Module.state_dict) = patched
 
+    def forget_dead(self) -> None:
+        """Drop the records of modules that no longer exist."""
+        self.modules[:] = [r for r in self.modules if r() is not None]
+
     def roots_holding(self, params) -> list[nn.Module]:
         """Outermost recorded modules that hold any of `params` (meta parameters built in the block)."""
         wanted = {id(p) for p in params}
