@@ -91,7 +91,6 @@ def init(config: Config | None = None, **fields) -> "Runtime":
     return Runtime(config)
 
 
-
 class Runtime:
     def __init__(self, config: Config):
         self.config = config

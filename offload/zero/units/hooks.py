@@ -12,7 +12,8 @@ Gradients are reduced by the flat parameter's post-accumulate-grad hook (unit.py
 Inside backward (activation checkpointing re-running a unit's forward) the forward hooks only make sure
 the unit is gathered: it is already gathered for its backward and must stay so.
 inside-unit check  (pre-hook of every other module holding the unit's parameters) a call while the unit is not
-                   gathered, fresh, raises: the module would compute on meta placeholders or outdated values
+                   gathered and fresh gathers it without gradients and raises with them: the module would compute
+                   on meta placeholders or outdated values
 """
 from __future__ import annotations
 
