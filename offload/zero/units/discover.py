@@ -141,8 +141,9 @@ def _all_train(module: nn.Module) -> bool:
 
 
 def trainable_islands(root: nn.Module, units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """(name, module) of each outermost submodule, not a unit already nor a container (_CONTAINERS), whose parameters all train and whose enclosing unit (the innermost
-    of `units` holding it, else the root) is mostly frozen."""
+    """(name, module) of each outermost submodule, not a unit already nor a container (_CONTAINERS), whose
+    parameters all train and whose enclosing unit (the innermost of `units` holding it, else the root) is mostly
+    frozen."""
     if all(p.requires_grad for p in root.parameters()):
         return []
     modules = dict(root.named_modules())

@@ -17,7 +17,6 @@ from collections import OrderedDict
 
 import torch
 import torch.nn as nn
-from torch.nn.modules.module import _IncompatibleKeys
 
 from ..collectives import comm
 from .shards import StateKind
@@ -158,5 +157,3 @@ def wrapped_load_state_dict(module: nn.Module, state_dict, strict: bool = True, 
 
 def _key(module_name: str, attr: str) -> str:
     return f"{module_name}.{attr}" if module_name else attr
-
-

@@ -3,7 +3,8 @@
 Each module of a wrapped model gets a class of its own: `OffloadModule` before its class in the MRO, as
 FSDP2's fully_shard does (one class per original class, made once, with the original's name, so code that
 reads `type(model).__name__` - Hugging Face's `architectures` in config.json - sees what it saw before).
-Nothing is patched on instances or globally:
+Nothing is patched globally, and on instances only where torch looks there first (the parameter placeholders'
+refused gradient hooks, wrap.py; the zero_grad of torch.compile's wrapper, route_compiled_zero_grad below):
   _apply          model.to() / .cuda() / .float() reach only buffers: the runtime places and casts parameters
   zero_grad       clears the runtime's gradients of the module's parameters (HF Trainer calls model.zero_grad)
   state_dict      real gathered values instead of meta placeholders (state_dict.py)
