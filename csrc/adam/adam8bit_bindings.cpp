@@ -5,9 +5,11 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "adam/adam8bit.h"
 #include "adam/adam_kernel.h"
+#include "common/overlap.h"
 #include "common/registry.h"
 
 namespace offload {
@@ -49,14 +51,11 @@ void check_exact(const char* fn, const at::Tensor& t, const char* name, at::Scal
                 std::string(c10::toString(st)));
 }
 
-// Two outputs sharing bytes would race between threads.
-void check_disjoint(const char* fn, const at::Tensor& a, const char* an, const at::Tensor& b, const char* bn) {
-  if (a.numel() == 0 || b.numel() == 0) return;
-  const auto* a0 = static_cast<const char*>(a.data_ptr());
-  const auto* b0 = static_cast<const char*>(b.data_ptr());
-  const auto* a1 = a0 + a.numel() * a.element_size();
-  const auto* b1 = b0 + b.numel() * b.element_size();
-  if (a0 < b1 && b0 < a1) bad(fn, std::string(an) + " and " + bn + " overlap in memory; each needs its own buffer");
+// A written buffer sharing bytes with any other argument makes the result depend on which thread
+// reaches an element first.
+void check_no_overlap(const char* fn, std::vector<ByteRange> ranges) {
+  const std::string clash = first_overlap(std::move(ranges));
+  if (!clash.empty()) bad(fn, clash + "; each needs its own buffer");
 }
 
 void check_hyper(const adam::Hyper& h) {
@@ -104,14 +103,15 @@ void adamw8bit_step_py(at::Tensor master, at::Tensor grad, at::Tensor m_codes, a
   const std::pair<const at::Tensor*, const char*> outs[] = {
       {&master, "master"}, {&m_codes, "exp_avg_codes"}, {&m_absmax, "exp_avg_absmax"},
       {&v_codes, "exp_avg_sq_codes"}, {&v_absmax, "exp_avg_sq_absmax"}};
-  for (size_t i = 0; i < 5; ++i)
-    for (size_t j = i + 1; j < 5; ++j) check_disjoint(kStep, *outs[i].first, outs[i].second, *outs[j].first, outs[j].second);
+  std::vector<ByteRange> ranges{bytes_of(grad, "grad", false)};
+  for (const auto& [t, name] : outs) ranges.push_back(bytes_of(*t, name, true));
   if (out.has_value() && out->defined()) {
     check_tensor(kStep, *out, "out", n, "master's numel");
     b.out_dtype = float_dtype(kStep, *out, "out", true, true);
-    for (const auto& [t, name] : outs) check_disjoint(kStep, *out, "out", *t, name);
+    ranges.push_back(bytes_of(*out, "out", true));
     b.out = out->data_ptr();
   }
+  check_no_overlap(kStep, std::move(ranges));
   b.master = master.data_ptr<float>();
   b.grad = grad.data_ptr();
   b.m_codes = m_codes.data_ptr<uint8_t>();
@@ -136,9 +136,8 @@ void quantize_py(at::Tensor values, at::Tensor codes, at::Tensor absmax, bool is
   check_tensor(fn, codes, "codes", n, "values' numel");
   check_exact(fn, absmax, "absmax", at::kFloat);
   check_tensor(fn, absmax, "absmax", adam8::num_blocks(n), "ceil(numel / 256) blocks");
-  check_disjoint(fn, codes, "codes", absmax, "absmax");
-  check_disjoint(fn, values, "values", absmax, "absmax");
-  check_disjoint(fn, values, "values", codes, "codes");
+  check_no_overlap(fn, {bytes_of(values, "values", false), bytes_of(codes, "codes", true),
+                        bytes_of(absmax, "absmax", true)});
   {
     py::gil_scoped_release nogil;
     adam8::quantize(values.data_ptr<float>(), n, is_signed, codes.data_ptr<uint8_t>(), absmax.data_ptr<float>());
@@ -156,8 +155,8 @@ void dequantize_py(at::Tensor codes, at::Tensor absmax, at::Tensor values, bool 
   check_tensor(fn, absmax, "absmax", adam8::num_blocks(n), "ceil(numel / 256) blocks");
   check_exact(fn, values, "values", at::kFloat);
   check_tensor(fn, values, "values", n, "codes' numel");
-  check_disjoint(fn, values, "values", absmax, "absmax");
-  check_disjoint(fn, values, "values", codes, "codes");
+  check_no_overlap(fn, {bytes_of(codes, "codes", false), bytes_of(absmax, "absmax", false),
+                        bytes_of(values, "values", true)});
   {
     py::gil_scoped_release nogil;
     adam8::dequantize(codes.data_ptr<uint8_t>(), absmax.data_ptr<float>(), n, is_signed, values.data_ptr<float>());

@@ -9,6 +9,7 @@
 
 #include "adam/adam_kernel.h"
 #include "adam/adam_membw.h"
+#include "common/overlap.h"
 #include "common/registry.h"
 
 namespace offload {
@@ -40,14 +41,11 @@ void check_common(const at::Tensor& t, const char* name, int64_t n) {
     bad(std::string(name) + " has " + std::to_string(t.numel()) + " elements but master has " + std::to_string(n));
 }
 
-// Two outputs sharing bytes would race between lanes and threads.
-void check_disjoint(const at::Tensor& a, const char* an, const at::Tensor& b, const char* bn) {
-  if (a.numel() == 0 || b.numel() == 0) return;
-  const auto* a0 = static_cast<const char*>(a.data_ptr());
-  const auto* b0 = static_cast<const char*>(b.data_ptr());
-  const auto* a1 = a0 + a.numel() * a.element_size();
-  const auto* b1 = b0 + b.numel() * b.element_size();
-  if (a0 < b1 && b0 < a1) bad(std::string(an) + " and " + bn + " overlap in memory; each needs its own buffer");
+// A written buffer sharing bytes with any other argument (grad included) makes the result depend on
+// which lane or thread reaches an element first.
+void check_no_overlap(std::vector<ByteRange> ranges) {
+  const std::string clash = first_overlap(std::move(ranges));
+  if (!clash.empty()) bad(clash + "; each needs its own buffer");
 }
 
 void check_hyper(const adam::Hyper& h) {
@@ -80,17 +78,15 @@ void adamw_step_py(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::T
   if (to_dtype(exp_avg_sq, "exp_avg_sq", false, true) != b.moment_dtype)
     bad(std::string("exp_avg_sq has dtype ") + c10::toString(exp_avg_sq.scalar_type()) +
         " but exp_avg has " + c10::toString(exp_avg.scalar_type()) + "; both moments need the same dtype");
-  check_disjoint(master, "master", exp_avg, "exp_avg");
-  check_disjoint(master, "master", exp_avg_sq, "exp_avg_sq");
-  check_disjoint(exp_avg, "exp_avg", exp_avg_sq, "exp_avg_sq");
+  std::vector<ByteRange> ranges{bytes_of(master, "master", true), bytes_of(grad, "grad", false),
+                                 bytes_of(exp_avg, "exp_avg", true), bytes_of(exp_avg_sq, "exp_avg_sq", true)};
   if (out.has_value() && out->defined()) {
     check_common(*out, "out", n);
     b.out_dtype = to_dtype(*out, "out", true, true);
-    check_disjoint(*out, "out", master, "master");
-    check_disjoint(*out, "out", exp_avg, "exp_avg");
-    check_disjoint(*out, "out", exp_avg_sq, "exp_avg_sq");
+    ranges.push_back(bytes_of(*out, "out", true));
     b.out = out->data_ptr();
   }
+  check_no_overlap(std::move(ranges));
   b.master = master.data_ptr<float>();
   b.grad = grad.data_ptr();
   b.exp_avg = exp_avg.data_ptr();

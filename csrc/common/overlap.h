@@ -21,6 +21,13 @@ inline ByteRange byte_range(const void* p, int64_t nbytes, std::string name, boo
   return ByteRange{b, b + static_cast<uintptr_t>(nbytes > 0 ? nbytes : 0), std::move(name), written};
 }
 
+// The bytes of any tensor-like with data_ptr() and nbytes() (at::Tensor); a template, so this header
+// needs no torch include.
+template <class TensorLike>
+ByteRange bytes_of(const TensorLike& t, std::string name, bool written) {
+  return byte_range(t.data_ptr(), static_cast<int64_t>(t.nbytes()), std::move(name), written);
+}
+
 // "" when no written range overlaps another range, else "<a> and <b> overlap in memory".
 // Sort-and-sweep, O(n log n): after sorting by start, an earlier range overlaps the current one
 // exactly when its end lies past the current start, so keeping the furthest-reaching earlier
