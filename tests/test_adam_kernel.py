@@ -357,6 +357,27 @@ def test_bad_inputs_raise_value_error_naming_the_argument(impl):
             fn(good["master"], good["grad"], good["exp_avg"], good["exp_avg_sq"], **{**hyper, **change})
 
 
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_roofline_kernels_compute_their_formulas(isa):
+    # benchmarks/bench_adam.py's memory roofline: each ISA path (the AVX2 build runs only where the CPU has it)
+    # must do the arithmetic its byte count assumes. 3 * 2**15 + 5 elements: several chunks and a ragged tail.
+    n = 3 * 2**15 + 5
+    a, b, c, d = (torch.randn(n) for _ in range(4))
+    s = 0.375
+    want = {"copy": b.clone(), "triad": b + s * c, "axpy": a + s * b, "adam": [a + s * d, b + s * d, c + s * d]}
+    dst = torch.empty(n)
+    C.membw_copy_(dst, b)
+    assert torch.equal(dst, want["copy"])
+    C.membw_triad_(dst, b, c, s)
+    assert torch.allclose(dst, want["triad"], rtol=1e-6, atol=1e-6)
+    x = a.clone()
+    C.membw_axpy_(x, b, s)
+    assert torch.allclose(x, want["axpy"], rtol=1e-6, atol=1e-6)
+    x, y, z = a.clone(), b.clone(), c.clone()
+    C.membw_adam_shaped_(x, y, z, d, s)
+    assert all(torch.allclose(got, ref, rtol=1e-6, atol=1e-6) for got, ref in zip((x, y, z), want["adam"]))
+
+
 @needs_ext
 def test_grad_is_not_written_and_versions_bump():
     n = 1000
