@@ -51,6 +51,35 @@ def test_misalignment_raises_einval_naming_the_argument(engine, tmp_path, what):
     assert file_bytes(path, 0, 64 * 1024) == good.numpy().tobytes()  # nothing was queued
 
 
+def test_block_size_finer_than_the_files_alignment_is_refused(engine, tmp_path):
+    # A device with 8 KiB sectors reports an O_DIRECT alignment of 8192 (statx STATX_DIOALIGN); this disk reports
+    # 4096, so the file's recorded alignment is set to what such a device gives. A 64 KiB engine fits it; a 4 KiB
+    # one would cut a request into pieces every other one of which starts misaligned.
+    def aligned_8k(nbytes):
+        buf = aligned_empty(nbytes + 8192)
+        skip = -buf.data_ptr() % 8192
+        return buf[skip:skip + nbytes]
+
+    path = str(tmp_path / "a.bin")
+    data = aligned_8k(64 * 1024)
+    data.copy_(random_bytes(64 * 1024, seed=3))
+    with AioEngine(block_size="4KiB", queue_depth=4, workers=1, backend=engine.backend) as fine:
+        with fine.open(path, "w+") as f:
+            if not f.direct:
+                pytest.skip("this filesystem refuses O_DIRECT")
+            f.alignment = 8192
+            with pytest.raises(AioError, match=r"block_size = 4096 .* aligned to 8192 bytes; set block_size \(the "
+                                               r"store's aio_block_size\) to a multiple of 8192") as ei:
+                fine.write(f, 0, data)
+            assert ei.value.errno == errno.EINVAL
+    with engine.open(path, "r+") as f:
+        f.alignment = 8192
+        engine.write(f, 0, data).wait()
+        back = aligned_8k(64 * 1024)
+        engine.read(f, 0, back).wait()
+        assert torch.equal(back, data)
+
+
 @pytest.mark.parametrize("new_size", [512 * 1024, 512 * 1024 + 100])
 def test_truncated_file_read_names_file_and_offset(engine, tmp_path, new_size):
     path = str(tmp_path / "trunc.bin")

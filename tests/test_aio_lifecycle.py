@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import errno
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -78,3 +82,32 @@ def test_backend_reported_is_the_one_in_use():
             "threads" if states.get("threads") == "usable" else "python")
         assert eng.backend == expected
         assert (eng.fallback_reason == "") == (expected == "io_uring")
+
+
+def test_running_out_of_threads_at_construction_raises_and_leaves_nothing(tmp_path):
+    # pthread_create fails once the address space has no room for another 8 MiB stack: the engine stops the
+    # workers it started and raises (a joinable thread left in the half-built engine would abort the process).
+    script = tmp_path / "no_threads.py"
+    script.write_text(textwrap.dedent("""
+        import resource
+        from offload.store.aio import AioEngine
+        from _aio_support import thread_count
+        with AioEngine(block_size="64KiB", queue_depth=2, workers=1, backend="threads"):
+            pass
+        before = thread_count()
+        used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (used + 64 * 2**20, resource.RLIM_INFINITY))
+        try:
+            AioEngine(block_size="64KiB", queue_depth=64, workers=1, backend="threads")
+            raise SystemExit("64 threads started inside 64 MiB of address space")
+        except RuntimeError as e:
+            assert "cannot start worker threads" in str(e), e
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        assert thread_count() <= before, (thread_count(), before)
+        with AioEngine(block_size="64KiB", queue_depth=64, workers=1, backend="threads") as eng:
+            assert eng.backend == "threads"
+        print("ok")
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr

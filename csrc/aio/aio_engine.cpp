@@ -156,6 +156,7 @@ Engine::Engine(const std::string& backend, uint64_t block_size, int queue_depth,
     } else {
       // Split the depth over the rings so the engine never has more than queue_depth pieces in flight.
       int n = std::min(workers, queue_depth);
+      rings_.reserve(n);  // so that no push_back can throw with a ring just created (it would leak)
       for (int i = 0; i < n; ++i) {
         unsigned share = static_cast<unsigned>(queue_depth / n + (i < queue_depth % n ? 1 : 0));
         UringRing* r = uring_create(share, why);
@@ -186,10 +187,15 @@ Engine::Engine(const std::string& backend, uint64_t block_size, int queue_depth,
     } else {
       for (int i = 0; i < queue_depth; ++i) threads_.emplace_back([this] { threads_worker_loop(queue_); });
     }
-  } catch (const std::system_error& e) {
-    // Out of threads: stop the ones already running so the half-built engine leaves nothing behind.
+  } catch (...) {
+    // Out of threads (system_error) or of memory: stop the ones already running, so the half-built engine
+    // leaves no ring and no joinable thread behind (destroying one would terminate the process).
     close();
-    throw std::runtime_error(std::string("offload aio: cannot start worker threads: ") + e.what());
+    try {
+      throw;
+    } catch (const std::system_error& e) {
+      throw std::runtime_error(std::string("offload aio: cannot start worker threads: ") + e.what());
+    }
   }
 }
 

@@ -436,6 +436,7 @@ class AioEngine:
             addr = t.data_ptr()
             if f.direct and nbytes:
                 self._check_aligned(f, op, addr, offset, nbytes)
+                self._check_pieces_aligned(f, op, nbytes)
             reqs.append((f, write, f.path, offset, addr, nbytes))
             keep.append(t)
             files[id(f)] = f
@@ -470,6 +471,19 @@ class AioEngine:
                     f"length aligned to {a} bytes (allocate buffers from the pinned arena, or open with direct=False)",
                     f.path,
                 )
+
+    def _check_pieces_aligned(self, f: AioFile, op: str, nbytes: int) -> None:
+        # The engine cuts a request at multiples of block_size: on a device whose O_DIRECT alignment exceeds
+        # block_size (8 KiB+ sectors), every piece after the first would start misaligned and fail with EINVAL.
+        bs = self.block_size
+        if nbytes > bs and bs % f.alignment:
+            raise AioError(
+                _errno.EINVAL,
+                f"offload aio: {op} of '{f.path}' ({nbytes} bytes): this engine cuts requests into block_size = {bs} "
+                f"byte pieces, but the file needs O_DIRECT I/O aligned to {f.alignment} bytes; set block_size (the "
+                f"store's aio_block_size) to a multiple of {f.alignment}",
+                f.path,
+            )
 
     # -- lifetime --------------------------------------------------------------------------------
     def _adopt(self, batch, tensors: list) -> None:
