@@ -21,8 +21,27 @@ class BuildSpec:
     features: dict[str, bool]
 
 
-def _have_header(name: str) -> bool:
-    return any(Path(d, name).exists() for d in ("/usr/include", "/usr/local/include"))
+def _dirs(env_vars: tuple[str, ...], defaults: list[str]) -> list[str]:
+    """Where the compiler or the linker looks: the directories the environment adds, then the defaults."""
+    return [d for v in env_vars for d in os.environ.get(v, "").split(os.pathsep) if d] + defaults
+
+
+def include_dirs() -> list[str]:
+    return _dirs(("CPATH", "CPLUS_INCLUDE_PATH"), ["/usr/local/include", "/usr/include"])
+
+
+def library_dirs() -> list[str]:
+    multiarch = f"{platform.machine()}-linux-gnu"
+    return _dirs(("LIBRARY_PATH",), ["/usr/local/lib", f"/usr/lib/{multiarch}", f"/lib/{multiarch}", "/usr/lib64",
+                                     "/lib64", "/usr/lib", "/lib"])
+
+
+def liburing_found(include: list[str], lib: list[str]) -> bool:
+    """Its header and its library both: a header alone (liburing built from source into /usr/local, its library
+    where the linker does not look) made the whole extension fail to link, and every kernel fall back to torch."""
+    header = any(Path(d, "liburing.h").is_file() for d in include)
+    library = any(Path(d, name).exists() for d in lib for name in ("liburing.so", "liburing.a"))
+    return header and library
 
 
 def build_spec(csrc: Path | None = None) -> BuildSpec:
@@ -46,7 +65,7 @@ def build_spec(csrc: Path | None = None) -> BuildSpec:
               "-pthread"]
     ldflags = ["-pthread"]
     features = {"x86_64": platform.machine() in ("x86_64", "AMD64"), "liburing": False}
-    if os.environ.get("OFFLOAD_NO_URING") != "1" and _have_header("liburing.h"):
+    if os.environ.get("OFFLOAD_NO_URING") != "1" and liburing_found(include_dirs(), library_dirs()):
         features["liburing"] = True
         cflags.append("-DOFFLOAD_HAVE_LIBURING=1")
         ldflags.append("-luring")

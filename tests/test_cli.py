@@ -161,6 +161,23 @@ def test_every_source_is_built_and_names_are_unique():
     assert any(n == "module.cpp" for n in names)
 
 
+def test_liburing_needs_its_header_and_its_library(tmp_path, monkeypatch):
+    from offload._build_spec import include_dirs, liburing_found
+
+    inc, lib, elsewhere = (tmp_path / n for n in ("include", "lib", "elsewhere"))
+    for d in (inc, lib, elsewhere):
+        d.mkdir()
+    assert not liburing_found([str(inc)], [str(lib)])
+    (inc / "liburing.h").write_text("/* liburing */\n")
+    assert not liburing_found([str(inc)], [str(lib)])  # header only: linking -luring would fail
+    (elsewhere / "liburing.so").write_bytes(b"")
+    assert not liburing_found([str(inc)], [str(lib)])  # the library where the linker does not look
+    (lib / "liburing.so").write_bytes(b"")
+    assert liburing_found([str(inc)], [str(lib)])
+    monkeypatch.setenv("CPATH", f"{inc}{os.pathsep}{elsewhere}")  # the compiler's own search path counts too
+    assert include_dirs()[:2] == [str(inc), str(elsewhere)] and "/usr/include" in include_dirs()
+
+
 def _in_child(code, **env):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, **env}, timeout=300)
