@@ -487,6 +487,25 @@ def test_a_submodule_called_outside_its_units_forward_raises_instead_of_computin
         assert torch.equal(got, nn.functional.linear(x, held["layers.0.mlp.0.weight"], held["layers.0.mlp.0.bias"]))
 
 
+def test_a_submodule_called_first_on_a_model_built_in_the_block_is_checked_too():
+    """A model built inside the block is wrapped by its first module call, so that call's own inside-unit pre-hook
+    came too late: a submodule called first met meta placeholders ("Tensor on device meta is not on the expected
+    device cpu"). It gets the same check now: raised with gradients, gathered and real values without."""
+    torch.manual_seed(0)
+    x = torch.randn(2, DIM)
+    with offload.init(_cfg()):
+        model = TinyTransformer()
+        with pytest.raises(RuntimeError, match=r"module 'layers.0.mlp.0' was called outside the forward of its "
+                                               r"unit \d \(layers.0\).*placeholders without values"):
+            model.layers[0].mlp[0](x)
+    with offload.init(_cfg()) as rt:
+        model = TinyTransformer()
+        with torch.no_grad():
+            got = model.layers[0].mlp[0](x)
+        held = rt.full_state_dict(model)
+        assert torch.equal(got, nn.functional.linear(x, held["layers.0.mlp.0.weight"], held["layers.0.mlp.0.bias"]))
+
+
 def test_load_state_dict_runs_the_modules_load_hooks_as_torch_does():
     """model.load_state_dict wrote the shards by key and ran none of the modules' own load code: a pre-hook that
     renames a legacy key (here on a block, inside a unit) left the parameter unloaded under strict=False, or was

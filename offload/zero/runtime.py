@@ -59,6 +59,7 @@ from .device_budget_fit import DeviceBudgetFit, fit_device_budget
 from .grad_scaler import GradState, LossScale
 from .host_memory import peak_rss_bytes, rss_bytes, tune_malloc, untune_malloc
 from .lanes import WorkLane
+from .units.hooks import check_call
 from .units.materialize import ConstructionCapture
 from .update.optimizer_pipeline import OptimizerPipeline
 from .schedule import Schedule
@@ -367,6 +368,9 @@ class Runtime:
         unit = getattr(module, "_offload_unit_obj", None)
         if unit is not None and unit.state is UnitState.SHARDED:
             unit.unshard()  # its own pre-hook was registered too late for this call
+        held = next((p._offload_unit for p in module._parameters.values() if hasattr(p, "_offload_unit")), None)
+        if unit is None and held is not None:
+            check_call(held, module, self.schedule)  # likewise its inside-unit check (a submodule called first)
         if (self.activations is not None and id(module) not in wrapped_before
                 and any(module is m for m in self.models)):
             self.activations.enter(module)  # likewise (only a model wrapped now); its forward hook runs at the end

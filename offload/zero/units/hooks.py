@@ -87,14 +87,20 @@ def install(unit: ShardedUnit, schedule) -> list:
         return None
 
     def inside_unit(module, args):  # traced by torch.compile: inside the unit's forward it reads True
-        if unit.state is not UnitState.UNSHARDED or unit.stale:
-            _called_outside(unit, module, schedule)
+        check_call(unit, module, schedule)
 
     holders = {id(m): m for slot in unit.layout.slots for m, _ in slot.refs}.values()
     return [
         unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True),
         unit.module.register_forward_hook(post_forward, with_kwargs=True),
     ] + [m.register_forward_pre_hook(inside_unit) for m in holders if m is not unit.module]
+
+
+def check_call(unit: ShardedUnit, module, schedule) -> None:
+    """The pre-hook of every parameter-holding module inside a unit but its root (also run by hand for a call
+    that wrapped the model, whose hooks came too late for it): the unit's values must be there and current."""
+    if unit.state is not UnitState.UNSHARDED or unit.stale:
+        _called_outside(unit, module, schedule)
 
 
 @torch.compiler.disable(reason="offload: a call outside its unit gathers or raises eagerly")
