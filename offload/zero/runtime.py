@@ -552,7 +552,7 @@ class Runtime:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every unit's gradient (set_to_none=False: keep zero gradients, as torch)."""
-        self.backward_updates.void_all()  # a step skipped: speculative updates of its gradients are taken back
+        self._abandon_step()
         self._unscaled_norm = None
         for unit in self.units:
             unit.zero_grad(None, set_to_none)
@@ -569,10 +569,17 @@ class Runtime:
                 continue
             by_unit.setdefault(id(unit), (unit, set()))[1].add(p._offload_slot)
         if by_unit:
-            self.backward_updates.void_all()  # as zero_grad()
+            self._abandon_step()
             self._unscaled_norm = None
         for unit, slots in by_unit.values():
             unit.zero_grad(slots, set_to_none)
+
+    def _abandon_step(self) -> None:
+        """Gradients cleared: a step whose backward queued updates and whose opt.step() did not come is left (a
+        backward that raised, a skipped step). Before the gradients' 'received' flags are cleared: the count of
+        an update that ran reads them."""
+        optimizers = self.live_optimizers()
+        self.backward_updates.abandon(lambda units: [o.count_step(units) for o in optimizers])
 
     def sync_used(self) -> None:
         """OR the per-parameter 'received a gradient' flags over ranks (params with none are not stepped)."""

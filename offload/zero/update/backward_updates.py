@@ -22,6 +22,9 @@ The contract, each breach raised where it is seen (never trained through):
   - the hyperparameters the update read during the backward (lr, betas, eps, weight decay, step counts)
     are those opt.step() sees: an LR scheduler steps after opt.step(); a change in between raises;
   - checkpoints and optimizer state dicts are taken after opt.step(), not between a backward and its step.
+A step left before its opt.step() (gradients cleared after a backward that raised, or to skip a batch) cannot
+take back the updates that already ran: their units keep them, with their step counts advanced, and a warning
+names them (abandon); the next backward starts a new step.
 Both modes arm only with one offload optimizer over the runtime (each optimizer's step() ends a step of its
 own), after a step whose backward reduced each unit once. Units with trained parameters outside it, or (with
 several ranks) that did not give every parameter a gradient on this rank, are updated at opt.step() as usual,
@@ -157,26 +160,56 @@ class BackwardUpdates:
         if entry is not None and entry.speculative is not None:
             self.void(unit)
 
-    def check_all_stepped(self, units) -> None:
-        """opt.step() steps `units`: every unit the backward updated must be among them (else its update ran on
-        a gradient the step no longer sees, e.g. zero_grad() between backward and step). A speculative update
-        is taken back instead."""
+    def check_before_step(self, work) -> None:
+        """opt.step() is about to step [(unit, runs)], before it changes anything (a step count): update_in_backward's
+        updates must be among them with the same runs, else it raises, and the step can be retried or abandoned
+        (zero_grad). Speculative updates are not checked here: a difference takes them back (check_step)."""
+        runs_of = {id(unit): tuple(runs) for unit, runs in work}
+        for key, entry in self.issued.items():
+            if entry.speculative is not None:
+                continue
+            if key not in runs_of:
+                raise RuntimeError(
+                    f"offload.Config.update_in_backward: {entry.unit.label} was updated during the backward but "
+                    "opt.step() does not step it now (its gradient was cleared or changed in between, e.g. "
+                    "zero_grad() before opt.step()). Leave the gradients alone between loss.backward() and "
+                    "opt.step(), or set update_in_backward=False.")
+            if runs_of[key] != entry.runs:
+                raise RuntimeError(
+                    f"offload.Config.update_in_backward: {entry.unit.label} was updated during the backward with "
+                    "hyperparameters or step counts that differ from those opt.step() sees now (an LR or weight "
+                    "decay changed between loss.backward() and opt.step()). Change them before the backward (step "
+                    "LR schedulers after opt.step()), or set update_in_backward=False. Nothing was stepped: put "
+                    "them back and call opt.step() again, or clear the gradients (opt.zero_grad()) to leave the "
+                    "step, whose updates in the backward then stay.")
+
+    def void_unstepped(self, units) -> None:
+        """opt.step() steps `units`: a speculative update of any other unit is taken back (its gradient is not
+        stepped now)."""
         stepped = {id(u) for u in units}
         for key in [k for k, e in self.issued.items() if e.speculative is not None and k not in stepped]:
             self.void(self.issued[key].unit)
-        missed = set(self.issued) - stepped
-        if missed:
-            label = self.issued[next(iter(missed))].unit.label
-            raise RuntimeError(
-                f"offload.Config.update_in_backward: {label} was updated during the backward but opt.step() "
-                "does not step it now (its gradient was cleared or changed in between, e.g. zero_grad() before "
-                "opt.step()). Leave the gradients alone between loss.backward() and opt.step(), or set "
-                "update_in_backward=False.")
+
+    def abandon(self, count_step) -> None:
+        """The gradients are cleared before this step's opt.step() (zero_grad after a backward that raised, or a
+        step left): speculative updates are taken back; update_in_backward's already ran and cannot be, so their
+        units keep them, with their step counts advanced to match (`count_step(units)`), and a warning names
+        them. The next backward starts a new step (else every later reduce of these units raised)."""
+        self.void_all()
+        if not self.issued:
+            return
+        units = [e.unit for e in self.issued.values()]
+        count_step(units)
+        log.warning("offload: Config.update_in_backward: the gradients were cleared before opt.step() (after a "
+                    "backward that raised, or a step left out); %d unit(s) had already been updated in that backward "
+                    "and keep the update, their step counts advanced: %s", len(units),
+                    ", ".join(u.label for u in units))
+        self._forget_step()
 
     def check_step(self, unit, runs, coefficient: float) -> frozenset:
         """opt.step() is about to update `unit` with `runs` and clip `coefficient`: the indices of its chunks the
-        backward already updated for good (empty: the step updates them all). update_in_backward: every chunk,
-        or raises when the backward's update read other hyperparameters. Speculative: the chunks it stepped if
+        backward already updated for good (empty: the step updates them all). update_in_backward: every chunk
+        (check_before_step compared the runs). Speculative: the chunks it stepped if
         the coefficient is exactly 1.0 and the runs are the same (commit), else none, once it is taken back
         (miss)."""
         done = self.issued.get(id(unit))
@@ -191,13 +224,7 @@ class BackwardUpdates:
             self._missed = True
             del self.issued[id(unit)]
             return frozenset()
-        if tuple(runs) != done.runs:
-            raise RuntimeError(
-                f"offload.Config.update_in_backward: {unit.label} was updated during the backward with "
-                "hyperparameters or step counts that differ from those opt.step() sees now (an LR or weight decay "
-                "changed between loss.backward() and opt.step()). Change them before the backward (step LR "
-                "schedulers after opt.step()), or set update_in_backward=False.")
-        return frozenset(c.index for c in unit.shards.chunks)
+        return frozenset(c.index for c in unit.shards.chunks)  # (check_before_step compared the runs)
 
     def end_step(self, coefficient: float) -> None:
         """opt.step() has queued every update of this step, with clip `coefficient` (rt.grad_scale)."""

@@ -166,26 +166,29 @@ class ShardedOptimizer:
         rt.check_steppable()
         rt.flush_grads()
         rt.sync_used()
-        plan = self._unit_plan()
+        plan = [(unit, entries) for unit, entries in self._unit_plan()
+                if any(unit.has_grad and bool(unit.used[pc.slot]) for pc, _, _ in entries)]
         for unit, _ in plan:
             unit.check_requires_grad()  # before any unit is stepped: all or nothing
-        stepped_params = set()
-        work = []
-        for unit, entries in plan:
-            live = [(pc, g, p) for pc, g, p in entries if unit.has_grad and bool(unit.used[pc.slot])]
-            if not live:
-                continue
-            for piece, group, p in live:
-                if id(p) not in stepped_params:
-                    stepped_params.add(id(p))
-                    state = self.state[p]
-                    state["step"] = state.get("step", 0) + 1
-            # everything the update needs is read now: a scheduler may change the groups once step() returns
-            work.append((unit, self._live_runs(unit, entries, ahead=0)))
+        # everything the update needs is read now (a scheduler may change the groups once step() returns), with
+        # the step counts this step gives; the backward's updates are checked against it before a count changes
+        work = [(unit, self._live_runs(unit, entries, ahead=1)) for unit, entries in plan]
+        rt.backward_updates.check_before_step(work)
+        self.count_step([unit for unit, _ in plan])
         # rt.grad_scale stays: another optimizer over other parameters may step after this one with the same
         # clipping coefficient; the next backward (or rt.zero_grad) resets it.
         rt.step_units(work, self.schema)
         return loss
+
+    def count_step(self, units) -> None:
+        """Advance the step count of every parameter of `units` that got a gradient (once each)."""
+        counted = set()
+        for unit, entries in self._unit_plan(units):
+            for piece, group, p in entries:
+                if unit.has_grad and bool(unit.used[piece.slot]) and id(p) not in counted:
+                    counted.add(id(p))
+                    state = self.state[p]
+                    state["step"] = state.get("step", 0) + 1
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear the gradients of this optimizer's parameters only (another optimizer's stay)."""

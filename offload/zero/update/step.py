@@ -3,7 +3,8 @@
     opt.step()                       a sharded optimizer (optimizer.py) decides each unit's runs: its pieces
                                      that got a gradient, their hyperparameters and step counts
       -> UpdatePath.step(work, schema, clip)
-           the backward's updates (backward_updates.py, Config.update_in_backward) are checked and skipped
+           the backward's updates (backward_updates.py, Config.update_in_backward) are skipped (the optimizer
+           checked them before it changed a step count)
            the schedule orders the rest (the next forward's order) and is told the step happened
            each unit: its states created at its first step (optim_states.register), anything read ahead of
            its shard dropped, and its UnitUpdate queued on the pipeline (optimizer_pipeline.py); a unit's next
@@ -42,7 +43,7 @@ class UpdatePath:
         and the clip coefficient `grad_scale` (units the backward already queued are checked and skipped)."""
         early = self.backward_updates
         scale = early.scale(grad_scale)
-        early.check_all_stepped([unit for unit, _ in work])
+        early.void_unstepped([unit for unit, _ in work])
         updates = []
         for unit, runs in work:
             # the chunks the backward already updated for good (speculative ones: kept only if nothing clipped)
