@@ -797,3 +797,50 @@ def test_optimizer_rejects_foreign_params():
             offload.zero.ShardedAdamW(list(model.parameters()) + list(plain.parameters()))
     # plain parameters outside any runtime keep the plain fused optimizer
     assert type(offload.AdamW(nn.Linear(2, 2).parameters())) is offload.AdamW
+
+
+class _BadBatch(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["block", "head"])
+def test_a_forward_that_raises_frees_what_it_gathered_and_the_run_goes_on(where):
+    """An out-of-memory error or a bad batch in the middle of the forward: nothing of it reaches a backward, so
+    what it gathered is freed as the error leaves the model (the retry with a smaller batch, accelerate's
+    find_executable_batch_size, starts with nothing held; before, the failing unit, the one gathered ahead and
+    the root stayed gathered until the next forward). The run then goes on bit for bit as if the batch had been
+    left out."""
+    def run(fail):
+        torch.manual_seed(0)
+        model = TinyTransformer(layers=4)
+        with offload.init(_cfg()) as rt:
+            rt.wrap(model)
+            opt = offload.AdamW(model.parameters(), lr=1e-2)
+            held_when_raised = []
+
+            def refuse(module, args):
+                if step == 1 and fail:
+                    held_when_raised.append(rt.gathered_bytes)
+                    raise _BadBatch
+
+            (model.layers[2] if where == "block" else model.ln_f).register_forward_pre_hook(refuse)
+            losses = []
+            for step in range(4):
+                if step == 1 and not fail:
+                    continue  # the reference leaves the batch out
+                ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(step))
+                try:
+                    loss = compute_loss(model, ids, "tiny")
+                except _BadBatch:
+                    assert held_when_raised[0] > 0 and rt.gathered_bytes == 0, (held_when_raised, rt.gathered_bytes)
+                    opt.zero_grad()
+                    continue
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            return losses, {k: v.clone() for k, v in rt.full_state_dict(model).items()}
+
+    (want, want_values), (got, values) = run(False), run(True)
+    assert got == want and len(got) == 3
+    assert all(torch.equal(values[k], want_values[k]) for k in want_values)

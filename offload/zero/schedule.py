@@ -129,6 +129,15 @@ class Schedule:
         if not torch.is_grad_enabled() or self.reshard_after_forward(unit):
             unit.reshard()
 
+    def forward_failed(self, unit) -> None:
+        """`unit`'s forward raised (an out-of-memory error, a bad batch): no backward comes for what this step's
+        forward gathered, so it is freed now, not at the next forward (a retry with a smaller batch started with
+        those bytes held): `unit` and every unit gathered but the ones whose forward encloses it (still running,
+        they may catch the error; if not, theirs ends the same way)."""
+        for u in self.units.values():
+            if u.state in (UnitState.UNSHARDED, UnitState.GATHERING) and not _encloses(u, unit):
+                u.reshard()
+
     def pre_backward(self, unit) -> None:
         if torch.is_grad_enabled():  # the engine runs hooks with grad mode on only for create_graph=True
             raise RuntimeError(
@@ -450,3 +459,8 @@ def _class_of(kind: StateKind, compute_dtype: torch.dtype) -> planner.StateClass
     if kind is StateKind.PARAM:
         return planner.StateClass.MASTER_PARAM if compute_dtype == torch.float32 else planner.StateClass.PARAM
     return planner.StateClass.GRAD if kind is StateKind.GRAD else planner.StateClass.OPTIM
+
+
+def _encloses(outer, inner) -> bool:
+    """`outer`'s module holds `inner`'s (its forward runs inside outer's). Only on a failed forward: a walk."""
+    return outer is not inner and any(m is inner.module for m in outer.module.modules())

@@ -17,6 +17,8 @@ inside-unit check  (pre-hook of every other module holding the unit's parameters
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -78,6 +80,9 @@ def install(unit: ShardedUnit, schedule) -> list:
     def post_forward(module, args, kwargs, output):
         if in_backward():
             return None
+        if output is None and sys.exc_info()[1] is not None:  # (always_call: the forward raised, torch runs it
+            schedule.forward_failed(unit)  # inside its `except`)
+            return None
         if torch.is_grad_enabled():
             outs = [t for t in _tensors(output) if t.requires_grad]
             if outs:
@@ -92,7 +97,7 @@ def install(unit: ShardedUnit, schedule) -> list:
     holders = {id(m): m for slot in unit.layout.slots for m, _ in slot.refs}.values()
     return [
         unit.module.register_forward_pre_hook(pre_forward, with_kwargs=True),
-        unit.module.register_forward_hook(post_forward, with_kwargs=True),
+        unit.module.register_forward_hook(post_forward, with_kwargs=True, always_call=True),
     ] + [m.register_forward_pre_hook(inside_unit) for m in holders if m is not unit.module]
 
 
