@@ -4,6 +4,7 @@ import contextlib
 import copy
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -839,6 +840,59 @@ def test_a_forward_that_raises_frees_what_it_gathered_and_the_run_goes_on(where)
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.item())
+            return losses, {k: v.clone() for k, v in rt.full_state_dict(model).items()}
+
+    (want, want_values), (got, values) = run(False), run(True)
+    assert got == want and len(got) == 3
+    assert all(torch.equal(values[k], want_values[k]) for k in want_values)
+
+
+def test_ctrl_c_while_waiting_for_a_gather_keeps_the_accounting_and_the_run():
+    """A KeyboardInterrupt (Ctrl-C in a notebook; here SIGALRM's handler raises it) while the training thread waits
+    for a gather the lane has not finished: the unit stays GATHERING and the next wait lets the lane finish. Before,
+    the buffer was freed under the lane, which grew it back uncounted: the gathered-bytes counter went negative
+    for good and a SHARDED unit held a full buffer. Then the run goes on as if the batch had been left out."""
+    import signal
+
+    from offload import inject
+    from offload.telemetry import Queue
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    def allocated(rt):
+        return sum(u.flat.untyped_storage().nbytes() for u in rt.units if not u.persistent)
+
+    def run(interrupted):
+        torch.manual_seed(0)
+        model = TinyTransformer(layers=4)
+        with offload.init(_cfg()) as rt:
+            rt.wrap(model)
+            opt = offload.AdamW(model.parameters(), lr=1e-2)
+            losses = []
+            for step in range(4):
+                ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(step))
+                if step == 1 and not interrupted:
+                    continue  # the reference leaves the batch out
+                if step == 1:
+                    previous = signal.signal(signal.SIGALRM, interrupt)
+                    try:
+                        with inject.delay(Queue.GATHER, 0.4), pytest.raises(KeyboardInterrupt):
+                            signal.setitimer(signal.ITIMER_REAL, 0.6)  # inside the second unit's wait
+                            compute_loss(model, ids, "tiny").backward()
+                    finally:
+                        signal.setitimer(signal.ITIMER_REAL, 0)
+                        signal.signal(signal.SIGALRM, previous)
+                    opt.zero_grad()
+                    time.sleep(0.5)  # the lane finishes what it had
+                    assert rt.gathered_bytes == allocated(rt) >= 0, (rt.gathered_bytes, allocated(rt))
+                    continue
+                loss = compute_loss(model, ids, "tiny")
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                assert rt.gathered_bytes == allocated(rt), (rt.gathered_bytes, allocated(rt))
             return losses, {k: v.clone() for k, v in rt.full_state_dict(model).items()}
 
     (want, want_values), (got, values) = run(False), run(True)

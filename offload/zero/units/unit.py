@@ -216,9 +216,17 @@ class ShardedUnit:
     def wait_for_unshard(self) -> None:
         if self.state is not UnitState.GATHERING:
             return
-        fut, self._gather = self._gather, None
+        fut = self._gather
         try:
             issued = wait(fut, self.ctx.meter, Queue.GATHER)  # the lane has read the shard and issued the gather
+        except BaseException:
+            if not fut.done():  # interrupted (Ctrl-C) while the lane still writes the buffer: it stays GATHERING,
+                raise  # and the next wait (the next forward, or a reshard) lets it finish first
+            self._gather = None
+            self._drop_flat()
+            raise
+        self._gather = None
+        try:
             with self.ctx.meter.waiting(Queue.GATHER):
                 issued.wait()  # the unit computes next: GPU: the compute stream waits for the gather; gloo: the host
         except BaseException:
