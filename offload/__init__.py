@@ -12,6 +12,7 @@ _LAZY = {
     "Runtime": ("offload.zero.runtime", "Runtime"),
     "CollectiveError": ("offload.zero.collectives.watchdog", "CollectiveError"),
     "CheckpointError": ("offload.checkpoint.files", "CheckpointError"),
+    "UpdateFailed": ("offload.zero.update.optimizer_pipeline", "UpdateFailed"),
 }
 
 

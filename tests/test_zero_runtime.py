@@ -898,3 +898,55 @@ def test_ctrl_c_while_waiting_for_a_gather_keeps_the_accounting_and_the_run():
     (want, want_values), (got, values) = run(False), run(True)
     assert got == want and len(got) == 3
     assert all(torch.equal(values[k], want_values[k]) for k in want_values)
+
+
+def test_an_update_that_fails_names_what_it_left_and_a_checkpoint_load_in_process_repairs_it(tmp_path):
+    """A corrupt swap file (the drive, or anything writing into it) makes step 2's update fail on the optimizer
+    lane. The next forward raises UpdateFailed naming the unit and the cause (before: the bare store error, at
+    every later step, from rt.save_checkpoint and from rt.load_checkpoint too, so only a new process could go
+    on). The part-updated states are not saved; rt.load_checkpoint in the same process replaces them, and the
+    run from there is bit for bit the one that never failed."""
+    import glob
+
+    def run(corrupt):
+        swap = tmp_path / f"swap{corrupt}"
+        swap.mkdir()
+        # optimizer states on nvme, the cpu budget at the least the placement takes: they page every step
+        cfg = _cfg(optimizer="nvme", nvme_path=str(swap), cpu_budget="136KiB", chunk_size="16KiB",
+                   speculative_updates=False)
+        torch.manual_seed(0)
+        model = TinyTransformer(layers=4)
+        with offload.init(cfg) as rt:
+            rt.wrap(model)
+            opt = offload.AdamW(model.parameters(), lr=1e-2)
+
+            def step(s, damage=False):
+                loss = compute_loss(model, torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator()
+                                                         .manual_seed(s)), "tiny")
+                loss.backward()
+                if damage:
+                    for f in glob.glob(f"{swap}/**/*.swap", recursive=True):
+                        with open(f, "r+b") as fh:
+                            fh.write(os.urandom(os.path.getsize(f)))
+                opt.step()
+                opt.zero_grad()
+                return loss.item()
+
+            losses = [step(0), step(1)]
+            rt.save_checkpoint(tmp_path / f"ckpt{corrupt}")
+            if corrupt:
+                step(2, damage=True)  # its update fails on the lane, after opt.step() returned
+                with pytest.raises(offload.UpdateFailed, match=r"the optimizer update of unit \d \(layers\.\d\) "
+                                   r"failed \(SwapCorruptError: .*part-updated.*rt\.load_checkpoint") as failed:
+                    step(3)
+                assert isinstance(failed.value.__cause__, offload.store.SwapCorruptError)
+                opt.zero_grad()
+                with pytest.raises(offload.UpdateFailed):
+                    rt.save_checkpoint(tmp_path / "never")  # the part-updated states are not saved
+                rt.load_checkpoint(tmp_path / f"ckpt{corrupt}")
+            losses += [step(2), step(3)]
+            return losses, {k: v.clone() for k, v in rt.full_state_dict(model).items()}
+
+    (want, want_values), (got, values) = run(False), run(True)
+    assert got == want
+    assert all(torch.equal(values[k], want_values[k]) for k in want_values)

@@ -485,6 +485,7 @@ def _load_verified(rt, path: Path, manifest: dict, saved: dict, needed: list, fi
     # every rank checks what it will read before any rank writes: a load refused half-way through left the model
     # part loaded (and a bad size read past a tensor's end as zeros)
     _agree(rt, "checking the checkpoint's shards", lambda: _check_shards(rt, path, saved, handles, keys, old_world))
+    rt.forget_failed_updates()  # every state is replaced below: a run an update failed in goes on from here
     rt.backward_updates.check_quiet("rt.load_checkpoint")  # a speculated update would shadow what is loaded
     rt.quiesce()  # nothing may be updating the shards written below
     try:

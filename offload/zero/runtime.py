@@ -61,7 +61,7 @@ from .host_memory import peak_rss_bytes, rss_bytes, tune_malloc, untune_malloc
 from .lanes import WorkLane
 from .units.hooks import check_call
 from .units.materialize import ConstructionCapture
-from .update.optimizer_pipeline import OptimizerPipeline
+from .update.optimizer_pipeline import OptimizerPipeline, UpdateFailed
 from .schedule import Schedule
 from .units.shards import StateKind
 from .units.state import UnitState
@@ -334,6 +334,26 @@ class Runtime:
         self.pipeline.drop_states_read_ahead()  # whoever quiesces may read or replace those states whole
         self.schedule.release_prefetched()  # (and the params: reads ahead issued as the updates ended)
         self.states.wait_moves()
+
+    def forget_failed_updates(self) -> None:
+        """rt.load_checkpoint is about to replace every state: an update that failed (UpdateFailed) stands no
+        longer, nor do the store's moves still failing in its wake (reads ahead of the same bad slots), and the
+        units it left part-updated may be gathered again once loaded."""
+        repairing = False
+        for lane in self.ctx.lanes.all():
+            try:
+                lane.drain()
+            except UpdateFailed:
+                repairing = True  # (what this load repairs; any other failure still raises)
+        for unit in self.units:
+            failed = unit.update is not None and unit.update.done() and unit.update.exception()
+            if isinstance(failed, UpdateFailed):
+                unit.update, repairing = None, True
+        if repairing:
+            try:
+                self.states.wait_moves()
+            except Exception:  # noqa: BLE001 - moves of states the load rewrites (each undid its own residency)
+                pass
 
     # ---- wrapping ---------------------------------------------------------------------------
     def _note_module(self) -> None:

@@ -136,7 +136,10 @@ class Schedule:
         they may catch the error; if not, theirs ends the same way)."""
         for u in self.units.values():
             if u.state in (UnitState.UNSHARDED, UnitState.GATHERING) and not _encloses(u, unit):
-                u.reshard()
+                try:
+                    u.reshard()
+                except Exception:  # noqa: BLE001 - its gather failed (it dropped its buffer): the forward's own
+                    pass           # error is the one raised
 
     def pre_backward(self, unit) -> None:
         if torch.is_grad_enabled():  # the engine runs hooks with grad mode on only for create_graph=True

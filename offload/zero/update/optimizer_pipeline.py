@@ -42,6 +42,22 @@ from ..units.shards import Chunk, StateKind
 from ..state_store import Use
 
 
+class UpdateFailed(RuntimeError):
+    """An update on the optimizer lane raised (an I/O error reading a state, a corrupt swap slot): the unit that
+    failed, and the units queued after it in that lane item, are not updated, or only in part. Raised wherever the
+    runtime next needs one of them (their gathers wait for their updates), until rt.load_checkpoint replaces
+    every state; the cause is chained."""
+
+    def __init__(self, failed_label: str, behind: list[str], cause: BaseException):
+        shown = ", ".join(behind[:4]) + (f" and {len(behind) - 4} more" if len(behind) > 4 else "")
+        super().__init__(
+            f"offload: the optimizer update of {failed_label} failed ({type(cause).__name__}: {cause}); it"
+            + (f" and {len(behind)} unit(s) queued after it ({shown})" if behind else "")
+            + " are not updated, or only in part, while the units before were: the states are part-updated, so "
+            "this run can neither train on nor be saved. Load the last checkpoint (rt.load_checkpoint in this "
+            "process, or resume in a new one)")
+
+
 @dataclass(frozen=True)
 class Run:
     """Shard elements [lo, hi) stepped with one set of hyperparameters and one step count."""
@@ -236,9 +252,14 @@ class OptimizerPipeline:
                 self._step(item)
             except BaseException as e:  # noqa: BLE001 - every later unit's future carries it
                 failed = e
+                if isinstance(e, Exception) and not isinstance(e, UpdateFailed):  # (an interrupt stays itself)
+                    behind = list(dict.fromkeys(it.update.unit.label for it in items[k + 1:]
+                                                if it.update.unit is not item.update.unit))
+                    failed = UpdateFailed(item.update.unit.label, behind, e)
+                    failed.__cause__ = e
                 self._release(item)
                 if item.last_of_unit:
-                    item.update.done.set_exception(e)
+                    item.update.done.set_exception(failed)
                 continue
             written = self._release(item)
             if item.update.speculative:
