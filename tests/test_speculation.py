@@ -246,3 +246,48 @@ def test_a_tensor_lr_changed_in_place_after_the_step_changes_only_the_next_step(
 
     fast, slow = run(0.0), run(0.02)
     assert all(torch.equal(fast[k], slow[k]) for k in fast)
+
+
+def test_a_read_ahead_cannot_slip_between_a_take_back_and_its_slots_exchanged_back(tmp_path, monkeypatch):
+    """Taking a speculative update back gives back the states read ahead of it (they hold its new bytes), then
+    exchanges its slots back. A read ahead the optimizer lane started in between read the new bytes again, and
+    the step redone at opt.step() applied itself on top of the speculative one (or the exchange found the read in
+    flight and raised). The order is forced here: the lane's read-ahead starts 5 ms late, and the training thread
+    takes 30 ms to begin exchanging back. The lane's read-ahead table stays locked from the give-back until the
+    slots are back, so the read waits and reads the old bytes: bitwise the path without speculation."""
+    import threading
+    import time
+
+    from offload.zero.state_store import UnitStateStore
+    from offload.zero.update.optimizer_pipeline import OptimizerPipeline
+
+    read_ahead, exchange = OptimizerPipeline._read_states_ahead, UnitStateStore.exchange
+
+    def late_read_ahead(self, units, allowance):
+        time.sleep(0.005)
+        return read_ahead(self, units, allowance)
+
+    def slow_exchange(self, spec, spare):
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.03)
+        return exchange(self, spec, spare)
+
+    def run(speculate):
+        with _training(tmp_path / str(speculate), speculate) as (rt, model, opt):
+            losses = [_step(rt, model, opt, 0), _step(rt, model, opt, 1)]
+            for k in (2, 3):  # the second micro-batch's forward takes the first's speculative updates back
+                loss = compute_loss(model, token_ids(k), "tiny") / 2
+                loss.backward()
+                losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+            losses.append(_step(rt, model, opt, 4))
+            return losses, rt.full_state_dict(model), rt.stats()["speculation"]
+
+    exact = run(False)
+    monkeypatch.setattr(OptimizerPipeline, "_read_states_ahead", late_read_ahead)
+    monkeypatch.setattr(UnitStateStore, "exchange", slow_exchange)
+    with inject.delay(Queue.OPTIMIZER, 0.02):
+        fast = run(True)
+    _assert_same(fast, exact)
+    assert fast[2]["voided"] >= 1, fast[2]

@@ -166,13 +166,15 @@ class OptimizerPipeline:
         for lease in dropped:
             lease.release()
 
-    def give_back_read_ahead(self, keys) -> list[cf.Future]:
-        """Give back the states read ahead under `keys` (a speculative update taken back: what was read of its
-        new states is not the shard's value any more); their release futures. Safe beside a running lane: the
-        lane takes a read-ahead lease out of the table under the same lock, or leases afresh."""
+    def take_back_read_ahead(self, keys, then) -> None:
+        """A speculative update taken back: the states read ahead under `keys` hold its new bytes, which are not the
+        shard's value any more. They are given back (their releases waited for) and `then()` (its slots exchanged
+        back) runs before the lane may read any of them ahead again: the table's lock is held throughout (a read
+        ahead started in between read the new bytes again). Neither the releases nor the exchange take it."""
         with self._ahead_lock:
             dropped = [self._ahead.pop(k)[0] for k in keys if k in self._ahead]
-        return [lease.release() for lease in dropped]
+            cf.wait([lease.release() for lease in dropped])
+            then()
 
     def submit(self, updates: list[UnitUpdate]) -> None:
         """Queue the updates (in order) on the optimizer lane; each unit's `update` is its future. States read

@@ -120,11 +120,15 @@ class Speculation:
         shard's slots hold the states from before it. Blocks the caller (a miss or a void: not the common path)."""
         cf.wait([update.done])  # the lane's update is over (its writes are all listed then)
         cf.wait(update.written)  # and they landed, or failed
-        # a read ahead of these states since (a forward before the step reads the next update's) holds the new bytes
-        cf.wait(self._pipeline().give_back_read_ahead([spec.key for spec in update.exchanged]))
         states = self._states()
-        for spec in update.exchanged:
-            states.exchange(spec, spec.spare())  # the new states (or a failed write's) go to the spare
+
+        def exchange_back():
+            for spec in update.exchanged:
+                states.exchange(spec, spec.spare())  # the new states (or a failed write's) go to the spare
+
+        # a read ahead of these states since (a forward before the step reads the next update's) holds the new
+        # bytes: given back, and none may start again until the slots are back
+        self._pipeline().take_back_read_ahead([spec.key for spec in update.exchanged], exchange_back)
         update.exchanged.clear()
         update.done.result()  # a failed update fails the step that takes it back
         for written in update.written:
