@@ -83,6 +83,28 @@ def test_sharded_equals_in_memory_bitwise(cls, pipeline, tmp_path):
         assert torch.equal(got[name], p), name
 
 
+@pytest.mark.parametrize("cls", ["AdamW", "AdamW8bit", "Lion"])
+def test_a_new_optimizer_over_trained_parameters_starts_from_fresh_states(cls, tmp_path):
+    """A second stage of training (a second Trainer on the same model, or any new optimizer): torch's new optimizer
+    starts with empty state. The moments live in the runtime's units, not in the optimizer, so the new one's first
+    step read the old one's moments with its own step count 1 (a wrong bias correction, losses apart from the
+    second step on). Its first step of each element starts them at zero now: bit for bit the in-memory optimizer's."""
+    Opt = getattr(offload, cls)
+    ref = _aligned_model()
+    batches = _batches(6)
+    want = _train(ref, Opt(ref.parameters(), lr=3e-3, weight_decay=0.1), batches[:3])
+    want += _train(ref, Opt(ref.parameters(), lr=1e-3), batches[3:])
+    model = _aligned_model()
+    with offload.init(_config(tmp_path, optimizer_states=cls.lower())) as rt:
+        rt.wrap(model)
+        got = _train(model, Opt(model.parameters(), lr=3e-3, weight_decay=0.1), batches[:3])
+        got += _train(model, Opt(model.parameters(), lr=1e-3), batches[3:])
+        values = rt.full_state_dict(model)
+    assert got == want
+    for name, p in ref.state_dict().items():
+        assert torch.equal(values[name], p), name
+
+
 def test_adamw8bit_state_dict_is_dequantized_in_memory_states(tmp_path):
     ref = _aligned_model()
     batches = _batches(3)

@@ -114,6 +114,16 @@ class Schema:
         for s in self.states:
             states[s.name].fill_(s.fill)
 
+    def fill_range_(self, states: dict, lo: int, hi: int) -> None:
+        """The same for a chunk's elements [lo, hi) only: per-element states over the range, shared ones (a block's
+        scale) where their whole block lies inside it (a block's other elements keep the values they stand for)."""
+        n = next(states[s.name].numel() for s in self.states if s.per == 1)  # the chunk's elements
+        for s in self.states:
+            first = -(-lo // s.per)
+            last = -(-hi // s.per) if hi == n else hi // s.per  # (the chunk's last block may be short)
+            if first < last:
+                states[s.name][first:last].fill_(s.fill)
+
 
 _REGISTRY: dict[str, Schema] = {}
 

@@ -326,6 +326,10 @@ class OptimizerPipeline:
             states = {s.name: t[s] for s in schema.states}
             if u.zero_moments:
                 schema.fill_(states)
+            else:  # an optimizer's first step of these elements: their moments start at zero, whatever an earlier
+                for a, b, r in item.runs:  # optimizer over these parameters left in the unit's states (torch: a new
+                    if r.step == 1:  # optimizer's state starts empty)
+                        schema.fill_range_(states, a, b)
             out = t.get(StateKind.PARAM)
             if out is not None and u.param_overwrite:
                 _zero_outside(out, item.runs)  # padding: the kernel writes only stepped elements
