@@ -323,3 +323,33 @@ def test_save_model_pushes_to_the_hub_as_trainer_does(tmp_path, monkeypatch):
         trainer.save_model(str(tmp_path / "internal"), _internal_call=True)  # a checkpoint's: no push of its own
     assert [kw["commit_message"] for kw in pushed] == ["Model save"]
     assert (tmp_path / "saved" / "config.json").is_file() and (tmp_path / "saved" / "model.safetensors").is_file()
+
+
+def test_a_second_trainer_on_the_same_model_trains_on_as_trainer(tmp_path):
+    """Two stages (the second with its own arguments and a fresh optimizer), as a plain Trainer is used twice on
+    one model. The second OffloadTrainer opened a runtime of its own holding none of the model's units: its
+    gradient norm was logged as 0.0, max_grad_norm was never applied, and its optimizer read the first one's
+    moments. It trains through the runtime that shards the model now; closed, that one is named."""
+    def stages(cls, out, **kw):
+        model = tiny_llama()
+        first = cls(model=model, args=training_args(out / "1", max_steps=3), train_dataset=Blocks(), **kw)
+        first.train()
+        second = cls(model=model, args=training_args(out / "2", max_steps=3, learning_rate=5e-4),
+                     train_dataset=Blocks(), **kw)
+        second.train()
+        return first, second
+
+    plain = stages(Trainer, tmp_path / "plain")
+    offloaded = stages(OffloadTrainer, tmp_path / "offload", offload_config=nvme_config(tmp_path))
+    try:
+        for ref, got in zip(plain, offloaded):
+            assert logged(got, "grad_norm") == pytest.approx(logged(ref, "grad_norm"), rel=1e-5)
+            assert logged(got) == pytest.approx(logged(ref), rel=1e-5)
+        assert min(logged(plain[1], "grad_norm")) > 0.5  # the second stage clips too
+        assert offloaded[1].offload_runtime is offloaded[0].offload_runtime
+    finally:
+        offloaded[1].close()  # not the runtime's owner: a no-op
+        assert not offloaded[0].offload_runtime.closed
+        offloaded[0].close()
+    with pytest.raises(ValueError, match="sharded by an offload runtime that has closed"):
+        OffloadTrainer(model=offloaded[0].model, args=training_args(tmp_path / "3"), train_dataset=Blocks())

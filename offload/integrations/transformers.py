@@ -10,7 +10,8 @@ offload runtime (parameters, gradients and AdamW states sharded over ranks, page
 
 What differs from Trainer, and why (as transformers' DeepSpeed integration replaces the same pieces):
   - the model is wrapped by an offload runtime: the trainer's own (opened from `offload_config`, closed by
-    close()), or the one open around it (`with offload.init(cfg): model = ...; trainer = OffloadTrainer(...)`);
+    close()), or the one open around it (`with offload.init(cfg): model = ...; trainer = OffloadTrainer(...)`),
+    or, for a second trainer on a model an earlier one sharded (a second stage), that trainer's (still its to close);
   - the optimizer is offload.AdamW over Trainer's two parameter groups (weight decay on the same names),
     with its learning rate, betas and epsilon; the scheduler is Trainer's own;
   - `max_grad_norm` clips with rt.clip_grad_norm_ (the global norm over every shard and rank);
@@ -101,6 +102,11 @@ def _refuse_unsupported(args: TrainingArguments, offload_config: Config | None, 
                          "before the loss scaler's overflow check could skip them; drop one of the two")
 
 
+def _sharded_by(model):
+    """The runtime whose units hold the model's parameters, or None (not sharded yet)."""
+    return next((p._offload_rt for p in model.parameters() if hasattr(p, "_offload_rt")), None)
+
+
 def compute_dtype(args: TrainingArguments) -> str:
     """The runtime's Config.compute_dtype for Trainer's flags."""
     return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
@@ -118,6 +124,18 @@ class OffloadTrainer(Trainer):
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
         outer = current_runtime()
+        owner = _sharded_by(model)  # a trainer before this one on the same model (a second stage) sharded it
+        if owner is not None and owner is not outer:
+            if owner.closed:
+                raise ValueError("OffloadTrainer: the model was sharded by an offload runtime that has closed (an "
+                                 "earlier trainer's close() or `with` block, or its offload.init block), and its "
+                                 "values went with it. Load the model again (from_pretrained of what that trainer "
+                                 "saved), or keep the first trainer open until the second has trained")
+            if offload_config is not None and dataclasses.replace(
+                    offload_config, compute_dtype=owner.config.compute_dtype) != owner.config:
+                raise ValueError("OffloadTrainer: the model is sharded already, by a runtime with another "
+                                 "offload.Config (an earlier trainer's); pass that trainer's offload_config, or none")
+            outer, offload_config = owner, None  # its runtime trains this stage too (not this trainer's to close)
         if outer is not None and offload_config is not None:
             raise ValueError("OffloadTrainer: an offload runtime is already open; build the trainer inside it without "
                              "offload_config, or outside it with offload_config")
