@@ -605,14 +605,42 @@ class Runtime:
         """OR the per-parameter 'received a gradient' flags over ranks (params with none are not stepped)."""
         if not self.units or not self.group.distributed:
             return
-        flags = torch.cat([u.used.to(torch.int32) for u in self.units])
+        flags = torch.cat([u.used.to(torch.int64) for u in self.units])
+        # and what each rank asked of the lanes since the last step, compared in the same collective (max of the
+        # counts and of their negatives: the most and the fewest over ranks)
+        counts, order_hash = self.group.order.asked.take()
+        asked = torch.tensor([counts[(lane, u.index)] for u in self.units for lane in ("gather", "reduce")]
+                             + [order_hash], dtype=torch.int64)
+        both = torch.cat([flags, asked, -asked])
         with self.meter.waiting(Queue.COLLECTIVE):
-            comm.all_reduce_host_(self.group, flags, "max", what="which parameters got gradients (opt.step)")
+            comm.all_reduce_host_(self.group, both, "max", what="which parameters got gradients (opt.step)")
+        most, fewest = both[len(flags):len(flags) + len(asked)], -both[len(flags) + len(asked):]
+        if not torch.equal(most, fewest):
+            self._refuse_rank_dependent_collectives(most, fewest)
         offset = 0
         for u in self.units:
             n = u.used.numel()
-            u.used.copy_(flags[offset:offset + n].bool())
+            u.used.copy_(both[offset:offset + n].bool())
             offset += n
+
+    def _refuse_rank_dependent_collectives(self, most: torch.Tensor, fewest: torch.Tensor) -> None:
+        """sync_used found that the ranks asked for different gathers or reduces this step: raised before anything
+        is updated from it (each rank's collectives paired with another's of the same size: the numbers are
+        wrong, with no error of their own)."""
+        differ = []
+        for k, u in enumerate(self.units):
+            ways = [f"{done} {int(fewest[2 * k + j])} to {int(most[2 * k + j])} times"
+                    for j, done in enumerate(("gathered", "reduced")) if most[2 * k + j] != fewest[2 * k + j]]
+            if ways:
+                differ.append(f"{u.label} {' and '.join(ways)}")
+        what = "; ".join(differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "") if differ else \
+            "the same units as often, in another order"
+        raise RuntimeError(
+            f"offload: the ranks ran different units in this step ({what}, over the ranks): each gather and reduce "
+            "is a collective, so one rank's paired with another's for another unit and this step's numbers are wrong; "
+            "nothing was updated from it. Every rank must run the same units in the same order: call every expert "
+            "of a mixture-of-experts layer on every rank (on an empty batch where it got no tokens), and run an "
+            "evaluation, generate(), model.state_dict() or rt.full_state_dict() on every rank, not on rank 0 only")
 
     def check_steppable(self) -> None:
         """Before an optimizer's step changes anything (its step counts): refuse gradients that still carry the

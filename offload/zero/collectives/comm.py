@@ -21,10 +21,12 @@ World size 1 needs no process group: every function degrades to a local copy and
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -67,11 +69,14 @@ class ProgramOrder:
         self._next = 0
         self._pending: dict[int, str] = {}  # ticket -> lane, taken and not yet issued or skipped
         self.wait_s = wait_s  # a wait this long for another lane is a bug: raise, never hang silently
+        self.asked = AskedCollectives()
 
-    def ticket(self, lane: str) -> int:
+    def ticket(self, lane: str, key: int = -1) -> int:
+        """`key`: what the collective is for (a unit's index), recorded in `asked` for the ranks to compare."""
         with self._cond:
             t, self._next = self._next, self._next + 1
             self._pending[t] = lane
+            self.asked.note(lane, key)
             return t
 
     @contextlib.contextmanager
@@ -122,6 +127,28 @@ class ProgramOrder:
                 self._cond.notify_all()
 
 
+class AskedCollectives:
+    """The lanes' collectives asked for since the last take(), in program order: how many per (lane, key) and a
+    hash of their order. Every rank must ask for the same ones in the same order: a gather of one unit on one rank
+    pairs with another's gather of a different unit of the same size (rank-dependent routing, a forward on one
+    rank only) and computes on halves of each, without an error. The runtime compares them over ranks at every
+    optimizer step (Runtime.sync_used), before anything is updated."""
+
+    def __init__(self):
+        self.counts: collections.Counter = collections.Counter()  # (lane, key) -> collectives asked
+        self.order_hash = 0
+
+    def note(self, lane: str, key: int) -> None:
+        self.counts[(lane, key)] += 1
+        step = zlib.crc32(f"{lane}:{key}".encode())  # (not hash(): str hashes differ between processes)
+        self.order_hash = (self.order_hash * 1_000_003 + step) % (1 << 61)
+
+    def take(self) -> tuple[collections.Counter, int]:
+        out = self.counts, self.order_hash
+        self.counts, self.order_hash = collections.Counter(), 0
+        return out
+
+
 @dataclass
 class Group:
     rank: int = 0
@@ -139,9 +166,10 @@ class Group:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def ticket(self) -> int | None:
-        """The next collective's place in the lanes' program order (training thread, when it asks)."""
-        return self.order.ticket(self.name) if self.order is not None and self.distributed and not self.inline \
+    def ticket(self, key: int = -1) -> int | None:
+        """The next collective's place in the lanes' program order (training thread, when it asks); `key`: what
+        it is for (a unit's index: ProgramOrder.asked)."""
+        return self.order.ticket(self.name, key) if self.order is not None and self.distributed and not self.inline \
             else None
 
     def skip(self, ticket: int | None) -> None:

@@ -178,7 +178,8 @@ class ShardedUnit:
                 readers = record(self.ctx.device)  # queued kernels may still read; the gather writes after them
             prefetched = self.ctx.schedule.take_prefetched(self)
             self._gather = self.ctx.lanes.gather.submit(f"gather:{self.uid or '<root>'}", self._gather_now,
-                                                        prefetched, self.update, self.ctx.gather_group.ticket(),
+                                                        prefetched, self.update,
+                                                        self.ctx.gather_group.ticket(self.index),
                                                         readers)
             self._transition(UnitState.GATHERING)
         if not async_op:
@@ -377,7 +378,8 @@ class ShardedUnit:
             wait(window.popleft(), self.ctx.meter, Queue.REDUCE)
         written = record(self.ctx.device)
         self.grads = self.ctx.lanes.reduce.submit(f"reduce:{self.uid or '<root>'}", self._reduce_now, full_grad,
-                                                  written, overwrite, self.update, self.ctx.reduce_group.ticket())
+                                                  written, overwrite, self.update,
+                                                  self.ctx.reduce_group.ticket(self.index))
         window.append(self.grads)
         if self.ctx.on_reduce is not None:
             self.ctx.on_reduce(self)
