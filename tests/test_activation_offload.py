@@ -610,6 +610,46 @@ def test_a_saved_tensor_changed_in_place_is_refused_as_torch_refuses_it(moved):
         assert (rt.stats()["activations"]["moved_tensors"] > 0) == moved
 
 
+class _KeepsTheBaseOfASavedView(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(256, 256)
+        self.kept = None
+
+    def forward(self, x):
+        base = self.linear(x)
+        v = base[:128]  # a view: `v * v` saves it, and it dies here; its base lives on
+        self.kept = base
+        return (v * v).sum()
+
+
+def test_changes_in_place_after_the_copy_out_are_refused_as_torch_refuses_them():
+    """Two changes torch refuses that a moved tensor let through with the values from before (the backward then
+    trained on other values than the forward saw): a saved tensor changed between two backwards of a retained
+    graph (only the first unpack was checked), and a saved view changed through its base after the view died
+    (only the view was watched; they share one version counter). Both are made after the copy out finished."""
+    torch.manual_seed(0)
+    with offload.init(_cpu_config()) as rt:
+        model = rt.wrap(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)))
+        h = torch.randn(256, 256).requires_grad_() * 1.0  # saved by the first Linear (its weight's gradient)
+        loss = model(h).sum()
+        loss.backward(retain_graph=True)
+        assert rt.stats()["activations"]["moved_tensors"] > 0
+        with torch.no_grad():
+            h.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    with offload.init(_cpu_config()) as rt:
+        model = rt.wrap(_KeepsTheBaseOfASavedView())
+        loss = model(torch.randn(256, 256))
+        rt.quiesce()  # the copy out is over: the stored bytes are the forward's
+        assert rt.stats()["activations"]["moved_tensors"] > 0
+        with torch.no_grad():
+            model.kept.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
 def test_a_forward_cut_short_by_keyboard_interrupt_leaves_no_hooks_open():
     """torch runs always-call forward hooks for an Exception only: after a KeyboardInterrupt in the forward the
     hooks stayed open for the rest of the process and nothing moved any more. The model's next forward starts

@@ -15,7 +15,8 @@ From the second forward on, its last KEEP_LAST such tensors stay (the backward n
 nothing at the peak and costs a round trip). The bytes move exactly: the backward sees bit for bit what the forward
 saved. Saved-tensor hooks turn off torch's check of a saved tensor changed in place; it is made here instead: a
 tensor left in place, as torch; a moved one changed before its copy out finished (the copy may hold either value),
-or changed while its original still lives at the backward, is refused with torch's message.
+or changed while its original (or, for a view, its base) still lives at the backward, is refused with torch's
+message.
 
 Budgets: a tensor moves only if the store has room for it beside what the runtime's lanes need to make progress
 (`reserve()` bytes of the cpu tier; the states' own pipeline must never wait on activations, which are freed only
@@ -118,8 +119,13 @@ class _Saved:
     shape: torch.Size
     dtype: torch.dtype
     version: int  # the original's version counter when autograd saved it (torch's check, which hooks turn off)
-    original: weakref.ref  # the original, while something else keeps it: changed in place since, it is refused
+    # the original and, for a view, its base (it shares the view's version counter and may outlive it), while
+    # something else keeps them: changed in place since, it is refused
+    aliases: tuple[weakref.ref, ...]
     value: torch.Tensor | None = None  # once back (a second unpack, retain_graph, returns it again)
+
+    def live_alias(self) -> torch.Tensor | None:
+        return next((t for t in (ref() for ref in self.aliases) if t is not None), None)
 
 
 class _Anonymous:
@@ -288,7 +294,8 @@ class ActivationOffloader:
         version = t._version
         ticket.out = self.lane.submit("activation out", self._copy_out, ticket, t, ready, version)
         self._bound_outs(ticket.out)
-        saved = _Saved(ticket, t.shape, t.dtype, version, weakref.ref(t))
+        aliases = (weakref.ref(t),) if t._base is None else (weakref.ref(t), weakref.ref(t._base))
+        saved = _Saved(ticket, t.shape, t.dtype, version, aliases)
         weakref.finalize(saved, self._dropped.append, ticket)  # autograd dropped it: its shard goes (flush_dropped)
         self._seen[t] = (t._version, weakref.ref(saved))
         with self._lock:
@@ -382,12 +389,12 @@ class ActivationOffloader:
         if isinstance(saved, _Unmoved):
             _check_version(saved.tensor, saved.version, saved.tensor._version)
             return saved.tensor
+        ticket = saved.ticket
+        alias = saved.live_alias()  # (checked at every unpack: between two backwards of a retained graph too)
+        if ticket.modified or (alias is not None and alias._version != saved.version):
+            _check_version(alias, saved.version, saved.version + 1 if alias is None else alias._version)
         if saved.value is not None:
             return saved.value
-        ticket = saved.ticket
-        original = saved.original()
-        if ticket.modified or (original is not None and original._version != saved.version):
-            _check_version(original, saved.version, saved.version + 1 if original is None else original._version)
         if ticket.back is _LOST:
             raise RuntimeError("offload: this saved activation could not be brought back in an earlier backward (the "
                                "error was raised there); run the forward again")
