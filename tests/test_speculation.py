@@ -128,24 +128,28 @@ def test_taken_back_when_the_step_does_not_come_first(tmp_path, breach):
     assert fast[2]["voided"] >= 1 and fast[2]["committed"] >= 1, fast[2]
 
 
+def _accumulated_outside(tmp_path, speculate):
+    """A step of one micro-batch (it arms speculation), then one of two micro-batches each reduced (no
+    rt.no_sync(), no rt.accumulating()): the second forward takes the first backward's speculative updates back.
+    (losses, final full state dict, rt.stats()["speculation"])."""
+    with _training(tmp_path / str(speculate), speculate) as (rt, model, opt):
+        losses = [_step(rt, model, opt, 0), _step(rt, model, opt, 1)]
+        for k in (2, 3):
+            loss = compute_loss(model, token_ids(k), "tiny") / 2
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(_step(rt, model, opt, 4))
+        return losses, rt.full_state_dict(model), rt.stats()["speculation"]
+
+
 def test_taken_back_by_accumulation_outside_accumulating(tmp_path):
     """A step of one micro-batch arms speculation; the next accumulates two micro-batches without
     rt.accumulating(): the second forward gathers units the first backward already updated, so those updates are
     taken back first (the params it reads are the old ones) and the step updates from scratch."""
-    def run(speculate):
-        with _training(tmp_path / str(speculate), speculate) as (rt, model, opt):
-            losses = [_step(rt, model, opt, 0), _step(rt, model, opt, 1)]
-            for k in (2, 3):  # two micro-batches, each reduced (no rt.no_sync(), no rt.accumulating())
-                loss = compute_loss(model, token_ids(k), "tiny") / 2
-                loss.backward()
-                losses.append(loss.item())
-            opt.step()
-            opt.zero_grad()
-            losses.append(_step(rt, model, opt, 4))
-            return losses, rt.full_state_dict(model), rt.stats()["speculation"]
-
-    fast = run(True)
-    _assert_same(fast, run(False))
+    fast = _accumulated_outside(tmp_path, True)
+    _assert_same(fast, _accumulated_outside(tmp_path, False))
     assert fast[2]["voided"] >= 1, fast[2]
 
 
@@ -272,22 +276,10 @@ def test_a_read_ahead_cannot_slip_between_a_take_back_and_its_slots_exchanged_ba
             time.sleep(0.03)
         return exchange(self, spec, spare)
 
-    def run(speculate):
-        with _training(tmp_path / str(speculate), speculate) as (rt, model, opt):
-            losses = [_step(rt, model, opt, 0), _step(rt, model, opt, 1)]
-            for k in (2, 3):  # the second micro-batch's forward takes the first's speculative updates back
-                loss = compute_loss(model, token_ids(k), "tiny") / 2
-                loss.backward()
-                losses.append(loss.item())
-            opt.step()
-            opt.zero_grad()
-            losses.append(_step(rt, model, opt, 4))
-            return losses, rt.full_state_dict(model), rt.stats()["speculation"]
-
-    exact = run(False)
+    exact = _accumulated_outside(tmp_path, False)
     monkeypatch.setattr(OptimizerPipeline, "_read_states_ahead", late_read_ahead)
     monkeypatch.setattr(UnitStateStore, "exchange", slow_exchange)
     with inject.delay(Queue.OPTIMIZER, 0.02):
-        fast = run(True)
+        fast = _accumulated_outside(tmp_path, True)
     _assert_same(fast, exact)
     assert fast[2]["voided"] >= 1, fast[2]

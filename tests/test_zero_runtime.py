@@ -804,6 +804,30 @@ class _BadBatch(Exception):
     pass
 
 
+@contextlib.contextmanager
+def _four_blocks(cfg):
+    """(rt, model, opt): a 4-block TinyTransformer wrapped under `cfg`, and its AdamW (the fault tests' run)."""
+    torch.manual_seed(0)
+    model = TinyTransformer(layers=4)
+    with offload.init(cfg) as rt:
+        rt.wrap(model)
+        yield rt, model, offload.AdamW(model.parameters(), lr=1e-2)
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(step))
+
+
+def _values(rt, model) -> dict:
+    return {k: v.clone() for k, v in rt.full_state_dict(model).items()}
+
+
+def _assert_bitwise(want, got) -> None:
+    """(losses, values) of two runs: equal bit for bit."""
+    assert got[0] == want[0]
+    assert got[1].keys() == want[1].keys() and all(torch.equal(got[1][k], want[1][k]) for k in want[1])
+
+
 @pytest.mark.parametrize("where", ["block", "head"])
 def test_a_forward_that_raises_frees_what_it_gathered_and_the_run_goes_on(where):
     """An out-of-memory error or a bad batch in the middle of the forward: nothing of it reaches a backward, so
@@ -812,11 +836,7 @@ def test_a_forward_that_raises_frees_what_it_gathered_and_the_run_goes_on(where)
     the root stayed gathered until the next forward). The run then goes on bit for bit as if the batch had been
     left out."""
     def run(fail):
-        torch.manual_seed(0)
-        model = TinyTransformer(layers=4)
-        with offload.init(_cfg()) as rt:
-            rt.wrap(model)
-            opt = offload.AdamW(model.parameters(), lr=1e-2)
+        with _four_blocks(_cfg()) as (rt, model, opt):
             held_when_raised = []
 
             def refuse(module, args):
@@ -829,9 +849,8 @@ def test_a_forward_that_raises_frees_what_it_gathered_and_the_run_goes_on(where)
             for step in range(4):
                 if step == 1 and not fail:
                     continue  # the reference leaves the batch out
-                ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(step))
                 try:
-                    loss = compute_loss(model, ids, "tiny")
+                    loss = compute_loss(model, _batch(step), "tiny")
                 except _BadBatch:
                     assert held_when_raised[0] > 0 and rt.gathered_bytes == 0, (held_when_raised, rt.gathered_bytes)
                     opt.zero_grad()
@@ -840,11 +859,11 @@ def test_a_forward_that_raises_frees_what_it_gathered_and_the_run_goes_on(where)
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.item())
-            return losses, {k: v.clone() for k, v in rt.full_state_dict(model).items()}
+            return losses, _values(rt, model)
 
-    (want, want_values), (got, values) = run(False), run(True)
-    assert got == want and len(got) == 3
-    assert all(torch.equal(values[k], want_values[k]) for k in want_values)
+    want, got = run(False), run(True)
+    assert len(got[0]) == 3
+    _assert_bitwise(want, got)
 
 
 def test_ctrl_c_while_waiting_for_a_gather_keeps_the_accounting_and_the_run():
@@ -864,14 +883,10 @@ def test_ctrl_c_while_waiting_for_a_gather_keeps_the_accounting_and_the_run():
         return sum(u.flat.untyped_storage().nbytes() for u in rt.units if not u.persistent)
 
     def run(interrupted):
-        torch.manual_seed(0)
-        model = TinyTransformer(layers=4)
-        with offload.init(_cfg()) as rt:
-            rt.wrap(model)
-            opt = offload.AdamW(model.parameters(), lr=1e-2)
+        with _four_blocks(_cfg()) as (rt, model, opt):
             losses = []
             for step in range(4):
-                ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(step))
+                ids = _batch(step)
                 if step == 1 and not interrupted:
                     continue  # the reference leaves the batch out
                 if step == 1:
@@ -893,11 +908,11 @@ def test_ctrl_c_while_waiting_for_a_gather_keeps_the_accounting_and_the_run():
                 opt.zero_grad()
                 losses.append(loss.item())
                 assert rt.gathered_bytes == allocated(rt), (rt.gathered_bytes, allocated(rt))
-            return losses, {k: v.clone() for k, v in rt.full_state_dict(model).items()}
+            return losses, _values(rt, model)
 
-    (want, want_values), (got, values) = run(False), run(True)
-    assert got == want and len(got) == 3
-    assert all(torch.equal(values[k], want_values[k]) for k in want_values)
+    want, got = run(False), run(True)
+    assert len(got[0]) == 3
+    _assert_bitwise(want, got)
 
 
 def test_an_update_that_fails_names_what_it_left_and_a_checkpoint_load_in_process_repairs_it(tmp_path):
@@ -914,15 +929,9 @@ def test_an_update_that_fails_names_what_it_left_and_a_checkpoint_load_in_proces
         # optimizer states on nvme, the cpu budget at the least the placement takes: they page every step
         cfg = _cfg(optimizer="nvme", nvme_path=str(swap), cpu_budget="136KiB", chunk_size="16KiB",
                    speculative_updates=False)
-        torch.manual_seed(0)
-        model = TinyTransformer(layers=4)
-        with offload.init(cfg) as rt:
-            rt.wrap(model)
-            opt = offload.AdamW(model.parameters(), lr=1e-2)
-
+        with _four_blocks(cfg) as (rt, model, opt):
             def step(s, damage=False):
-                loss = compute_loss(model, torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator()
-                                                         .manual_seed(s)), "tiny")
+                loss = compute_loss(model, _batch(s), "tiny")
                 loss.backward()
                 if damage:
                     for f in glob.glob(f"{swap}/**/*.swap", recursive=True):
@@ -945,8 +954,6 @@ def test_an_update_that_fails_names_what_it_left_and_a_checkpoint_load_in_proces
                     rt.save_checkpoint(tmp_path / "never")  # the part-updated states are not saved
                 rt.load_checkpoint(tmp_path / f"ckpt{corrupt}")
             losses += [step(2), step(3)]
-            return losses, {k: v.clone() for k, v in rt.full_state_dict(model).items()}
+            return losses, _values(rt, model)
 
-    (want, want_values), (got, values) = run(False), run(True)
-    assert got == want
-    assert all(torch.equal(values[k], want_values[k]) for k in want_values)
+    _assert_bitwise(run(False), run(True))

@@ -598,8 +598,7 @@ class Runtime:
         """Gradients cleared: a step whose backward queued updates and whose opt.step() did not come is left (a
         backward that raised, a skipped step). Before the gradients' 'received' flags are cleared: the count of
         an update that ran reads them."""
-        optimizers = self.live_optimizers()
-        self.backward_updates.abandon(lambda units: [o.count_step(units) for o in optimizers])
+        self.backward_updates.abandon(lambda units: [o.count_step(units) for o in self.live_optimizers()])
 
     def sync_used(self) -> None:
         """OR the per-parameter 'received a gradient' flags over ranks (params with none are not stepped)."""
