@@ -227,3 +227,39 @@ def test_a_lease_taken_while_the_last_one_is_being_released_keeps_the_copy(store
     assert torch.equal(held, x)
     second.release().result()
     assert store.residency("a") is R.NVME and store.stats()["device"]["bytes_in_use"] == page_bytes(4 * N)  # b's
+
+
+@pytest.mark.parametrize("first,second,want", [
+    (LeaseMode.UPDATE, LeaseMode.UPDATE, 2.0),     # device +1, then home +1
+    (LeaseMode.OVERWRITE, LeaseMode.UPDATE, 8.0),  # device := 7, then home +1
+    (LeaseMode.UPDATE, LeaseMode.OVERWRITE, 7.0),  # device +1, then home := 7
+    (LeaseMode.READ, LeaseMode.UPDATE, 1.0),       # device read, then home +1
+], ids=["update-update", "overwrite-update", "update-overwrite", "read-update"])
+def test_a_home_lease_taken_while_a_device_lease_is_released_keeps_its_writes(store, first, second, want):
+    """A cpu-homed shard leased to the device, released (its write-back slowed, so still in flight), then leased
+    home. The release keeps the device copy for the lease taken meanwhile; the home lease must take it home and drop
+    it. It returned the home copy and left the device copy in place: the home lease's release wrote that stale copy
+    home, over the home lease's writes (and a later device lease would have read it)."""
+    store.register("a", N, home="cpu", init=torch.zeros(N)).result()
+    with inject.delay(Queue.COPY, 0.05):
+        lease = store.lease("a", "device", first)
+        t = lease.wait()
+        if first is LeaseMode.UPDATE:
+            t.add_(1)
+        elif first is LeaseMode.OVERWRITE:
+            t.fill_(7)
+        lease.release()
+        home = store.lease("a", "cpu", second)
+        t = home.wait()
+        if second is LeaseMode.UPDATE:
+            assert torch.equal(t, torch.full((N,), want - 1)), "the home lease did not see the device lease's bytes"
+            t.add_(1)
+        else:
+            t.fill_(7)
+        home.release()
+        store.wait_all()
+    assert store.residency("a") is R.CPU and store.stats()["device"]["bytes_in_use"] == 0
+    assert torch.equal(_read(store, "a"), torch.full((N,), want))
+    again = store.lease("a", "device", LeaseMode.READ)  # a later device lease reads the home bytes, not a kept copy
+    assert torch.equal(again.wait(), torch.full((N,), want))
+    again.release().result()

@@ -362,8 +362,7 @@ class TieredStore:
         # fetch up to the device fills a block of its own and is not ordered behind compute queued earlier.
         after = self._stream_point() if plan is Tier.DEVICE and tier is not Tier.DEVICE else None
         with self._lock:
-            if tier is not s.home:
-                s.target = tier
+            s.target = None if tier is s.home else tier  # the home copy: no working copy once this fetch ran
             fut, kick = self._chain(s, lambda: self._do_fetch(s, tier, new, after, read), new)
         kick()  # outside the lock: may run the move's first step (its I/O submission) right here
         return fut
@@ -865,6 +864,18 @@ class TieredStore:
         try:
             st = s.residency
             if tier is s.home:
+                if st is R.DEVICE and s.home is Tier.CPU:
+                    # A device copy kept by a release for this lease (unless_leased), which wants the home copy: it
+                    # goes, coming home first, or the holder's writes home would be overwritten by its write-back.
+                    if read:
+                        yield _TO_WORKER  # copies run in a worker, never in the caller
+                        self._copy_down(s, s.home_block, after)
+                        self._transition(s, R.TO_CPU, R.CPU)
+                    else:
+                        self._transition(s, R.DEVICE, R.CPU)
+                    s.unsaved = None  # saved now, or about to be overwritten whole
+                    dev, s.dev_block = s.dev_block, None
+                    dev.free()
                 return _view(s.home_block, s) if s.home is not Tier.NVME else None
             if tier is Tier.CPU:  # home nvme
                 if st is R.CPU:
