@@ -120,23 +120,28 @@ def test_activation_checkpointing_as_trainer_turns_it_on(tmp_path, reference):
         assert logged(trainer) == pytest.approx(reference[0], rel=1e-5)
 
 
-def test_torch_compile_trains_as_trainer(tmp_path, reference):
+def test_torch_compile_trains_as_trainer(tmp_path):
     """TrainingArguments.torch_compile was refused: the runtime's hooks failed inside Dynamo, and then the compiled
     wrapper's zero_grad (what Trainer calls) cleared nothing of the runtime's gradients, which summed over the steps
-    (grad norms 0.90, 1.29, 1.59, ... against 0.90, 0.92, 0.93). Under aot_eager it steps as Trainer does now."""
+    (grad norms 0.90, 1.29, 1.59, ... against 0.90, 0.92, 0.93). Under aot_eager it steps as Trainer does now.
+    Compared with Trainer compiled the same way: aot_eager runs decomposed ops, which on an H200 put the gradient
+    norms 2.5e-5 from eager Trainer's (on the CPU within 1e-5)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
-    counters.clear()
-    args = training_args(tmp_path / "run", torch_compile=True, torch_compile_backend="aot_eager")
+    compiled = dict(torch_compile=True, torch_compile_backend="aot_eager")
     try:
-        with OffloadTrainer(model=tiny_llama(), args=args, train_dataset=Blocks(),
-                            offload_config=nvme_config(tmp_path)) as trainer:
+        torch._dynamo.reset()
+        ref = Trainer(model=tiny_llama(), args=training_args(tmp_path / "ref", **compiled), train_dataset=Blocks())
+        ref.train()
+        torch._dynamo.reset()
+        counters.clear()
+        with OffloadTrainer(model=tiny_llama(), args=training_args(tmp_path / "run", **compiled),
+                            train_dataset=Blocks(), offload_config=nvme_config(tmp_path)) as trainer:
             trainer.train()
             assert counters["stats"]["unique_graphs"] > 0  # it really ran compiled
-            assert logged(trainer) == pytest.approx(reference[0], rel=1e-5)
-            assert logged(trainer, "grad_norm") == pytest.approx(reference[1], rel=1e-5)
+            assert logged(trainer) == pytest.approx(logged(ref), rel=1e-5)
+            assert logged(trainer, "grad_norm") == pytest.approx(logged(ref, "grad_norm"), rel=1e-5)
             trainer.save_model(tmp_path / "saved")  # through the wrapper: the runtime's values, as without it
             held = trainer.offload_runtime.full_state_dict(trainer.model)
         saved = LlamaForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
