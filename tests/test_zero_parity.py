@@ -30,6 +30,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero_common import Case, step_flow, inblock_values_check, run_case, transformers_available  # noqa: E402
 
+from offload.zero.state_store import DEVICE_TIER_COMPUTE_ENV  # noqa: E402
+
 TIERS = ("device", "cpu", "nvme")
 
 
@@ -203,6 +205,18 @@ def check(result, case):
 @pytest.mark.parametrize("case", grid(1), ids=lambda c: c.name)
 def test_parity_world1(case, tmp_path):
     check(run_case(case, str(tmp_path)), case)
+
+
+@pytest.mark.parametrize("case", grid(1), ids=lambda c: c.name)
+def test_parity_world1_with_compute_leases_in_the_device_tier(case, tmp_path, monkeypatch):
+    """The same cases with the gathers' and the device accumulation's leases paging through the device tier as on
+    a GPU (OFFLOAD_DEVICE_TIER_COMPUTE; a CPU run otherwise lends them the home copy): the store's device working
+    copies of cpu- and nvme-homed shards, which only a GPU run makes, run here, with every queue slowed in turn."""
+    monkeypatch.setenv(DEVICE_TIER_COMPUTE_ENV, "1")
+    result = run_case(case, str(tmp_path))
+    check(result, case)
+    if case.params != "device":
+        assert result["h2d_bytes"] > 0, result  # the params came to the compute device through the device tier
 
 
 def run_ranks(tmp: Path, cases: list, world: int) -> dict:

@@ -474,7 +474,7 @@ def _run_case(case: Case, nvme_dir: str) -> dict:
             "pipeline_mismatches": mismatches, "plans_made": stats["plans_made"],
             "peak_cpu": stats["peak_resident_bytes"]["cpu"], "cpu_budget": stats["budgets"]["cpu"],
             "peak_device": stats["peak_resident_bytes"]["device"], "device_budget": stats["budgets"]["device"],
-            "grads_tier": stats["grads_tier"],
+            "grads_tier": stats["grads_tier"], "h2d_bytes": stats["host_to_device_bytes"],
             "updated_in_backward": (stats["last_step"].get("clip") or {}).get("in_backward", 0),
             "skipped_steps": stats["loss_scale"]["skipped_steps"],  # fp16: steps whose gradients overflowed
             "speculation": stats["speculation"]}

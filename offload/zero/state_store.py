@@ -36,6 +36,7 @@ from .units.shards import ShardKey, ShardSpec
 ALLOC_TIMEOUT_S = 120.0  # a buffer that cannot be had in this long is a planning error: raise, never hang
 RUN_DIR_PREFIX = "offload-"  # a run directory is nvme_path/offload-<pid>-rank<r>-<random>
 SWAP_LOCK = "offload swap"  # what a run directory's lock says it is for (only such directories are ever removed)
+DEVICE_TIER_COMPUTE_ENV = "OFFLOAD_DEVICE_TIER_COMPUTE"  # "1": a CPU run's compute leases page as a GPU's do
 
 
 class Use(enum.Enum):
@@ -139,6 +140,10 @@ class UnitStateStore:
             raise
         self._registered: set[ShardKey] = set()
         self._resident: dict[ShardKey, Lease] = {}
+        # Compute leases take working copies in the device tier: on a GPU always. On a CPU run the compute device
+        # reads host memory, so they lend the home (cpu) copy, unless OFFLOAD_DEVICE_TIER_COMPUTE=1 (tests): then
+        # they page through the device tier (host memory there) as on a GPU, and CPU CI runs the GPU's moves.
+        self.compute_in_device_tier = self.device.type != "cpu" or os.environ.get(DEVICE_TIER_COMPUTE_ENV) == "1"
 
     # ---- budgets ----------------------------------------------------------------------------
     def capacity(self, tier: str) -> int:
@@ -185,7 +190,7 @@ class UnitStateStore:
         self.store.exchange_slots(spec.key, spare.key)
 
     def tier_for(self, spec: ShardSpec, use: Use) -> Tier:
-        if use is Use.COMPUTE and self.device.type != "cpu":
+        if use is Use.COMPUTE and self.compute_in_device_tier:
             return Tier.DEVICE
         return Tier.CPU if spec.home is Tier.NVME else spec.home  # memory homes lend their home copy
 

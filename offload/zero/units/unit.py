@@ -426,7 +426,7 @@ class ShardedUnit:
         """Where the reduce and zero_grad touch the gradient chunks: in the device tier when they live there
         (on a GPU no host round trip); on a GPU, an accumulation on the device (the chunk is brought up and
         written back by the store, so nothing adds device bytes to host ones); else host memory."""
-        if self.shards.tiers.grads is Tier.DEVICE or (accumulate and self.ctx.device.type == "cuda"):
+        if self.shards.tiers.grads is Tier.DEVICE or (accumulate and self.ctx.states.compute_in_device_tier):
             return Use.COMPUTE
         return Use.HOST
 
