@@ -219,10 +219,10 @@ def test_parity_world1_with_compute_leases_in_the_device_tier(case, tmp_path, mo
         assert result["h2d_bytes"] > 0, result  # the params came to the compute device through the device tier
 
 
-def run_ranks(tmp: Path, cases: list, world: int) -> dict:
+def run_ranks(tmp: Path, cases: list, world: int, **env_extra) -> dict:
     """Every case in one torchrun-launched gloo group of `world` ranks (tests/zero_worker.py): {name: result}."""
     (tmp / "cases.json").write_text(json.dumps([dataclasses.asdict(c) for c in cases]))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent), **env_extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
            str(Path(__file__).with_name("zero_worker.py")), str(tmp / "cases.json"), str(tmp / "out.json"), str(tmp)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -238,6 +238,25 @@ def world2_results(tmp_path_factory):
 @pytest.mark.parametrize("case", grid(2), ids=lambda c: c.name)
 def test_parity_world2(case, world2_results):
     check(world2_results[case.name], case)
+
+
+def device_tier_cases_world2():
+    """Two ranks with compute leases in the device tier (as the one-rank grid above): the tiers, accumulation, and
+    every queue slowed in turn."""
+    return [Case(world=2, params=p, optimizer=o, accum=4) for p, o in (("cpu", "cpu"), ("nvme", "nvme"))] + \
+        [Case(world=2, params="cpu", optimizer="cpu", grads="device")] + delay_cases(2)
+
+
+@pytest.fixture(scope="module")
+def world2_device_tier_results(tmp_path_factory):
+    return run_ranks(tmp_path_factory.mktemp("w2dev"), device_tier_cases_world2(), 2, **{DEVICE_TIER_COMPUTE_ENV: "1"})
+
+
+@pytest.mark.parametrize("case", device_tier_cases_world2(), ids=lambda c: c.name)
+def test_parity_world2_with_compute_leases_in_the_device_tier(case, world2_device_tier_results):
+    result = world2_device_tier_results[case.name]
+    check(result, case)
+    assert result["h2d_bytes"] > 0, result  # the params came to the compute device through the device tier
 
 
 def test_inblock_construction_world1():
