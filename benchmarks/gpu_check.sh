@@ -9,8 +9,9 @@
 # 4. the GPU suite: python -m pytest -m cuda tests (the store, runtime and parity files first)
 # 5. the step bench on the GPU, briefly (torch vs offload, 1 round), if the time budget leaves room
 # 6. activation offload against its peers (bench_activations: none / cpu / auto, transformers' offload=True, and
-#    DeepSpeed's cpu_checkpointing when `import deepspeed` works: the GPU image has no DeepSpeed, so carry its
-#    wheels and put them on PYTHONPATH first), 1 round, if the budget leaves room
+#    DeepSpeed's cpu_checkpointing when `import deepspeed` works: the GPU image has no DeepSpeed; with .whl/ from
+#    benchmarks/deepspeed_wheels.sh carried along, it is installed from there first), 1 round, if the budget
+#    leaves room
 # Every figure goes into ONE file, ${OUT:-.}/gpu_check_results.json, rewritten after each stage (a run cut short
 # still leaves what it measured): versions, extension status, the tests' outcome (counts, failures, slowest),
 # the figures the tests record (tests/cuda_common.record_figure), and the two benches.
@@ -20,6 +21,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" > /dev/null; then  # DeepSpeed and its dependencies (benchmarks/deepspeed_wheels.sh)
+  SITE="$(mktemp -d -t gpu-check-site-XXXXXX)"
+  "${PYTHON:-python}" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:$SITE"  # ahead of the image's site-packages: only DeepSpeed's own set
+fi
 export PYTHONUNBUFFERED=1
 export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"  # the parity tests compare runs bit for bit
 PY="${PYTHON:-python}"
