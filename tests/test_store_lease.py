@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from offload import inject
-from offload.store import ArenaBusyError, LeaseMode, Residency, StoreConfig, TieredStore
+from offload.store import ArenaBusyError, LeaseMode, Residency, StoreConfig, StoreError, TieredStore
 from offload.store.swap_file import page_bytes
 from offload.telemetry import Queue
 
@@ -262,4 +262,63 @@ def test_a_home_lease_taken_while_a_device_lease_is_released_keeps_its_writes(st
     assert torch.equal(_read(store, "a"), torch.full((N,), want))
     again = store.lease("a", "device", LeaseMode.READ)  # a later device lease reads the home bytes, not a kept copy
     assert torch.equal(again.wait(), torch.full((N,), want))
+    again.release().result()
+
+
+def test_a_lease_taken_while_the_last_release_is_in_flight_fits_a_budget_of_one_copy(tmp_path):
+    """A device budget of one copy. Released with its write-back slowed, then leased again: the new lease's fetch
+    brings its own copy, so the release must drop the old one. It kept it for the lease counted meanwhile (decided
+    when the move ran): the fetch waited for the budget that copy held (a hang, or an ArenaBusyError after
+    alloc_timeout), and the copy stayed in the device tier with no lease holding it."""
+    with TieredStore(StoreConfig(device_budget=N * 4 + 4096, cpu_budget="2MiB", nvme_budget="64MiB",
+                                 nvme_path=str(tmp_path / "swap"), io_workers=4, alloc_timeout=10)) as st:
+        st.register("a", N, home="cpu", init=torch.zeros(N)).result()
+        with inject.delay(Queue.COPY, 0.2):
+            first = st.lease("a", "device", LeaseMode.UPDATE)
+            first.wait().add_(1)
+            first.release()  # the write-back in flight
+            second = st.lease("a", "device", LeaseMode.READ)
+            assert torch.equal(second.wait(), torch.ones(N))
+            second.release()
+            st.wait_all()
+        assert st.residency("a") is R.CPU and st.stats()["device"]["bytes_in_use"] == 0
+
+
+def test_a_release_without_room_for_its_write_back_stays_held_and_is_retried(tmp_path):
+    """Two device leases of an nvme-homed shard; the first's release needs a cpu staging buffer and the cpu tier is
+    full: it raises, and the lease is still held (it was uncounted first: releasing it again freed the copy under
+    the second holder, whose release then wrote nothing: the first's change was lost)."""
+    n = 1024  # 4 KiB: one page, the whole cpu budget
+    with TieredStore(StoreConfig(device_budget="1MiB", cpu_budget=4096, nvme_budget="16MiB",
+                                 nvme_path=str(tmp_path / "swap"), io_workers=4, alloc_timeout=0.3)) as st:
+        for name in ("a", "b"):
+            st.register(name, n, home="nvme", init=torch.zeros(n)).result()
+        first, second = st.lease("a", "device", LeaseMode.UPDATE), st.lease("a", "device", LeaseMode.READ)
+        first.wait().add_(1)
+        held = second.wait()
+        other = st.lease("b", "cpu", LeaseMode.READ)  # takes the whole cpu tier
+        other.wait()
+        with pytest.raises(ArenaBusyError):
+            first.release()
+        other.release().result()
+        first.release().result()  # again, with room: written home; the copy stays for `second`
+        assert st.residency("a") is R.DEVICE and torch.equal(held, torch.ones(n))
+        second.release().result()
+        st.wait_all()
+        assert st.residency("a") is R.NVME and torch.equal(_read(st, "a"), torch.ones(n))
+
+
+@pytest.mark.parametrize("home,first,second", [("cpu", "device", "cpu"), ("cpu", "cpu", "device"),
+                                               ("nvme", "device", "cpu"), ("nvme", "cpu", "device")])
+def test_leases_of_one_shard_held_at_once_in_two_tiers_are_refused(store, home, first, second):
+    """Leases held at once share one working copy, so a second tier is refused with the fix. It moved the copy:
+    the first holder's later writes were lost, and its buffer (freed by the move) went to the next shard leased."""
+    store.register("a", N, home=home, init=torch.zeros(N)).result()
+    held = store.lease("a", first, LeaseMode.UPDATE)
+    held.wait().add_(1)
+    with pytest.raises(StoreError, match=f"release the {first} lease first"):
+        store.lease("a", second, LeaseMode.UPDATE)
+    held.release().result()
+    again = store.lease("a", second, LeaseMode.UPDATE)  # once released, any tier
+    assert torch.equal(again.wait(), torch.ones(N))
     again.release().result()

@@ -151,6 +151,7 @@ class _Shard:
     digest: int | None = None  # XXH3-64 of the slot's bytes as last written (StoreConfig.checksums)
     torn: str | None = None  # the slot's last write failed (its error): no complete copy there; reads refuse it
     leases: int = 0  # leases handed out and not released: they share the working copy (freed after the last)
+    lease_tier: Tier | None = None  # the tier of those leases (one: a working copy is in one tier)
     unsaved: str | None = None  # the last writeback failed (its error): the working copy holds changes the home
     #                             copy lacks, so every later release writes it home first (or fails, keeping it)
 
@@ -373,8 +374,16 @@ class TieredStore:
         block=False: None when the tier has no room now (a prefetch backs off; nothing was queued).
         resident: held for many steps (see fetch)."""
         s = self._get(name)
-        with self._lock:  # counted before its fetch is queued: a release of another lease asked meanwhile keeps
-            s.leases += 1  # the working copy this fetch may return (_do_release, unless_leased)
+        tier = Tier(tier)
+        with self._lock:
+            if s.leases > 0 and s.lease_tier is not tier:
+                raise StoreError(
+                    f"shard {name!r}: a {tier.value} lease while a {s.lease_tier.value} lease of it is held: leases "
+                    f"held at once share one working copy, so they are of one tier; release the "
+                    f"{s.lease_tier.value} lease first")
+            # counted before its fetch is queued: a release of another lease asked meanwhile keeps the working copy
+            s.leases += 1  # this fetch may return (release, unless_leased)
+            s.lease_tier = tier
         try:
             ready = self.fetch(name, tier, timeout=None if block else 0, read=mode is not LeaseMode.OVERWRITE,
                                resident=resident)
@@ -393,9 +402,14 @@ class TieredStore:
         with self._lock:
             s.leases = max(0, s.leases - 1)
             shared = s.leases > 0
-        if shared:
-            return self.writeback(name) if writeback else resolved()
-        return self.release(name, writeback=writeback, unless_leased=True)
+        try:
+            if shared:
+                return self.writeback(name) if writeback else resolved()
+            return self.release(name, writeback=writeback, unless_leased=True)
+        except BaseException:  # no room for the write-back's buffer (nothing was queued): the lease is still held,
+            with self._lock:  # and releasing it again retries
+                s.leases += 1
+            raise
 
     def writeback(self, name, timeout: float | None = None) -> cf.Future:
         """Future[None]: copy the working copy to the home copy (no-op without a working copy)."""
@@ -411,16 +425,18 @@ class TieredStore:
                 unless_leased: bool = False) -> cf.Future:
         """Future[None]: free the working copy (after writing it home when `writeback`); its buffer
         returns to its tier's budget once every move of it has finished. unless_leased: a lease's release; the copy
-        stays if a lease was taken after it was asked (that lease's fetch may return this very copy)."""
+        stays if another lease is counted when this is asked (taken since the caller's count fell to 0: its fetch
+        may return this very copy). Decided here, not when the move runs: a lease taken after this request fetches
+        a copy of its own, and keeping this one for it would hold the budget its fetch waits for."""
         s = self._get(name)
         need = self._writeback_needs(s) if writeback or s.unsaved is not None else []
         new = self._alloc(s, need, self.config.alloc_timeout if timeout is None else timeout)
         after = self._stream_point()
-        this: dict = {}  # its own future, for the move (nothing queued after it: the plan is the copy it kept)
         with self._lock:
-            s.target = None
-            fut, kick = self._chain(s, lambda: self._do_release(s, writeback, new, after, unless_leased, this), new)
-            this["future"] = fut
+            keep = unless_leased and s.leases > 0
+            if not keep:
+                s.target = None  # the plan: home only (a fetch asked from here on brings its own copy)
+            fut, kick = self._chain(s, lambda: self._do_release(s, writeback, new, after, keep), new)
         kick()  # outside the lock: may run the move's first step (its I/O submission) right here
         return fut
 
@@ -977,18 +993,12 @@ class TieredStore:
         finally:
             self._drop_unused(new)
 
-    def _do_release(self, s: _Shard, writeback: bool, new: dict, after=None, unless_leased: bool = False,
-                    this: dict | None = None):
+    def _do_release(self, s: _Shard, writeback: bool, new: dict, after=None, keep: bool = False):
         try:
             if writeback or s.unsaved is not None:  # a copy an earlier writeback failed to save is saved now
                 yield from self._writeback_now(s, new, after)  # a failure keeps the working copy: nothing is lost
-            if unless_leased:
-                with self._lock:
-                    leased = s.leases > 0
-                    if leased and s.target is None and s.last is (this or {}).get("future"):
-                        s.target = self._working_tier(s)  # nothing queued after: the plan is the copy kept
-                if leased:
-                    return
+            if keep:  # a lease counted when this was asked holds (or will be handed) the copy
+                return
             st = s.residency
             if st is R.CPU and s.home is Tier.NVME:
                 self._transition(s, R.CPU, R.NVME)
