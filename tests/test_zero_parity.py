@@ -219,6 +219,14 @@ def test_parity_world1_with_compute_leases_in_the_device_tier(case, tmp_path, mo
         assert result["h2d_bytes"] > 0, result  # the params came to the compute device through the device tier
 
 
+def first_failure(stderr: str) -> str:
+    """What a failed torchrun printed first (a rank's traceback, a C++ abort, faulthandler's stacks), then its end
+    (torchrun's summary): the end alone names only the signal."""
+    starts = [i for i in (stderr.find(m) for m in ("Traceback", "terminate called", "Fatal Python error")) if i >= 0]
+    head = stderr[min(starts):min(starts) + 6000] if starts else ""
+    return head + "\n...\n" + stderr[-2000:]
+
+
 def run_ranks(tmp: Path, cases: list, world: int, **env_extra) -> dict:
     """Every case in one torchrun-launched gloo group of `world` ranks (tests/zero_worker.py): {name: result}."""
     (tmp / "cases.json").write_text(json.dumps([dataclasses.asdict(c) for c in cases]))
@@ -226,7 +234,7 @@ def run_ranks(tmp: Path, cases: list, world: int, **env_extra) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
            str(Path(__file__).with_name("zero_worker.py")), str(tmp / "cases.json"), str(tmp / "out.json"), str(tmp)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, first_failure(proc.stderr)
     return {r["case"]: r for r in json.loads((tmp / "out.json").read_text())}
 
 

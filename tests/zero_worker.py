@@ -5,6 +5,7 @@
 Every rank runs every case; rank 0 writes the list of results (zero_common.run_case) to OUT.json, and any
 rank's exception is written there too, so the test reports it instead of hanging or guessing.
 """
+import faulthandler
 import json
 import os
 import sys
@@ -19,6 +20,7 @@ from zero_common import Case, inblock_values_check, run_case, state_dict_check  
 
 def main() -> int:
     cases_path, out_path, nvme_dir = sys.argv[1:4]
+    faulthandler.enable()  # an abort (SIGABRT from a C++ thread) prints every thread's Python stack to stderr
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     results = []
