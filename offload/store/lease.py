@@ -10,7 +10,9 @@ Issue and wait are separate calls, as FSDP2's unshard(async_op) / wait_for_unsha
 from wait() until release(); after release() the holder must not touch it (the write-behind reads it, and
 its buffer goes back to the tier's budget once the write is over). Moves of one shard run in the order
 they were asked for, so a lease taken after a release of the same shard sees the released bytes. Leases of
-one shard held at once share its working copy, which is freed after the last of them is released.
+one shard held at once share its working copy, which is freed after the last of them is released; so they are
+of one tier (a lease in another tier while one is held is refused). A release that cannot have the buffer its
+write-back needs raises and leaves the lease held: release it again.
 """
 from __future__ import annotations
 
