@@ -201,7 +201,7 @@ with offload.init(cfg) as rt:
     assert all(torch.equal(after[k], before[k]) for k in before)  # nothing was stepped on the wrong numbers
     F.mse_loss(model(x, (0, 1)), y).backward()  # the same units on every rank: steps
     opt.step()
-print("ok", rank)
+print(f"ok {rank}")  # one write: two ranks print to one pipe, and separate pieces interleave
 '''
 
 
