@@ -322,3 +322,25 @@ def test_leases_of_one_shard_held_at_once_in_two_tiers_are_refused(store, home, 
     again = store.lease("a", second, LeaseMode.UPDATE)  # once released, any tier
     assert torch.equal(again.wait(), torch.ones(N))
     again.release().result()
+
+
+def test_a_home_lease_counted_while_the_device_lease_is_being_released_gets_the_device_copys_bytes(store):
+    """The order where the release keeps the device copy for a home lease: the device lease's release is decided
+    (the count falls to 0), then a home lease is counted and its fetch queued, and only then is the release asked,
+    so it keeps the copy (a lease is counted). The home fetch, queued behind it, must take that copy home and drop
+    it: it handed out the home copy and left the device copy, whose write-back later overwrote the home lease's
+    writes."""
+    store.register("a", N, home="cpu", init=torch.zeros(N)).result()
+    first = store.lease("a", "device", LeaseMode.UPDATE)
+    first.wait().add_(1)
+    shard = store._get("a")
+    with store._lock:  # first.release(), its first half: the count falls to 0, not shared
+        shard.leases -= 1
+    home = store.lease("a", "cpu", LeaseMode.UPDATE)  # counted, its fetch queued
+    store.release("a", writeback=True, unless_leased=True)  # first.release(), its second half: keeps the copy
+    t = home.wait()
+    assert torch.equal(t, torch.ones(N)) and store.residency("a") is R.CPU  # the device copy came home and went
+    t.add_(1)
+    home.release().result()
+    store.wait_all()
+    assert torch.equal(_read(store, "a"), torch.full((N,), 2.0)) and store.stats()["device"]["bytes_in_use"] == 0
