@@ -54,7 +54,7 @@ class ResidentLease:
     def __init__(self, key: ShardKey, tensor: torch.Tensor, mode: LeaseMode, to_device: torch.device | None):
         self.key, self.mode = key, mode
         self._tensor = tensor
-        self._device = to_device  # a GPU consumer: copied when waited (on the lane that waits)
+        self._device = to_device  # a compute consumer (GPU, or the device tier on a CPU): copied when waited
         self._copy: torch.Tensor | None = None
         self._released: cf.Future | None = None
 
@@ -66,8 +66,9 @@ class ResidentLease:
             raise RuntimeError(f"lease of {self.key} used after release")
         if self._device is None:
             return self._tensor
-        if self._copy is None:
-            self._copy = self._tensor.to(self._device, non_blocking=True)  # pinned -> device on this stream
+        if self._copy is None:  # pinned -> device on this stream (a copy on the CPU too: .to would alias it)
+            self._copy = torch.empty(self._tensor.shape, dtype=self._tensor.dtype, device=self._device)
+            self._copy.copy_(self._tensor, non_blocking=True)
         return self._copy
 
     def release(self) -> cf.Future:
@@ -199,8 +200,8 @@ class UnitStateStore:
         the tier has no room now (a prefetch backs off)."""
         held = self._resident.get(spec.key)
         if held is not None:
-            gpu = use is Use.COMPUTE and self.device.type != "cpu"
-            return ResidentLease(spec.key, held.wait(), mode, self.device if gpu else None)
+            copied = use is Use.COMPUTE and self.compute_in_device_tier
+            return ResidentLease(spec.key, held.wait(), mode, self.device if copied else None)
         tier = self.tier_for(spec, use)
         if use is Use.HOST and tier is Tier.DEVICE and self.device.type != "cpu":
             inner = self.store.lease(spec.key, Tier.DEVICE, mode, block)
