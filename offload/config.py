@@ -158,6 +158,9 @@ class Config:
     optimizer_states: str = "adamw"
     # Keys of an imported DeepSpeed config that have no effect here (filled by from_deepspeed).
     deepspeed_ignored: tuple = dataclasses.field(default=(), compare=False, repr=False)
+    # An imported DeepSpeed config's training sections (optimizer, scheduler, gradient_clipping, batch sizes), which
+    # OffloadTrainer and `offload finetune --config` apply or refuse a mismatch with (integrations/deepspeed.py)
+    deepspeed_training: dict | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("params", "optimizer", "grads"):
@@ -256,8 +259,13 @@ class Config:
         stage3_param_persistence_threshold, top-level bf16.enabled / fp16.enabled (compute_dtype; fp16's loss
         scaling is offload.GradScaler's, in the loop, so the fp16 section's scaler keys are listed as ignored) and
         communication_data_type (reduce_dtype).
-        Known DeepSpeed keys with no meaning here are listed in `cfg.deepspeed_ignored` and in one warning;
-        unknown keys and contradictions raise ValueError naming the key. `overrides` are Config fields applied last (e.g. cpu_budget).
+        Known DeepSpeed keys with no meaning here are listed in `cfg.deepspeed_ignored` and in one warning, each
+        with why. The training sections (optimizer, scheduler, gradient_clipping, train_batch_size,
+        train_micro_batch_size_per_gpu, gradient_accumulation_steps) are checked and kept in
+        `cfg.deepspeed_training`: OffloadTrainer and `offload finetune --config` apply them as Hugging Face's Trainer
+        does with DeepSpeed ("auto" filled from their settings, a differing value refused naming both; see
+        offload/integrations/deepspeed.py); the warning says so. Unknown keys and contradictions raise ValueError
+        naming the key. `overrides` are Config fields applied last (e.g. cpu_budget).
         """
         if not isinstance(config, Mapping):
             path = Path(config)
@@ -283,13 +291,20 @@ _DS_ZERO_IGNORED = {
 }
 _DS_OFFLOAD_IGNORED = {"pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "ratio", "fast_init", "pipeline",
                        "pipeline_read", "pipeline_write"}
+# top-level keys of DeepSpeed's engine (its logging, its own features) with no counterpart here
 _DS_TOP_IGNORED = {
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
-    "scheduler", "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "aio", "zero_allow_untested_optimizer",
+    "steps_per_print", "wall_clock_breakdown", "aio", "zero_allow_untested_optimizer",
     "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "comms_logger", "prescale_gradients",
     "gradient_predivide_factor", "dump_state", "amp", "data_types",
     "checkpoint", "memory_breakdown", "zero_force_ds_cpu_optimizer",
 }
+# why each kind of ignored key has no effect, for the warning
+_DS_WHY = (
+    (lambda k: k.startswith("zero_optimization."), "offload plans buckets, prefetch and pinning itself"),
+    (lambda k: k.startswith("fp16."), "fp16's loss scale is offload.GradScaler's, in the loop"),
+    (lambda k: k.endswith("=auto"), "\"auto\": the trainer's setting, or offload's default"),
+    (lambda k: True, "DeepSpeed engine settings with no counterpart here"),
+)
 
 
 def _from_deepspeed(cls, ds: dict, overrides: dict) -> Config:
@@ -297,19 +312,28 @@ def _from_deepspeed(cls, ds: dict, overrides: dict) -> Config:
     fields.update(overrides)
     cfg = cls(**fields)
     cfg.deepspeed_ignored = tuple(ignored)
+    groups: dict[str, list[str]] = {}
+    for key in ignored:  # each key under the first reason that fits it
+        groups.setdefault(next(why for test, why in _DS_WHY if test(key)), []).append(key)
+    parts = [f"{', '.join(keys)} ({why})" for why, keys in groups.items()]
     if ignored:
-        warnings.warn(
-            "offload.Config.from_deepspeed: these DeepSpeed keys have no effect in offload (it plans buckets, "
-            "prefetch and pinning itself): " + ", ".join(ignored),
-            UserWarning,
-            stacklevel=3,
-        )
+        parts[0] = "these DeepSpeed keys have no effect in offload: " + parts[0]
+    if cfg.deepspeed_training:
+        parts.append(f"{', '.join(sorted(cfg.deepspeed_training))} are kept for OffloadTrainer and `offload finetune`, "
+                     "which apply them (\"auto\": TrainingArguments' or the flags' value) or refuse a value that "
+                     "differs from theirs; a loop of your own must set them itself (offload.AdamW, its scheduler, "
+                     "rt.clip_grad_norm_)")
+    if parts:
+        warnings.warn("offload.Config.from_deepspeed: " + "; ".join(parts), UserWarning, stacklevel=3)
     return cfg
 
 
 class PersistElements(int):
     """A persist threshold in elements (DeepSpeed's stage3_param_persistence_threshold): the Config it is given to
     turns it into bytes of its own compute dtype."""
+
+
+from .integrations.deepspeed import TRAINING_KEYS as _DS_TRAINING_KEYS  # noqa: E402 (imports no transformers)
 
 
 def deepspeed_fields(ds: dict) -> tuple[dict[str, Any], list[str]]:
@@ -340,6 +364,8 @@ def deepspeed_fields(ds: dict) -> tuple[dict[str, Any], list[str]]:
                                  "'fp32' (Config.reduce_dtype)")
             if dtype is not None:
                 fields["reduce_dtype"] = dtype
+        elif key in _DS_TRAINING_KEYS:
+            pass  # validated below and kept as deepspeed_training
         elif key in _DS_TOP_IGNORED:
             ignored.append(key)
         else:
@@ -395,4 +421,9 @@ def deepspeed_fields(ds: dict) -> tuple[dict[str, Any], list[str]]:
             ignored.append(f"zero_optimization.{key}")
         else:
             raise ValueError(f"from_deepspeed: unknown key zero_optimization.{key}")
+    from .integrations.deepspeed import validate
+
+    training = validate(top)
+    if training:
+        fields["deepspeed_training"] = training
     return fields, ignored

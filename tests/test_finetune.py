@@ -285,24 +285,49 @@ def test_torchrun_two_ranks_same_losses(tmp_path, tiny_model, text_file, lora):
 # ---- settings ----------------------------------------------------------------------------------
 def test_a_deepspeed_configs_training_settings_are_the_runs_or_refused(tmp_path):
     """--config ds.json with a micro-batch, accumulation, clipping or learning rate other than the run's: the run
-    used its own (flags or defaults) and the file's were dropped without a word. Now a differing one is refused
-    naming the flag; equal ones and Hugging Face's "auto" are accepted."""
+    used its own (flags or defaults) and the file's were dropped without a word; then a differing one was refused,
+    one per run (four runs before one trained). Now every differing value is named in one error, as Hugging Face's
+    Trainer names them; equal ones and "auto" are accepted (filled with the flags' values)."""
     from offload.finetune.job import runtime_config
 
     zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
-    for extra, says in (({"train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu=8 differs from "
-                                                                 "this run's --micro-batch 4"),
-                        ({"gradient_accumulation_steps": 16}, "give --grad-accum 16"),
-                        ({"gradient_clipping": 0.5}, "--max-grad-norm 1.0"),
-                        ({"optimizer": {"type": "AdamW", "params": {"lr": 2e-5}}}, "optimizer.params.lr=2e-05")):
-        (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": zero, **extra}))
-        with pytest.raises(InputError, match=re.escape(says)):
-            runtime_config(FinetuneConfig(model="m", offload_config=str(tmp_path / "ds.json")), "/tmp/x")
+    (tmp_path / "ds.json").write_text(json.dumps({
+        "zero_optimization": zero, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 16,
+        "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 2e-5, "betas": [0.9, 0.95]}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 2e-5, "warmup_num_steps": 10}}}))
+    with pytest.raises(InputError) as info:
+        runtime_config(FinetuneConfig(model="m", offload_config=str(tmp_path / "ds.json"), steps=100), "/tmp/x")
+    said = str(info.value)
+    for pair in ("train_micro_batch_size_per_gpu=8 vs --micro-batch=4", "gradient_accumulation_steps=16 vs "
+                 "--grad-accum=1", "gradient_clipping=0.5 vs --max-grad-norm=1.0", "optimizer.params.lr=2e-05 vs "
+                 "--lr=0.001", "optimizer.params.betas=[0.9, 0.95] vs --optim adamw's betas=[0.9, 0.999]",
+                 "scheduler.params.warmup_max_lr=2e-05 vs --lr=0.001",
+                 "scheduler.params.warmup_num_steps=10 vs --warmup-steps=5"):
+        assert pair in said
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": zero, "train_micro_batch_size_per_gpu": 8,
                                                   "gradient_accumulation_steps": "auto",
-                                                  "optimizer": {"params": {"lr": 2e-5, "weight_decay": 0.0}}}))
-    runtime_config(FinetuneConfig(model="m", offload_config=str(tmp_path / "ds.json"), micro_batch=8, lr=2e-5,
-                                  weight_decay=0.0), "/tmp/x")
+                                                  "optimizer": {"type": "AdamW", "params": {"lr": 2e-5, "weight_decay": 0.0}},
+                                                  "scheduler": {"type": "WarmupLR", "params": {
+                                                      "warmup_num_steps": "auto", "warmup_type": "linear"}}}))
+    c = runtime_config(FinetuneConfig(model="m", offload_config=str(tmp_path / "ds.json"), micro_batch=8, lr=2e-5,
+                                      weight_decay=0.0, steps=40), "/tmp/x")
+    assert c.deepspeed_training["gradient_accumulation_steps"] == 1  # "auto": the flag's
+    assert c.deepspeed_training["scheduler"]["params"] == {"warmup_num_steps": 2, "warmup_type": "linear"}
+
+
+def test_a_deepspeed_configs_schedule_is_the_runs(tmp_path, tiny_model, text_file):
+    """Its scheduler section is what the run steps by (DeepSpeed's WarmupLR, its "auto" steps and peak from the
+    flags), not the flags' warmup + cosine: the file's schedule was dropped before."""
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}, "scheduler": {
+        "type": "WarmupLR", "params": {"warmup_num_steps": "auto", "warmup_type": "linear", "warmup_max_lr": "auto"}}}))
+    finetune(FinetuneConfig(model=str(tiny_model), data=str(text_file), steps=3, warmup_steps=2, seq_len=64,
+                            cpu_budget="8MiB", checkpoint_every=3, offload_config=str(tmp_path / "ds.json"),
+                            output=str(tmp_path / "out")))
+    manifest = json.loads(next((tmp_path / "out").glob("**/manifest.json")).read_text())
+    sched = manifest["lr_schedulers"][0]
+    assert (sched["kind"], sched["warmup_num_steps"], sched["warmup_max_lr"]) == ("WarmupLR", 2, 1e-3)
+    assert sched["_last_lr"] == [1e-3]  # past the warmup: flat at the peak (the cosine would be decaying)
+    assert manifest["extra"]["run"]["schedule"].startswith("WarmupLR(")
 
 
 def test_runtime_settings_from_flags_config_file_and_defaults(tmp_path):

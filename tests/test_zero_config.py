@@ -79,7 +79,9 @@ def test_from_deepspeed_maps_and_reports_ignored(tmp_path):
     assert cfg.persist_threshold == 2000  # 1000 bf16 elements
     assert "zero_optimization.overlap_comm" in cfg.deepspeed_ignored
     assert "zero_optimization.offload_param.buffer_count" in cfg.deepspeed_ignored
-    assert "train_micro_batch_size_per_gpu" in cfg.deepspeed_ignored
+    # the training sections are the trainer's to apply (tests/test_deepspeed_json.py), not ignored
+    assert "train_micro_batch_size_per_gpu" not in cfg.deepspeed_ignored
+    assert "train_micro_batch_size_per_gpu" in cfg.deepspeed_training
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(DS))
     with warnings.catch_warnings():

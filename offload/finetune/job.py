@@ -181,7 +181,14 @@ def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
                 from_file, _ = deepspeed_fields(loaded)
             except ValueError as exc:
                 raise InputError(f"--config {path}: {exc}") from None
-            _check_deepspeed_training(loaded, cfg, path)
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            steps = cfg.steps
+            warmup = cfg.warmup_steps if cfg.warmup_steps is not None else (
+                max(1, steps // 20) if steps is not None else None)
+            matched = _match_deepspeed(from_file.get("deepspeed_training"), cfg, world, steps, warmup)
+            _raise_deepspeed_mismatches(matched, path)
+            if matched.config:
+                from_file["deepspeed_training"] = matched.config
         else:
             unknown = set(loaded) - {f.name for f in dataclasses.fields(Config)}
             if unknown:
@@ -203,30 +210,42 @@ def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
     return config
 
 
-# A DeepSpeed config's training settings, which offload finetune takes from its own flags: (where in the file,
-# the FinetuneConfig field, the flag)
-_DS_TRAINING = (
-    (("train_micro_batch_size_per_gpu",), "micro_batch", "--micro-batch"),
-    (("gradient_accumulation_steps",), "grad_accum", "--grad-accum"),
-    (("gradient_clipping",), "max_grad_norm", "--max-grad-norm"),
-    (("optimizer", "params", "lr"), "lr", "--lr"),
-    (("optimizer", "params", "weight_decay"), "weight_decay", "--weight-decay"),
-)
+def _match_deepspeed(training: dict | None, cfg: FinetuneConfig, world: int, steps: int | None = None,
+                     warmup: int | None = None):
+    """A DeepSpeed config's training sections against this run's flags (or their defaults), as Hugging Face's
+    Trainer matches them against TrainingArguments (integrations/deepspeed.py): "auto" takes the run's value, an
+    explicit one must equal it; every pair that differs is kept. The schedule's step counts once known."""
+    import inspect
+
+    from ..integrations.deepspeed import Matcher
+
+    m = Matcher(training)
+    m.fill("train_micro_batch_size_per_gpu", cfg.micro_batch, "--micro-batch")
+    m.fill("gradient_accumulation_steps", cfg.grad_accum, "--grad-accum")
+    m.fill("train_batch_size", cfg.micro_batch * world * cfg.grad_accum, "--micro-batch x ranks x --grad-accum")
+    m.fill("gradient_clipping", cfg.max_grad_norm, "--max-grad-norm")
+    if "optimizer" in m.config and cfg.optim not in ("adamw", "adamw8bit"):
+        m.mismatches.append(f"optimizer.type={m.config['optimizer'].get('type')!r} vs --optim={cfg.optim!r}")
+    m.fill("optimizer.params.lr", cfg.lr, "--lr")
+    defaults = inspect.signature(getattr(__import__("offload"), OPTIMIZERS[cfg.optim])).parameters
+    m.fill("optimizer.params.betas", list(defaults["betas"].default), f"--optim {cfg.optim}'s betas")
+    if "eps" in defaults:
+        m.fill("optimizer.params.eps", defaults["eps"].default, f"--optim {cfg.optim}'s eps")
+    m.fill("optimizer.params.weight_decay", cfg.weight_decay, "--weight-decay")
+    m.fill("scheduler.params.warmup_min_lr", 0, "", must_match=False)
+    m.fill("scheduler.params.warmup_max_lr", cfg.lr, "--lr")
+    if steps is not None:
+        m.fill("scheduler.params.total_num_steps", steps, "--steps")
+    if warmup is not None:
+        m.fill("scheduler.params.warmup_num_steps", warmup, "--warmup-steps")
+    return m
 
 
-def _check_deepspeed_training(ds: dict, cfg: FinetuneConfig, path: Path) -> None:
-    """A DeepSpeed config's micro-batch, accumulation, clipping, learning rate or decay that differs from the run's
-    (its flags, or their defaults) is refused naming the flag: the run used its own values, silently."""
-    for keys, field, flag in _DS_TRAINING:
-        value = ds
-        for key in keys:
-            value = value.get(key) if isinstance(value, dict) else None
-        if value is None or value == "auto":  # absent, or Hugging Face's placeholder
-            continue
-        ours = getattr(cfg, field)
-        if not isinstance(value, (int, float)) or float(value) != float(ours):
-            raise InputError(f"--config {path}: {'.'.join(keys)}={value!r} differs from this run's {flag} {ours}; "
-                             f"offload finetune takes it from {flag}: give {flag} {value}, or drop it from the file")
+def _raise_deepspeed_mismatches(m, path) -> None:
+    if m.mismatches:
+        raise InputError(f"--config {path}: the DeepSpeed config differs from this run's settings (the flags, or their "
+                         "defaults): " + "; ".join(m.mismatches) + ". Give each flag the file's value, or set the "
+                         "file's value to \"auto\" (it then takes the flag's)")
 
 
 def _lora_alpha(cfg: FinetuneConfig) -> float:
@@ -455,11 +474,21 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
             sampler = Sampler(len(train), cfg.micro_batch, cfg.grad_accum, rt.world_size, cfg.seed)
             steps = cfg.steps or (math.ceil(cfg.epochs * len(train) / sampler.global_batch) if cfg.epochs else 150)
             warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, steps // 20)
-            sched = get_cosine_with_min_lr_schedule_with_warmup(opt, warmup, steps, min_lr_rate=cfg.min_lr_ratio)
+            ds_training = rcfg.deepspeed_training or {}
+            if "scheduler" in ds_training:  # the --config DeepSpeed JSON's schedule, its "auto" steps filled
+                from ..integrations.deepspeed import build_scheduler, describe_scheduler
+
+                matched = _match_deepspeed(ds_training, cfg, rt.world_size, steps, warmup)
+                _raise_deepspeed_mismatches(matched, cfg.offload_config)
+                sched = build_scheduler(opt, matched.config)
+            else:
+                sched = get_cosine_with_min_lr_schedule_with_warmup(opt, warmup, steps, min_lr_rate=cfg.min_lr_ratio)
             run_key = {"seq_len": cfg.seq_len, "global_micro_batch": cfg.micro_batch * rt.world_size, "optim": cfg.optim,
                        "grad_accum": cfg.grad_accum, "seed": cfg.seed, "steps": steps, "train_blocks": len(train),
                        "lr": cfg.lr, "weight_decay": cfg.weight_decay, "warmup_steps": warmup,
                        "min_lr_ratio": cfg.min_lr_ratio, "max_grad_norm": cfg.max_grad_norm}
+            if "scheduler" in ds_training:  # the file's schedule, not the flags' warmup + cosine
+                run_key["schedule"] = describe_scheduler(matched.config)
             if cfg.lora_r:  # another adapter is another run (its states would not fit)
                 run_key["lora"] = [cfg.lora_r, _lora_alpha(cfg), cfg.lora_targets, cfg.lora_dropout]
             # fp16: loss scaling (a disabled scaler passes every call through to the optimizer)

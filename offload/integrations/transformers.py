@@ -45,6 +45,7 @@ from offload.zero.runtime import current as current_runtime
 from offload.zero.units.torch_patches import route_compiled_zero_grad
 
 from . import hf_loading  # noqa: F401 - from_pretrained inside a runtime streams into the store
+from .deepspeed import build_scheduler, describe_optimizer, describe_scheduler, Matcher, optimizer_settings
 
 OFFLOAD_STATE = "offload-state"  # the runtime's checkpoint inside Trainer's checkpoint-N directory
 
@@ -67,7 +68,8 @@ REFUSED = (
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")  # what offload.AdamW replaces exactly
 
 
-def _refuse_unsupported(args: TrainingArguments, offload_config: Config | None, trainer_kwargs: dict) -> None:
+def _refuse_unsupported(args: TrainingArguments, offload_config: Config | None, trainer_kwargs: dict,
+                        deepspeed_optimizer: bool = False) -> None:
     # the dataclass's defaults, not a second TrainingArguments: building one resets Accelerate's process state
     defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
     for name, why in REFUSED:
@@ -87,7 +89,7 @@ def _refuse_unsupported(args: TrainingArguments, offload_config: Config | None, 
     if trainer_kwargs.get("optimizer_cls_and_kwargs") is not None:
         raise ValueError("OffloadTrainer: optimizer_cls_and_kwargs is not supported; the optimizer is offload.AdamW")
     optim = str(getattr(args.optim, "value", args.optim))
-    if optim not in OPTIMIZERS:
+    if optim not in OPTIMIZERS and not deepspeed_optimizer:  # (a DeepSpeed optimizer section replaces args.optim)
         raise ValueError(f"OffloadTrainer: TrainingArguments.optim={optim!r}; the optimizer is offload.AdamW (the "
                          f"fused CPU AdamW over the sharded states): give optim='adamw_torch' (same update)")
     # TrainingArguments.bf16 / fp16 set the compute dtype; a Config asking for a half dtype (not its fp32 default)
@@ -100,6 +102,30 @@ def _refuse_unsupported(args: TrainingArguments, offload_config: Config | None, 
     if args.fp16 and offload_config is not None and offload_config.update_in_backward:
         raise ValueError("OffloadTrainer: fp16=True with offload_config.update_in_backward=True: its updates run "
                          "before the loss scaler's overflow check could skip them; drop one of the two")
+
+
+def match_deepspeed(training: dict | None, args: TrainingArguments, num_training_steps: int | None = None) -> Matcher:
+    """A DeepSpeed config's training sections against TrainingArguments, as transformers' HfTrainerDeepSpeedConfig
+    (trainer_config_process / _finalize) matches them: "auto" filled, a differing value kept as a mismatch. The
+    schedule's step counts are matched once `num_training_steps` is known."""
+    m = Matcher(training)
+    micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    m.fill("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size")
+    m.fill("gradient_accumulation_steps", accum, "gradient_accumulation_steps")
+    m.fill("train_batch_size", args.world_size * micro * accum,
+           "train_batch_size (world size x per_device_train_batch_size x gradient_accumulation_steps)")
+    m.fill("gradient_clipping", args.max_grad_norm, "max_grad_norm")
+    m.fill("optimizer.params.lr", args.learning_rate, "learning_rate")
+    m.fill("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "[adam_beta1, adam_beta2]")
+    m.fill("optimizer.params.eps", args.adam_epsilon, "adam_epsilon")
+    m.fill("optimizer.params.weight_decay", args.weight_decay, "weight_decay")
+    m.fill("scheduler.params.warmup_min_lr", 0, "", must_match=False)  # not a Trainer setting: the file's, or 0
+    m.fill("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate")
+    if num_training_steps is not None:
+        m.fill("scheduler.params.total_num_steps", num_training_steps, "the run's steps (max_steps or the epochs')")
+        m.fill("scheduler.params.warmup_num_steps", max(1, args.get_warmup_steps(num_training_steps)),
+               "warmup_steps")
+    return m
 
 
 def _sharded_by(model):
@@ -139,13 +165,16 @@ class OffloadTrainer(Trainer):
         if outer is not None and offload_config is not None:
             raise ValueError("OffloadTrainer: an offload runtime is already open; build the trainer inside it without "
                              "offload_config, or outside it with offload_config")
-        _refuse_unsupported(args, offload_config, trainer_kwargs)
+        ds_training = getattr(offload_config if offload_config is not None else getattr(outer, "config", None),
+                              "deepspeed_training", None) or {}
+        _refuse_unsupported(args, offload_config, trainer_kwargs, deepspeed_optimizer="optimizer" in ds_training)
         # Trainer's own arguments checked before the model is sharded: a refusal then leaves it as it was
         inspect.signature(Trainer.__init__).bind(self, model, args, *trainer_args, **trainer_kwargs)
         args.device  # Trainer's distributed set-up first (torchrun: Accelerate's process group), which the runtime joins
         if args.n_gpu > 1:
             raise ValueError("OffloadTrainer: one process driving several GPUs (nn.DataParallel) is not supported; "
                              "launch one process per GPU with torchrun")
+        self._ds_training = self._check_deepspeed(ds_training, args, trainer_kwargs)
         self._owns_runtime = outer is None
         if outer is None:
             cfg = offload_config or Config()
@@ -175,6 +204,33 @@ class OffloadTrainer(Trainer):
         if args.fp16:  # Accelerate's backward and its optimizer's step go through the scaler it holds
             self.accelerator.scaler = offload.GradScaler(runtime=self.offload_runtime)
 
+    def _check_deepspeed(self, training: dict, args: TrainingArguments, trainer_kwargs: dict) -> dict:
+        """The offload Config's DeepSpeed training sections matched against TrainingArguments: every mismatch
+        refused at once (the step counts too when max_steps gives them now, else at create_scheduler); what
+        they change from Trainer's own optimizer and schedule said in one warning. The filled sections."""
+        if not training:
+            return {}
+        m = match_deepspeed(training, args, args.max_steps if args.max_steps > 0 else None)
+        opt, sched = trainer_kwargs.get("optimizers", (None, None)) or (None, None)
+        for section, given in (("optimizer", opt), ("scheduler", sched)):
+            if section in training and given is not None:
+                m.mismatches.append(f"{section} section vs the {section} given in optimizers=(optimizer, scheduler) "
+                                    "(drop one)")
+        m.raise_mismatches("OffloadTrainer", "TrainingArguments")
+        changes = []
+        if "optimizer" in m.config:
+            changes.append(f"the optimizer is {describe_optimizer(m.config)}, not Trainer's (which spares biases "
+                           "and norms from weight decay)")
+        if "scheduler" in m.config:
+            changes.append(f"the schedule is DeepSpeed's {describe_scheduler(m.config)} (\"auto\" steps filled "
+                           f"when training starts), not lr_scheduler_type={str(getattr(args.lr_scheduler_type, 'value', args.lr_scheduler_type))!r}")
+        if changes:
+            import warnings
+
+            warnings.warn("OffloadTrainer: from the DeepSpeed config, as Hugging Face's Trainer with DeepSpeed: " +
+                          "; ".join(changes), UserWarning, stacklevel=3)
+        return m.config
+
     # ---- life ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Close the runtime this trainer opened (its threads, arena and swap files go; the model is unusable
@@ -191,6 +247,10 @@ class OffloadTrainer(Trainer):
 
     # ---- the optimizer and the step -------------------------------------------------------------
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        settings = optimizer_settings(self._ds_training)
+        if self.optimizer is None and settings is not None:  # DeepSpeed's: one group, every trainable parameter
+            opt_model = self.model if model is None else model
+            self.optimizer = offload.AdamW([p for p in opt_model.parameters() if p.requires_grad], **settings)
         if self.optimizer is None:
             opt_model = self.model if model is None else model
             decay = set(self.get_decay_parameter_names(opt_model))
@@ -201,6 +261,15 @@ class OffloadTrainer(Trainer):
                                            betas=(self.args.adam_beta1, self.args.adam_beta2),
                                            eps=self.args.adam_epsilon)
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None and "scheduler" in self._ds_training:  # DeepSpeed's schedule, its steps filled
+            m = match_deepspeed(self._ds_training, self.args, num_training_steps)
+            m.raise_mismatches("OffloadTrainer", "TrainingArguments")
+            self.lr_scheduler = build_scheduler(optimizer if optimizer is not None else self.optimizer, m.config)
+            self._created_lr_scheduler = True
+            return self.lr_scheduler
+        return super().create_scheduler(num_training_steps, optimizer)
 
     def _sync_replicated_trainable_parameters(self, model) -> None:
         pass  # every trainable parameter is the runtime's (sharded, reduced by it): nothing replicated to sync
