@@ -1,6 +1,7 @@
 """The typed configuration of an offload run (`offload.Config`).
 
-Sizes are strings with units ("60GiB", "512MB") or plain byte counts; tiers are "device", "cpu", "nvme"
+Sizes are strings with units ("60GiB", "512MB", "4096B"); a number without a unit ("512", or 512) is refused
+naming the field and the unit to add (store/sizes.py, the one size rule); tiers are "device", "cpu", "nvme"
 or "auto" (the runtime picks the fastest tier whose budget holds the state, at wrap time).
 `Config.from_deepspeed` imports a DeepSpeed `zero_optimization` section and says which keys it ignores.
 Every error names the field and the fix.
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .bench.figures import bench_figures
-from .store.sizes import parse_size as _parse_size
+from .store.sizes import Bytes, parse_size as _parse_size
 
 TIERS = ("device", "cpu", "nvme", "auto")
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
@@ -24,7 +25,8 @@ ACTIVATION_HOMES = ("none", "cpu", "nvme", "auto")  # Config.activations
 
 
 def parse_size(value: str | int | float, field: str = "size") -> int:
-    """Bytes from "60GiB" / "1.5GB" / "4096" / 4096. Raises ValueError naming `field`."""
+    """Bytes from "60GiB" / "1.5GB" / "4096B" (a number without a unit is refused). Raises ValueError naming
+    `field`."""
     return _parse_size(value, f"offload.Config.{field}")
 
 
@@ -189,9 +191,9 @@ class Config:
             parse_size(self.nvme_budget, "nvme_budget")
         if self.machine is not None:
             bench_figures(self.machine, "offload.Config.machine")  # unreadable: say so now, not at wrap
-        parse_size(self.persist_threshold, "persist_threshold")
         if isinstance(self.persist_threshold, PersistElements):  # DeepSpeed's count, in bytes of this compute dtype
-            self.persist_threshold = int(self.persist_threshold) * (2 if self.compute_dtype in ("bf16", "fp16") else 4)
+            self.persist_threshold = Bytes(int(self.persist_threshold) * (2 if self.compute_dtype in ("bf16", "fp16") else 4))
+        parse_size(self.persist_threshold, "persist_threshold")
         if isinstance(self.unit_classes, (str, type)):
             self.unit_classes = (self.unit_classes,)
         self.unit_classes = tuple(self.unit_classes)

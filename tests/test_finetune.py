@@ -251,7 +251,7 @@ def test_streaming_load_peak_rss(tmp_path):
     (tmp_path / "swap").mkdir()
     budget = 64 << 20
     proc = subprocess.run([sys.executable, str(TESTS / "finetune_rss_probe.py"), str(tmp_path / "big"),
-                           str(tmp_path / "swap"), str(budget)], capture_output=True, text=True, timeout=300,
+                           str(tmp_path / "swap"), f"{budget}B"], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OFFLOAD_MALLOC_TUNE="frugal"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])

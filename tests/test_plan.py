@@ -184,7 +184,7 @@ def test_model_from_a_config_file(tmp_path):
     ("--gpus", "0", "below 1"), ("--gpus", "-2", "below 1"), ("--nodes", "0", "below 1"),
     ("--micro-batch", "0", "below 1"), ("--seq-len", "0", "below 1"), ("--grad-accum", "0", "below 1"),
     ("--mfu", "2", "at most 1"), ("--mfu", "0", "above 0"), ("--tflops", "-5", "above 0"),
-    ("--gpu-mem", "80", "has no unit; give e.g. 80GiB"), ("--cpu-mem", "1024", "no unit"),
+    ("--gpu-mem", "80", "80: add a unit, e.g. 80GiB"), ("--cpu-mem", "1024", "1024: add a unit"),
     ("--nvme-size", "lots", "nvme-size"),
 ])
 def test_plan_refuses_nonsense_numbers_naming_the_flag(flag, value, says, capsys):

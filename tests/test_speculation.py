@@ -180,7 +180,7 @@ def test_no_room_for_the_spare_slots_turns_it_off_with_one_warning(tmp_path, cap
         _step(rt, model, opt, 0)
         states_bytes = rt.states.stats()["nvme"]["bytes_in_use"]
     with caplog.at_level(logging.WARNING, logger="offload"):
-        tight = _run(tmp_path / "c", True, steps, nvme_budget=int(states_bytes * 1.3))  # (the placement's check
+        tight = _run(tmp_path / "c", True, steps, nvme_budget=f"{int(states_bytes * 1.3)}B")  # (the placement's check
         # counts 18 bytes per parameter: the gradient's too)
     _assert_same(tight, exact)
     assert not tight[2]["enabled"]

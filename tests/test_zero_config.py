@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from offload.config import Config, parse_size
-from offload.store.sizes import format_bytes
+from offload.store.sizes import format_bytes, parse_size as store_parse_size
 
 
 def test_parse_size_units():
     assert parse_size("60GiB") == 60 * 1024**3
     assert parse_size("1.5GB") == 1_500_000_000
     assert parse_size("512 MiB") == 512 * 1024**2
-    assert parse_size("4096") == 4096
-    assert parse_size(123) == 123
+    assert parse_size("4096B") == 4096 and parse_size("0") == parse_size(0) == 0
+    assert store_parse_size(123, "capacity", counts=True) == 123  # internal byte counts
     assert format_bytes(3 * 1024**3) == "3.00 GiB"
     for bad in ("12 parsecs", "GiB", "-1", True, float("nan"), float("inf")):  # (NaN: "cannot convert float NaN")
         with pytest.raises(ValueError, match="device_budget"):

@@ -40,7 +40,7 @@ def test_nvme_states_4x_cpu_budget_train_within_budget_plus_overhead(tmp_path, m
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent),
                OFFLOAD_MALLOC_TUNE=malloc, OFFLOAD_HOST_POOL_HEADROOM=host_pool.DEFAULT_HEADROOM)
     probe = Path(__file__).with_name("zero_rss_probe.py")
-    proc = subprocess.run([sys.executable, str(probe), str(tmp_path), "256", "8", str(cpu_budget), "64MiB"],
+    proc = subprocess.run([sys.executable, str(probe), str(tmp_path), "256", "8", f"{cpu_budget}B", "64MiB"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -73,7 +73,7 @@ def test_a_transformers_llama_at_5x_the_cpu_budget_stays_within_the_budgets_ever
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent),
                OFFLOAD_MALLOC_TUNE=malloc, OFFLOAD_HOST_POOL_HEADROOM=host_pool.DEFAULT_HEADROOM)
     probe = Path(__file__).with_name("llama_rss_probe.py")
-    proc = subprocess.run([sys.executable, str(probe), str(tmp_path), str(cpu_budget), str(device_budget), "5"],
+    proc = subprocess.run([sys.executable, str(probe), str(tmp_path), f"{cpu_budget}B", f"{device_budget}B", "5"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -104,7 +104,7 @@ def test_the_llama_on_two_ranks_stays_within_each_ranks_budgets_every_step(tmp_p
                RSS_PROBE_OUT=str(out))  # a file per rank: two ranks' lines on one stdout once ran together
     probe = Path(__file__).with_name("llama_rss_probe.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(probe), str(swap), str(cpu_budget), str(device_budget), "6"],
+                           str(probe), str(swap), f"{cpu_budget}B", f"{device_budget}B", "6"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

@@ -152,7 +152,7 @@ def test_the_smallest_cpu_budget_accepted_trains_and_one_page_less_is_refused(tm
 
     def cfg(budget, pipeline=True):  # gradients paged too (grads="nvme"): every lane stages in the cpu budget
         return small_config(params="nvme", optimizer="nvme", grads="nvme", nvme_path=str(tmp_path),
-                            cpu_budget=budget, pipeline=pipeline)
+                            cpu_budget=budget if isinstance(budget, str) else f"{budget}B", pipeline=pipeline)
 
     piped = _train(cfg(working), steps=4)
     sync = _train(cfg(working, pipeline=False), steps=4)
@@ -248,10 +248,10 @@ def test_gradients_stay_in_a_given_device_budget_instead_of_round_tripping_throu
     assert run(device_budget="auto")[3]["grads_tier"] == "nvme"
     gathered = on_device[3]["gathered_bound_bytes"]  # root + the largest unit twice (gathered one ahead)
     short = gathered + grad_bytes - 4096  # a page short of holding the gradients beside the gathered units
-    assert run(device_budget=short)[3]["grads_tier"] == "nvme"
+    assert run(device_budget=f"{short}B")[3]["grads_tier"] == "nvme"
     with pytest.raises(MemoryError, match=r"offload.Config.grads='device': the gradient shards need .* raise "
                                           r"device_budget or set grads='auto'"):
-        run(device_budget=short, grads="device")
+        run(device_budget=f"{short}B", grads="device")
 
 
 # ---- telemetry --------------------------------------------------------------------------------------

@@ -204,9 +204,9 @@ def test_unit_policies():
         "layers.0.attn", "layers.1.attn"]
     # children first: attention (4*D*D + D params) and each MLP Linear (4*D*D + ...) reach 4*D*D on their
     # own, before the MLP (8*D*D) or the block (~13*D*D) is considered
-    by_size = [n for n, _ in choose_unit_modules(m, offload.Config(unit_min_bytes=4 * 4 * DIM * DIM))]
+    by_size = [n for n, _ in choose_unit_modules(m, offload.Config(unit_min_bytes=f"{4 * 4 * DIM * DIM}B"))]
     assert by_size == [f"layers.{i}.{x}" for i in (0, 1) for x in ("attn", "mlp.0", "mlp.2")]
-    by_size = [n for n, _ in choose_unit_modules(m, offload.Config(unit_min_bytes=10 * 4 * DIM * DIM))]
+    by_size = [n for n, _ in choose_unit_modules(m, offload.Config(unit_min_bytes=f"{10 * 4 * DIM * DIM}B"))]
     assert by_size == ["layers.0", "layers.1"]
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(DIM, 2, 32, batch_first=True), 3,
                                 enable_nested_tensor=False)
@@ -462,7 +462,7 @@ def test_leaving_frees_everything_and_use_after_raises(tmp_path):
 def test_unit_larger_than_device_budget_is_named():
     model = TinyTransformer()
     block = sum(p.numel() for p in model.layers[0].parameters()) * 4
-    with offload.init(_cfg(device_budget=block - 1)) as rt:
+    with offload.init(_cfg(device_budget=f"{block - 1}B")) as rt:
         with pytest.raises(MemoryError, match=r"unit 1 \(layers\.0, Block\) needs .* \(\d+ bytes\).*device_budget"):
             rt.wrap(model)
 
@@ -531,10 +531,10 @@ def test_budgets_larger_than_the_machine_are_refused_at_init():
 
     total, _ = host_memory()
     with pytest.raises(ValueError, match=r"offload.Config.cpu_budget: .* more host memory than this machine has"):
-        offload.init(_cfg(cpu_budget=total + (1 << 30))).__enter__()
+        offload.init(_cfg(cpu_budget=f"{total + (1 << 30)}B")).__enter__()
     with pytest.raises(ValueError, match=r"device_budget \+ .*cpu_budget: .*without a GPU the device tier is a region "
                                          r"of host memory"):
-        offload.init(_cfg(device_budget=total // 2 + (1 << 30), cpu_budget=total // 2)).__enter__()
+        offload.init(_cfg(device_budget=f"{total // 2 + (1 << 30)}B", cpu_budget=f"{total // 2}B")).__enter__()
 
 
 def test_a_killed_runs_swap_is_removed_at_the_next_init(tmp_path, caplog):

@@ -334,7 +334,7 @@ def test_params_on_device_counts_gathered_units_against_device_budget():
         shards = rt.states.nbytes_in("device")
         bound = rt.gathered_bound()
     budget = shards + bound // 2  # the shards fit, shards + gathered units do not
-    with offload.init(_cfg(params="device", device_budget=budget)) as rt:
+    with offload.init(_cfg(params="device", device_budget=f"{budget}B")) as rt:
         with pytest.raises(MemoryError, match=rf"device_budget.*gathering units needs up to .*\({bound} bytes\)"):
             rt.wrap(model)
 

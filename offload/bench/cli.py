@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 
@@ -16,6 +17,17 @@ def _csv(convert):
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return parse
+
+
+def _existing_dirs(paths) -> None:
+    """--path names a directory on the drive to test: one that does not exist (a typo) is refused, never created
+    (the bench then ran for minutes in a directory of its own making and left it behind)."""
+    from ..errors import InputError
+
+    for path in paths or ():
+        if not os.path.isdir(path):
+            what = "is not a directory" if os.path.exists(path) else "does not exist"
+            raise InputError(f"--path {path} {what}; give an existing directory on the drive to test")
 
 
 def _machine() -> dict:
@@ -185,6 +197,7 @@ def _cmd_all(args: argparse.Namespace) -> int:
     _cmd_pcie(args, result)
     _cmd_memcpy(args, result)
     _cmd_adam(args, result)
+    _existing_dirs(args.path)
     if args.path:
         from .nvme import NvmeBenchConfig, run_nvme_bench, run_striped_bench
 
@@ -202,9 +215,16 @@ def _cmd_all(args: argparse.Namespace) -> int:
 def _cmd_nvme(args: argparse.Namespace) -> int:
     from .nvme import DEFAULT_BLOCK_SIZES, DEFAULT_QUEUE_DEPTHS, NvmeBenchConfig, run_nvme_bench, run_striped_bench
 
+    from ..errors import InputError
+
+    _existing_dirs(args.path)
+    try:
+        size = parse_size(args.size, "--size")
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
     cfg = NvmeBenchConfig(
         path=args.path[0],
-        size=parse_size(args.size, "--size"),
+        size=size,
         block_sizes=args.block_sizes or [parse_size(s) for s in DEFAULT_BLOCK_SIZES],
         queue_depths=args.queue_depths or list(DEFAULT_QUEUE_DEPTHS),
         workers=args.workers,

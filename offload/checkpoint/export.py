@@ -73,8 +73,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     try:
-        out = export_checkpoint(args.checkpoint, args.out, parse_size(args.max_shard_size, "--max-shard-size"),
-                                _DTYPES[args.dtype])
+        max_shard = parse_size(args.max_shard_size, "--max-shard-size")
+    except ValueError as exc:  # (a number without a unit, among others: one line, exit 2)
+        print(f"offload export: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, max_shard, _DTYPES[args.dtype])
     except CheckpointError as exc:
         print(f"offload export: error: {exc}", file=sys.stderr)
         return 2

@@ -73,9 +73,7 @@ def _positive(flag: str, most: float | None = None):
 def _size(flag: str):
     """argparse type: a size with its unit ("80GiB"): a bare number would be bytes, never what was meant."""
     def parse(text: str) -> str:
-        if text.strip().replace(".", "", 1).isdigit():
-            raise argparse.ArgumentTypeError(f"{text!r} has no unit; give e.g. {text.strip()}GiB")
-        try:
+        try:  # (a number without a unit: refused by the one size rule, store/sizes.py)
             if parse_size(text, flag) <= 0:
                 raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
         except ValueError as exc:
@@ -102,7 +100,7 @@ def plan_from_args(args: argparse.Namespace) -> dict:
                  update_in_backward=args.update_in_backward, activations=args.activations,
                  speculative_updates=not args.no_speculative_updates, unclipped=args.unclipped,
                  optimizer_states=args.optimizer_states)
-    cap = capacity(parse_size(args.gpu_mem or dev["memory"], "--gpu-mem"), parse_size(args.cpu_mem, "--cpu-mem"),
+    cap = capacity(parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else dev["memory"], parse_size(args.cpu_mem, "--cpu-mem"),
                    parse_size(args.nvme_size, "--nvme-size") if args.nvme_size else None)
     options = evaluate(m, w, mc, cap)
     chosen = choose(options)

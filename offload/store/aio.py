@@ -278,7 +278,7 @@ class AioEngine:
 
     def __init__(self, block_size: int | str = "1MiB", queue_depth: int = 32, workers: int = 2,
                  backend: str = "auto"):
-        bs = parse_size(block_size, "block_size")
+        bs = parse_size(block_size, "block_size", counts=True)
         if bs <= 0 or bs % 4096:
             raise ValueError(f"offload aio: block_size must be a positive multiple of 4096 bytes (O_DIRECT), "
                              f"got {block_size!r} = {bs}")
@@ -376,7 +376,7 @@ class AioEngine:
 
     def fallocate(self, f: AioFile, nbytes: int | str) -> None:
         """Reserves `nbytes` of disk for `f` (posix_fallocate from 0), so later writes cannot hit ENOSPC."""
-        n = parse_size(nbytes, "nbytes")
+        n = parse_size(nbytes, "nbytes", counts=True)
         f._check_open()
         if n <= 0:
             return

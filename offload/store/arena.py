@@ -140,7 +140,7 @@ class PinnedArena:
 
     def __init__(self, capacity: int | str, *, lock: bool | str = "auto", name: str = "arena",
                  numa_node: int | None = None):
-        self.capacity = _round_up(parse_size(capacity, "capacity"))
+        self.capacity = _round_up(parse_size(capacity, "capacity", counts=True))
         self.limit = self.capacity  # what may be in use at once: the capacity, or less once set_limit lowers it
         self.name = name
         self._cv = threading.Condition()

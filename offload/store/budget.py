@@ -89,7 +89,7 @@ def _existing(path: str) -> str:
 def nvme_budget_bytes(value: int | str | None, nvme_path: str | None, ranks_sharing: int = 1) -> int:
     """This rank's nvme budget: `value` if given, else the "auto" rule (module docstring)."""
     if value is not None and value != "auto":
-        return parse_size(value, "nvme_budget")
+        return parse_size(value, "nvme_budget", counts=True)
     if not nvme_path:
         return 0
     free = shutil.disk_usage(_existing(nvme_path)).free
@@ -103,7 +103,7 @@ def resolve_budget(value: int | str, tier: str, *, nvme_path: str | None = None,
     if tier == "nvme":
         return nvme_budget_bytes(value, nvme_path, ranks_sharing)
     if value != "auto":
-        return parse_size(value, what)
+        return parse_size(value, what, counts=True)
     if tier == "device" and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info(device)  # the store's GPU (None: the current one); not shared
         return int(free * AUTO_FRACTION["device_cuda"])
