@@ -554,7 +554,7 @@ def test_model_directory_errors(tmp_path, capsys, tiny_model, text_file):
            "max_position_embeddings")
     # LoRA targets the model does not have: the flag, PEFT's words and the names it does have
     _fails(capsys, ["--model", str(tiny_model), *data, "--lora-r", "4", "--lora-targets", "query,value"],
-           "--lora-targets query,value", "not found", "'q_proj'", "'down_proj'")
+           "--lora-targets query,value", "not found", "q_proj (Linear)", "down_proj (Linear)")
     assert not (tmp_path / "out").exists()
 
 

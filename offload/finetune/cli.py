@@ -242,7 +242,7 @@ def add_finetune_parser(sub) -> None:
     p.add_argument("--lora-alpha", type=float,
                    help="LoRA's scale numerator, scaling = alpha / r (default 2 x --lora-r)")
     p.add_argument("--lora-targets", default=d.lora_targets,
-                   help="comma-separated names of the Linear layers the adapters wrap")
+                   help="comma-separated names of the layers the adapters wrap (Linear, Embedding, Conv1d/2d, transformers' Conv1D: GPT-2's c_attn)")
     p.add_argument("--lora-dropout", type=float, default=d.lora_dropout, help="dropout on the adapters' input")
     p.add_argument("--lora-merge", action="store_true",
                    help="also write the base with the adapters merged into its weights, to OUTPUT/merged")

@@ -262,9 +262,26 @@ def _with_lora(model, cfg: FinetuneConfig):
     try:
         return get_peft_model(model, config)
     except ValueError as exc:  # PEFT: "Target modules {...} not found in the base model"
-        linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise InputError(f"--lora-targets {cfg.lora_targets}: {exc}; this model's Linear layers are named {linears}") \
-            from None
+        raise InputError(f"--lora-targets {cfg.lora_targets}: {exc}; the layers of this model LoRA can wrap are "
+                         f"{lora_targetable(model)}") from None
+
+
+def lora_targetable(model) -> list[str]:
+    """Each name of a layer kind PEFT's LoRA can wrap, with its kind: Linear, Embedding, Conv1d/2d/3d,
+    MultiheadAttention and transformers' Conv1D (GPT-2's c_attn, c_fc, c_proj), e.g. ['c_attn (Conv1D)', ...]."""
+    kinds = [torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+             torch.nn.MultiheadAttention]
+    try:
+        from transformers.pytorch_utils import Conv1D
+
+        kinds.append(Conv1D)
+    except ImportError:
+        pass
+    found = {}
+    for name, module in model.named_modules():
+        if name and isinstance(module, tuple(kinds)):
+            found.setdefault(name.rsplit(".", 1)[-1], type(module).__name__)
+    return [f"{n} ({k})" for n, k in sorted(found.items())]
 
 
 def _save(rt, model, cfg: FinetuneConfig, out: Path, tokenizer) -> Path:

@@ -29,10 +29,13 @@ A model loaded with `from_pretrained` inside `offload.init` streams into the sto
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import inspect
 import os
+import threading
+import weakref
 
 import torch
 from transformers import Trainer, TrainingArguments
@@ -128,6 +131,17 @@ def match_deepspeed(training: dict | None, args: TrainingArguments, num_training
     return m
 
 
+def _close_runtime(rt) -> None:
+    """A collected (or, at exit, still open) trainer's runtime closed. On a thread other than the main one (a
+    collection can run on any, a runtime worker's too, which the close would join) it waits for the exit."""
+    if rt.closed:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        atexit.register(_close_runtime, rt)
+        return
+    rt.__exit__(None, None, None)
+
+
 def _sharded_by(model):
     """The runtime whose units hold the model's parameters, or None (not sharded yet)."""
     return next((p._offload_rt for p in model.parameters() if hasattr(p, "_offload_rt")), None)
@@ -180,6 +194,9 @@ class OffloadTrainer(Trainer):
             cfg = offload_config or Config()
             cfg = dataclasses.replace(cfg, compute_dtype=compute_dtype(args))
             self.offload_runtime = offload.init(cfg).__enter__()
+            # a trainer never closed still closes its runtime (threads, arena, swap directory) when it is garbage
+            # or the process exits: no swap left for the next run to remove as a dead run's
+            self._finalizer = weakref.finalize(self, _close_runtime, self.offload_runtime)
         else:
             self.offload_runtime = outer
             if outer.config.compute_dtype != compute_dtype(args):  # its units are cast already
@@ -238,6 +255,8 @@ class OffloadTrainer(Trainer):
         rt = getattr(self, "offload_runtime", None)
         if rt is not None and self._owns_runtime and not rt.closed:
             rt.__exit__(None, None, None)
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer.detach()
 
     def __enter__(self) -> "OffloadTrainer":
         return self
