@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..ops.adam import adamw_step_
-from .base import ShardDispatch
+from .base import ShardDispatch, add_checked, check_groups
 from .schema import LogicalState, Schema, StoredState, register
 
 __all__ = ["AdamW", "ADAMW", "ADAMW_BF16", "step_flat"]
@@ -134,6 +134,9 @@ class AdamW(ShardDispatch, torch.optim.Optimizer):
             for p in group["params"]:
                 self._check_param(p)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        add_checked(self, super().add_param_group, param_group, getattr(self, "display", "offload.AdamW"))
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
@@ -161,6 +164,7 @@ class AdamW(ShardDispatch, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
+        check_groups("offload.AdamW", self.param_groups)  # (a key may have been set since construction)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -202,6 +206,7 @@ class AdamW(ShardDispatch, torch.optim.Optimizer):
         optimizer's dtypes (master fp32, moments per group) as private contiguous CPU copies."""
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
+        check_groups("offload.AdamW", saved_groups, " of the state dict")  # (torch's AMSGrad dict: refused)
         super().load_state_dict(state_dict)
         id_to_param = {}
         for saved, group in zip(saved_groups, self.param_groups):

@@ -19,6 +19,31 @@ _SHARDED: dict[type, list] = {}
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# group switches no offload optimizer runs: refused wherever a group can get them (the constructor, add_param_group,
+# a group's key set after construction, a loaded state dict), checked again at every step()
+UNSUPPORTED_SWITCHES = {"amsgrad": "AMSGrad", "capturable": "CUDA-graph capture",
+                        "differentiable": "autograd through the step"}
+
+
+def check_groups(display: str, groups, source: str = "", first: int = 0) -> None:
+    """Refuse a param group with amsgrad / capturable / differentiable switched on, naming the group and key."""
+    for i, group in enumerate(groups, first):
+        for key, what in UNSUPPORTED_SWITCHES.items():
+            if group.get(key):
+                raise ValueError(f"{display}: param group {i}{source} has {key}={group[key]!r} ({what}), which it "
+                                 f"does not run; set {key}=False, or use torch.optim.AdamW")
+
+
+def add_checked(opt, add: Callable, param_group: dict, display: str) -> None:
+    """torch's add_param_group, then the group refused (and taken out again) if it switches one of those on."""
+    add(param_group)
+    try:
+        check_groups(display, opt.param_groups[-1:], " (added)", len(opt.param_groups) - 1)
+    except ValueError:
+        opt.param_groups.pop()
+        raise
+
+
 def register_sharded(base: type, wants: Callable, cls: type) -> None:
     """`base(params)` builds `cls` (a subclass of base) when wants(params) is true."""
     _SHARDED.setdefault(base, []).append((wants, cls))
@@ -59,6 +84,9 @@ class SchemaOptimizer(ShardDispatch, torch.optim.Optimizer):
         params = self.__dict__.pop("_offload_params", params)
         self._build(params, defaults)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        add_checked(self, super().add_param_group, param_group, self.display)
+
     def _build(self, params, defaults: dict[str, Any]) -> None:
         torch.optim.Optimizer.__init__(self, params, defaults)
         for group in self.param_groups:
@@ -75,6 +103,7 @@ class SchemaOptimizer(ShardDispatch, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
+        check_groups(self.display, self.param_groups)  # (a key may have been set since construction)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -113,6 +142,7 @@ class SchemaOptimizer(ShardDispatch, torch.optim.Optimizer):
         """torch's loader casts floating states to the parameter's dtype (a bf16 parameter's fp32 master and
         scales would round): restore the saved tensors with the schema's dtypes as private contiguous copies."""
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        check_groups(self.display, saved_groups, " of the state dict")
         super().load_state_dict(state_dict)
         by_id = {pid: p for saved, group in zip(saved_groups, self.param_groups)
                  for pid, p in zip(saved["params"], group["params"])}

@@ -18,7 +18,7 @@ import torch
 
 from ...optim.adamw import ADAMW_BF16, AdamW, _check_hyper
 from ...optim.adamw8bit import AdamW8bit
-from ...optim.base import SchemaOptimizer, register_sharded
+from ...optim.base import SchemaOptimizer, check_groups, register_sharded
 from ...optim.lion import Lion
 from . import optim_states
 from .optimizer_pipeline import Run
@@ -149,6 +149,7 @@ class ShardedOptimizer:
         plan = self._unit_plan([unit])
         if not plan:
             return None
+        check_groups(self.display, self.param_groups)  # (before an update runs in the backward)
         trained = [s.index for s in unit.layout.slots if s.requires_grad]
         if self.rt.world_size > 1 and not checked_at_step and not all(bool(unit.used[i]) for i in trained):
             return None
@@ -161,6 +162,7 @@ class ShardedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        check_groups(self.display, self.param_groups)  # (a key may have been set since construction)
         rt = self.rt
         rt._check_open("offload.AdamW.step")
         rt.check_steppable()
@@ -229,6 +231,7 @@ class ShardedOptimizer:
             raise ValueError(f"{where}: saved with world_size {state_dict['world_size']}, loading with "
                              f"{self.rt.world_size}")
         groups = state_dict["param_groups"]
+        check_groups(self.display, groups, " of the state dict")
         if len(groups) != len(self.param_groups):
             raise ValueError(f"{where}: param group count differs")
         names = [v.name for v in self.schema.logical]
