@@ -22,4 +22,8 @@ def __getattr__(name: str):
 
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
+    if name == "integrations":  # `offload.integrations.lora.load_peft_model(...)` after `import offload` alone
+        import importlib
+
+        return importlib.import_module("offload.integrations")
     raise AttributeError(f"module 'offload' has no attribute {name!r}")

@@ -72,19 +72,33 @@ ADAMW_BF16 = register(Schema("adamw-bf16", (StoredState("exp_avg", torch.bfloat1
                              _adamw_chunk, (_bf16_view("exp_avg"), _bf16_view("exp_avg_sq")), update_bytes=20.0))
 
 
-def _check_hyper(lr, betas, eps, weight_decay, moments_dtype) -> None:
+def _check_hyper(lr, betas, eps, weight_decay, moments_dtype, who: str = "offload.AdamW") -> None:
+    """torch.optim.AdamW's checks, in its words (a script's `except ValueError` and its tests see the same), each
+    followed by the argument it is about."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"Tensor lr must be 1-element ({who} lr: got a tensor of {lr.numel()} elements)")
     lr_value = float(lr)
     if not 0.0 <= lr_value:
-        raise ValueError(f"offload.AdamW: invalid lr {lr_value}; must be >= 0")
+        raise ValueError(f"Invalid learning rate: {lr_value} ({who} lr)")
     if not 0.0 <= eps:
-        raise ValueError(f"offload.AdamW: invalid eps {eps}; must be >= 0")
-    if len(betas) != 2 or not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"offload.AdamW: invalid betas {betas}; need two values in [0, 1)")
+        raise ValueError(f"Invalid epsilon value: {eps} ({who} eps)")
+    try:
+        count = len(betas)
+    except TypeError:
+        count = None
+    if count != 2:
+        raise ValueError(f"{who} betas={betas!r}: expected two values (beta1, beta2), each in [0, 1)")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, torch.Tensor) and beta.numel() != 1:
+            raise ValueError(f"Tensor betas[{i}] must be 1-element ({who} betas)")
+        if not 0.0 <= float(beta) < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {float(beta)} ({who} betas={tuple(betas)}: "
+                             "each in [0, 1))")
     if not 0.0 <= weight_decay:
-        raise ValueError(f"offload.AdamW: invalid weight_decay {weight_decay}; must be >= 0")
+        raise ValueError(f"Invalid weight_decay value: {weight_decay} ({who} weight_decay)")
     if moments_dtype not in _MOMENT_DTYPES:
         raise ValueError(
-            f"offload.AdamW: moments_dtype must be torch.float32 or torch.bfloat16, got {moments_dtype}"
+            f"{who}: moments_dtype must be torch.float32 or torch.bfloat16, got {moments_dtype}"
         )
 
 
@@ -92,8 +106,10 @@ class AdamW(ShardDispatch, torch.optim.Optimizer):
     """AdamW (decoupled weight decay) on CPU tensors with the fused offload kernel.
 
     Same arguments and defaults as torch.optim.AdamW (lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-    weight_decay=1e-2, maximize=False; foreach/fused accepted and ignored); amsgrad, capturable and
-    differentiable are rejected; `moments_dtype` (float32 by default, bfloat16 opt-in) sets the
+    weight_decay=1e-2, maximize=False; foreach/fused accepted and ignored), and its ValueErrors for bad ones.
+    DeepSpeedCPUAdam's weight_decay default is 0: a script moving from it without weight_decay gives
+    weight_decay=0 to keep its update. amsgrad, capturable and differentiable are rejected (in the constructor,
+    add_param_group, a loaded state dict, and at every step for a group's key set since); `moments_dtype` (float32 by default, bfloat16 opt-in) sets the
     dtype of both moments per param group.
     """
 

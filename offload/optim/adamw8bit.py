@@ -60,6 +60,6 @@ class AdamW8bit(SchemaOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, maximize: bool = False):
-        _check_hyper(lr, betas, eps, weight_decay, torch.float32)
+        _check_hyper(lr, betas, eps, weight_decay, torch.float32, "offload.AdamW8bit")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       maximize=maximize))
