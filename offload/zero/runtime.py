@@ -65,7 +65,7 @@ from .update.optimizer_pipeline import OptimizerPipeline, UpdateFailed
 from .schedule import Schedule
 from .units.shards import StateKind
 from .units.state import UnitState
-from .units.torch_patches import route_compiled_zero_grad
+from .units.torch_patches import ForeignCodeGuards, placed_apply, route_compiled_zero_grad
 from .state_store import UnitStateStore, prepare_swap_dir
 from .update.step import UpdatePath
 from .step_stats import StepStats
@@ -214,10 +214,12 @@ class Runtime:
                                     log_every=cfg.log_every)
         self.updates = UpdatePath(self.group.rank, self.schedule, self.pipeline, self.backward_updates, self.step_stats)
         # a module was built: the next forward may need to materialize it
-        self._capture = ConstructionCapture(on_module=self._note_module,
-                                            on_load=lambda m: self.materialize_pending()).__enter__()
+        self._capture = ConstructionCapture(
+            on_module=self._note_module, on_load=lambda m: self.materialize_pending(),
+            on_apply=lambda m, fn, recurse: placed_apply(m, fn, recurse, self.device, self.compute_dtype)).__enter__()
         self._auto_wrap_hook = nn.modules.module.register_module_forward_pre_hook(self._auto_wrap)
         self._hooks.append(self._auto_wrap_hook)
+        self._hooks.append(ForeignCodeGuards())  # torch's clip and optimizers over wrapped parameters (torch_patches)
         if "transformers" in sys.modules:  # from_pretrained in the block streams into the store (not imported else)
             importlib.import_module("offload.integrations.hf_loading")
         self.is_open = True

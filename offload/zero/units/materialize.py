@@ -7,13 +7,17 @@ most one real parameter at a time. Models are also recorded as they are created 
 so the runtime can find the outermost ones later.
 
 When the model is first used (its first forward, `offload.AdamW(model.parameters())`, or `rt.wrap`),
-units are materialized one at a time: real tensors for the unit's parameters, initialized by
-  1. the root's `_init_weights(module)` for Hugging Face PreTrainedModels (their own init scheme), else
+units are materialized one at a time: real tensors for the unit's parameters, each starting as it would in an
+eager build, from the value it had when registered where that was kept (3 below), and then initialized by
+  1. `_init_weights(module)` of the Hugging Face PreTrainedModel holding the module (their own init scheme; only
+     transformers' models: nanoGPT's GPT has a method of that name too, and is rule 5's), with the module's own
+     `reset_parameters()` first where that scheme leaves one of its parameters unwritten (eager order), else
   2. `module.reset_parameters()` (every torch.nn layer has one), or torch's private `_reset_parameters()`
      (nn.MultiheadAttention, nn.Transformer: they register `torch.empty` parameters and initialize them after,
      when they are already placeholders), else
-  3. the value the parameter had when it was registered, kept for modules without either
-     (custom modules; costs their parameters' bytes while the block is open),
+  3. the value the parameter had when it was registered, kept for modules whose initializer is not known to
+     write every parameter (custom modules, with or without a reset_parameters(); costs their parameters' bytes
+     while the block is open),
 each module after the modules inside it (post-order, as eager __init__ and HF's `model.apply(_init_weights)`
 finish a parent after its children: nn.MultiheadAttention zeroes its out_proj's bias after out_proj's own
 init), and then
@@ -21,6 +25,10 @@ init), and then
      ran on placeholders when `get_peft_model` injected them: it runs again for the adapters in the unit,
      with the `init_lora_weights` of the model's `peft_config` (those that read the base weights, PiSSA,
      OLoRA, LoftQ and the like, and DoRA's magnitudes, are refused: the base is placeholders there),
+  5. outside Hugging Face models, the `torch.nn.init` calls the model's own code made on the placeholders while
+     the block was open, other than those of the holding module's own reset_parameters (rule 2 runs it), replayed
+     in the order they ran: nanoGPT's `self.apply(self._init_weights)` and its scaled `c_proj` init in __init__
+     (ConstructionCapture records them; one on part of a parameter, a view, is refused at the call, naming rt.wrap),
 seeded with `config.seed + unit index` in a forked RNG: every rank computes the same values (so each can
 keep its own shard) and the user's RNG streams, the CPU's and the compute GPU's, are untouched. On a GPU a
 unit is initialized there when the device has room for it (4x its fp32 bytes free), by the GPU's generator:
@@ -32,18 +40,27 @@ with the same global seed; `rt.wrap(model)` keeps an existing model's values exa
 
 `model.load_state_dict(sd)` (also with assign=True) on a model built in the block and not yet used shards
 it first (materializing as above) and then loads `sd` into the shards, so pretrained weights are kept;
-`model.state_dict()` on such a model likewise shards it first and returns real values.
-Writing into a meta placeholder directly (`p.copy_(x)`, `p.data = x`) is not seen: use load_state_dict.
+`model.state_dict()` on such a model likewise shards it first and returns real values; `model.to(device)`,
+`.cuda()`, `.float()` move only its buffers (the parameters are placed when it is sharded; a move or cast the
+runtime cannot honour is refused, torch_patches.placed_apply). A parameter no initializer wrote and whose value
+was not kept is refused by name when its unit is materialized (it starts as NaN: detected, not assumed).
+Writing into a meta placeholder through a tensor method (`p.data.normal_()`, `p.copy_(x)`, `p.data = x`) is not
+seen: use torch.nn.init's functions, load_state_dict, or build the model outside and `rt.wrap(model)`.
 """
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 
 import torch
 import torch.nn as nn
 
 _STAGED_ATTR = "_offload_initial_value"
+_CALLS_ATTR = "_offload_init_calls"  # [(torch.nn.init function, args, kwargs)] made on a placeholder, to replay
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                   "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                   "sparse_")
 
 
 def _compiler_built(module: nn.Module) -> bool:
@@ -53,31 +70,37 @@ def _compiler_built(module: nn.Module) -> bool:
 
 
 class ConstructionCapture:
-    """Context that turns parameter registration into meta placeholders and records created modules."""
+    """Context that turns parameter registration into meta placeholders and records created modules.
 
-    def __init__(self, on_module=None, on_load=None):
+    While it is open (the block; paused while the runtime builds its own modules) it patches, on the classes:
+    nn.Module's register_parameter, __init__, load_state_dict, state_dict and _apply (a model built here and not
+    used yet: .to()/.cuda()/.float() reach its buffers, on_apply), and torch.nn.init's public in-place functions,
+    which record each call made on a placeholder for materialize_unit to replay (_INIT_FUNCTIONS)."""
+
+    def __init__(self, on_module=None, on_load=None, on_apply=None):
         self.modules: list[weakref.ref] = []
         self.on_module = on_module  # called after each module is built
         self.on_load = on_load  # called with a still-meta module before load_state_dict fills it
-        self._orig_register = None
-        self._orig_init = None
-        self._orig_load = None
-        self._orig_state_dict = None
+        self.on_apply = on_apply  # (module, fn, recurse) -> module: _apply on a still-meta module
+        self._originals: list | None = None  # [(owner, name, original)] while patched
+        self._patched: list | None = None
+        self._placeholders: dict[int, weakref.ref] = {}  # storage of a placeholder built here -> the placeholder
 
     def __enter__(self):
         capture = self
         orig_register = nn.Module.register_parameter
         orig_init = nn.Module.__init__
-        self._orig_register, self._orig_init = orig_register, orig_init
 
         def register_parameter(module, name, param):
             if (param is not None and param.device.type != "meta" and not getattr(param, "_offload_keep", False)
                     and not _compiler_built(module)):
                 meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-                if _init_method(module) is None:
-                    # no way to re-create this value later: keep it (rule 3 in the module docstring)
+                if _may_leave_unwritten(module):
+                    # no initializer known to write every parameter of this module: keep the value (rule 3)
                     setattr(meta, _STAGED_ATTR, param.detach().clone())
                 param = meta
+            if param is not None and param.device.type == "meta" and not hasattr(param, "_offload_unit"):
+                capture._placeholders[param.untyped_storage()._cdata] = weakref.ref(param)
             orig_register(module, name, param)
 
         def module_init(module, *args, **kwargs):
@@ -89,7 +112,6 @@ class ConstructionCapture:
                 capture.on_module()
 
         orig_load = nn.Module.load_state_dict
-        self._orig_load = orig_load
 
         def load_state_dict(module, state_dict, strict=True, assign=False):
             # Loading into meta placeholders would silently keep nothing (copy_ into meta is a no-op, and the
@@ -101,7 +123,6 @@ class ConstructionCapture:
             return orig_load(module, state_dict, strict=strict, assign=assign)
 
         orig_state_dict = nn.Module.state_dict
-        self._orig_state_dict = orig_state_dict
 
         def state_dict(module, *args, **kwargs):
             # the same for reading: a model built in the block and not used yet has only placeholders
@@ -111,43 +132,81 @@ class ConstructionCapture:
                     return module.state_dict(*args, **kwargs)
             return orig_state_dict(module, *args, **kwargs)
 
-        nn.Module.register_parameter = register_parameter
-        nn.Module.__init__ = module_init
-        nn.Module.load_state_dict = load_state_dict
-        nn.Module.state_dict = state_dict
+        orig_apply = nn.Module._apply
+
+        def _apply(module, fn, recurse=True):
+            # model.to(device) right after construction: torch's would copy out of the meta placeholders (an error);
+            # the runtime places the parameters when it shards the model, so only the buffers move (as once wrapped)
+            if capture.on_apply is not None and is_meta_model(module):
+                return capture.on_apply(module, fn, recurse)
+            return orig_apply(module, fn, recurse)
+
+        patches = [(nn.Module, "register_parameter", register_parameter), (nn.Module, "__init__", module_init),
+                   (nn.Module, "load_state_dict", load_state_dict), (nn.Module, "state_dict", state_dict),
+                   (nn.Module, "_apply", _apply)]
+        patches += [(nn.init, name, self._recording(name, getattr(nn.init, name))) for name in _INIT_FUNCTIONS]
+        self._originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+        self._patched = patches
+        for owner, name, fn in patches:
+            setattr(owner, name, fn)
         return self
+
+    def _recording(self, name: str, original):
+        """torch.nn.init.<name>, recording the calls made on this capture's placeholders (outside the holding
+        module's own reset_parameters, which materialize_unit runs itself) for materialize_unit to replay."""
+        capture = self
+
+        def init_fn(tensor, *args, **kwargs):
+            if capture._patched is not None and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                ref = capture._placeholders.get(tensor.untyped_storage()._cdata)
+                p = ref() if ref is not None else None
+                if p is not None and not hasattr(p, "_offload_unit") and not _inside_own_init(p):
+                    if (tensor.shape, tensor.stride(), tensor.storage_offset()) != (p.shape, p.stride(),
+                                                                                    p.storage_offset()):
+                        raise RuntimeError(
+                            f"offload: torch.nn.init.{name} on part of a parameter of a model built inside "
+                            "offload.init cannot be replayed when the model is materialized; build the model "
+                            "before offload.init and pass it to rt.wrap(model), which keeps its values")
+                    calls = p.__dict__.setdefault(_CALLS_ATTR, [])
+                    calls.append((original, args, kwargs))
+            return original(tensor, *args, **kwargs)
+
+        init_fn.__name__ = init_fn.__qualname__ = name
+        init_fn.__doc__ = original.__doc__
+        init_fn.__wrapped__ = original
+        return init_fn
 
     def __exit__(self, *exc):
         self.stop()
         return False
 
     def stop(self) -> None:
-        if self._orig_register is not None:
-            nn.Module.register_parameter = self._orig_register
-            nn.Module.__init__ = self._orig_init
-            nn.Module.load_state_dict = self._orig_load
-            nn.Module.state_dict = self._orig_state_dict
-            self._orig_register = self._orig_init = self._orig_load = self._orig_state_dict = None
+        if self._originals is not None:
+            for owner, name, fn in self._originals:
+                setattr(owner, name, fn)
+            self._originals = self._patched = None
 
     @contextlib.contextmanager
     def paused(self):
         """Real parameters again (for the runtime's own work inside the block)."""
-        if self._orig_register is None:
+        if self._originals is None:
             yield
             return
-        patched = (nn.Module.register_parameter, nn.Module.__init__, nn.Module.load_state_dict,
-                   nn.Module.state_dict)
-        nn.Module.register_parameter, nn.Module.__init__ = self._orig_register, self._orig_init
-        nn.Module.load_state_dict, nn.Module.state_dict = self._orig_load, self._orig_state_dict
+        patched, self._patched = self._patched, None
+        for owner, name, fn in self._originals:
+            setattr(owner, name, fn)
         try:
             yield
         finally:
-            (nn.Module.register_parameter, nn.Module.__init__, nn.Module.load_state_dict,
-             nn.Module.state_dict) = patched
+            for owner, name, fn in patched:
+                setattr(owner, name, fn)
+            self._patched = patched
 
     def forget_dead(self) -> None:
-        """Drop the records of modules that no longer exist."""
+        """Drop the records of modules and placeholders that no longer exist (or were sharded)."""
         self.modules[:] = [r for r in self.modules if r() is not None]
+        self._placeholders = {k: r for k, r in self._placeholders.items()
+                              if (p := r()) is not None and not hasattr(p, "_offload_unit")}
 
     def roots_holding(self, params) -> list[nn.Module]:
         """Outermost recorded modules that hold any of `params` (meta parameters built in the block)."""
@@ -182,19 +241,27 @@ def init_device(compute: torch.device, largest_unit_numel: int, group) -> torch.
 
 
 def materialize_unit(root: nn.Module, params: list, seed: int, device: torch.device = torch.device("cpu"),
-                     lora_layers: dict | None = None) -> list[torch.Tensor]:
+                     lora_layers: dict | None = None, hf_inits: dict | None = None) -> list[torch.Tensor]:
     """Real, initialized values (host, fp32 or the parameter's dtype) for a unit's parameters.
 
     params: [(meta parameter, [(module, attr)], fqn)]. The modules temporarily hold real parameters while
     their init runs; the caller replaces them with placeholders right after. lora_layers: `lora_layers(root)`,
-    computed once per model by the caller (rule 4).
+    hf_inits: `hf_inits(root)`, computed once per model by the caller (rules 4 and 1).
     """
+    hf = hf_inits(root) if hf_inits is None else hf_inits
     real: dict[int, torch.Tensor] = {}
     owners: dict[int, nn.Module] = {}  # first module holding each parameter initializes it
     modules: list[nn.Module] = []
     for p, refs, _ in params:
-        t = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
-        real[id(p)] = t
+        t = torch.empty(p.shape, dtype=p.dtype, device=device)
+        staged = getattr(p, _STAGED_ATTR, None)
+        # each parameter starts as eagerly built: its registered value where kept, else NaN, which only a parameter
+        # no initializer wrote still holds afterwards (detected below, not assumed)
+        if staged is not None:
+            t.copy_(staged)
+        else:
+            t.fill_(float("nan"))
+        real[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
         for module, attr in refs:
             if module not in modules:
                 modules.append(module)
@@ -206,7 +273,6 @@ def materialize_unit(root: nn.Module, params: list, seed: int, device: torch.dev
         for module, attr in refs:
             saved[(id(module), attr)] = module._parameters[attr]
             module._parameters[attr] = real[id(p)]
-    hf_init = getattr(root, "_init_weights", None)
     try:
         gpu = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=gpu):  # restores the generators it seeds: the user's streams go on
@@ -219,27 +285,43 @@ def materialize_unit(root: nn.Module, params: list, seed: int, device: torch.dev
                     # parameters this module shares but does not own keep their owner's value
                     keep = {pid: real[pid].detach().clone() for pid in real
                             if id(real[pid]) in mine and owners[pid] is not module}
-                    _init_module(root, module, hf_init)
+                    _init_module(module, hf.get(id(module)))
                     for pid, value in keep.items():
                         real[pid].data.copy_(value)
                 for layer, adapter in _adapters_among(modules, lora_layers or {}):
                     _init_lora(root, layer, adapter, modules)
+                for p, refs, _ in params:  # rule 5: torch.nn.init calls made on the placeholders, in their order
+                    if id(owners[id(p)]) not in hf:
+                        for fn, args, kwargs in getattr(p, _CALLS_ATTR, ()):
+                            fn(real[id(p)], *args, **kwargs)
         for p, refs, fqn in params:
-            staged = getattr(p, _STAGED_ATTR, None)
-            owner = owners[id(p)]
-            if hf_init is None and _init_method(owner) is None:
-                if staged is None:
-                    raise RuntimeError(
-                        f"offload: cannot initialize parameter {fqn!r} of {type(owner).__name__} built inside "
-                        "offload.init: the module has no reset_parameters() and its value was not kept. Give the "
-                        "module a reset_parameters(), or build the model outside the block and call rt.wrap(model)."
-                    )
-                real[id(p)].data.copy_(staged)
+            if getattr(p, _STAGED_ATTR, None) is None and bool(torch.isnan(real[id(p)]).any()):
+                owner = owners[id(p)]
+                raise RuntimeError(
+                    f"offload: parameter {fqn!r} of {type(owner).__name__}, built inside offload.init, was written "
+                    "by no initializer (its module's reset_parameters() and torch.nn.init calls left it unset) and "
+                    "its registered value was not kept; give the module a reset_parameters() that writes it, or "
+                    "build the model before offload.init and pass it to rt.wrap(model)")
     finally:
         for p, refs, _ in params:
             for module, attr in refs:
                 module._parameters[attr] = saved[(id(module), attr)]
     return [real[id(p)].detach() for p, _, _ in params]
+
+
+def hf_inits(root: nn.Module) -> dict[int, object]:
+    """id(module) -> `_init_weights` of the outermost Hugging Face PreTrainedModel holding it (rule 1): only
+    transformers' own models (a method of that name elsewhere, nanoGPT's, is the model's own code, rule 5)."""
+    transformers = sys.modules.get("transformers")
+    base = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    found: dict[int, object] = {}
+    if base is None:
+        return found
+    for m in root.modules():  # pre-order: the outermost model first
+        if isinstance(m, base) and id(m) not in found:
+            for sub in m.modules():
+                found.setdefault(id(sub), m._init_weights)
+    return found
 
 
 def _init_method(module: nn.Module):
@@ -251,6 +333,27 @@ def _init_method(module: nn.Module):
     return None
 
 
+def _may_leave_unwritten(module: nn.Module) -> bool:
+    """Whether a parameter this module registers might be written by no initializer: torch.nn's own layers'
+    reset_parameters write all of theirs; any other module's (or a module without one) may not."""
+    return _init_method(module) is None or not type(module).__module__.startswith("torch.")
+
+
+def _inside_own_init(p: torch.Tensor) -> bool:
+    """A torch.nn.init call on `p` made from the reset_parameters() of the module holding it: materialize_unit
+    runs that initializer itself (rule 2), so the call is not recorded."""
+    frame = sys._getframe(2)
+    for _ in range(24):
+        if frame is None:
+            return False
+        if frame.f_code.co_name in ("reset_parameters", "_reset_parameters"):
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and any(v is p for v in owner._parameters.values()):
+                return True
+        frame = frame.f_back
+    return False
+
+
 def _post_order(root: nn.Module):
     """Every module under root (root included), each after the modules inside it."""
     for child in root.children():
@@ -258,13 +361,17 @@ def _post_order(root: nn.Module):
     yield root
 
 
-def _init_module(root: nn.Module, module: nn.Module, hf_init) -> None:
-    if hf_init is not None:
-        hf_init(module)
-        return
+def _init_module(module: nn.Module, hf_init) -> None:
     init = _init_method(module)
-    if init is not None:
-        init()
+    if hf_init is None:
+        if init is not None:
+            init()
+        return
+    hf_init(module)
+    if init is not None and any(bool(torch.isnan(v).any()) for v in module._parameters.values()
+                                if v is not None and v.is_floating_point()):
+        init()  # Hugging Face's scheme left some of them unwritten: eager order, the module's own init first
+        hf_init(module)
 
 
 # PEFT's LoRA initializations that need only the adapter's own shape (the rest read the base layer's weights)

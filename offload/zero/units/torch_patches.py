@@ -3,19 +3,39 @@
 Each module of a wrapped model gets a class of its own: `OffloadModule` before its class in the MRO, as
 FSDP2's fully_shard does (one class per original class, made once, with the original's name, so code that
 reads `type(model).__name__` - Hugging Face's `architectures` in config.json - sees what it saw before).
-Nothing is patched globally, and on instances only where torch looks there first (the parameter placeholders'
-refused gradient hooks, wrap.py; the zero_grad of torch.compile's wrapper, route_compiled_zero_grad below):
-  _apply          model.to() / .cuda() / .float() reach only buffers: the runtime places and casts parameters
+On instances only where torch looks there first (the parameter placeholders' refused gradient hooks, wrap.py;
+the zero_grad of torch.compile's wrapper, route_compiled_zero_grad below):
+  _apply          model.to() / .cuda() / .float() reach only buffers: the runtime places and casts parameters; a
+                  move off the compute device or a cast to a dtype it does not train in (.half() under bf16,
+                  .double()) is refused, naming Config.compute_dtype (placed_apply; the same for a model built
+                  in the block and not used yet, materialize.ConstructionCapture)
   zero_grad       clears the runtime's gradients of the module's parameters (HF Trainer calls model.zero_grad)
   state_dict      real gathered values instead of meta placeholders (state_dict.py)
   load_state_dict written into the shards (state_dict.py)
   device / dtype  where a class has them as properties (Hugging Face's, read from the first parameter, a meta
                   placeholder here): the runtime's compute device and dtype, so `inputs.to(model.device)` works
   deepcopy/pickle refused, naming the fix: the values live in the runtime's shards, not in the module
+
+Globally, while at least one runtime is open (ForeignCodeGuards: installed by Runtime.open, removed by its close,
+counted over runtimes), the torch calls that would otherwise do nothing to a wrapped model in silence, its
+placeholders having no .grad:
+  torch.nn.utils.clip_grad_norm_     (also torch.nn.utils.clip_grad's) over a wrapped model's parameters: routed
+                                     to rt.clip_grad_norm_, the same norm and coefficient (Accelerate's
+                                     clip_grad_norm_ calls it); over part of them, or mixed with plain parameters
+                                     that have gradients, refused naming rt.clip_grad_norm_
+  torch.nn.utils.clip_grad_value_,   refused over wrapped parameters (the runtime clips by global norm only);
+  clip_grads_with_norm_              the private _clip_grads_with_norm_ too, which catches a clip_grad_norm_
+                                     imported before the runtime opened (`from torch.nn.utils import ...`)
+  a torch optimizer's step()         a global optimizer step pre-hook (torch.optim's own registry) refuses any
+                                     optimizer but offload's over wrapped parameters, naming offload.AdamW
 """
 from __future__ import annotations
 
+import weakref
+
+import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .state_dict import wrapped_load_state_dict, wrapped_state_dict
 
@@ -28,13 +48,8 @@ class OffloadModule:
     def _apply(self, fn, recurse: bool = True):
         """The runtime places and casts parameters (Config.compute_dtype, the compute device), so
         .to()/.cuda()/.float() reach only the buffers; parameters stay placeholders."""
-        if recurse:
-            for child in self.children():
-                child._apply(fn)
-        for key, buf in self._buffers.items():
-            if buf is not None:
-                self._buffers[key] = fn(buf)
-        return self
+        rt = self._offload_runtime_ref
+        return placed_apply(self, fn, recurse, rt.device, rt.compute_dtype)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the runtime's gradients of this module's parameters."""
@@ -60,6 +75,45 @@ _NO_COPY = ("offload: {what} a module of a wrapped model is refused: its paramet
             "values live in the runtime's shards, which a copy would not take along. Copy the values into a plain "
             "model instead: `plain.load_state_dict(rt.full_state_dict(model))`; to save them, "
             "`torch.save(rt.full_state_dict(model), path)` or `model.save_pretrained(dir)`")
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def placed_apply(module: nn.Module, fn, recurse: bool, device: torch.device, compute_dtype: torch.dtype):
+    """Module._apply for a model whose parameters the runtime places: `fn` (what .to()/.cuda()/.half() apply to
+    each tensor) is tried on a probe of each parameter dtype first; parameters stay placeholders when it keeps
+    them on the compute device in fp32 (the masters), the compute dtype or their own dtype, and anything else is
+    refused before a buffer moves. Buffers get `fn`, as in torch."""
+    params = module.parameters(recurse=recurse)
+    seen = set()
+    for p in params:
+        if not p.is_floating_point() or p.dtype in seen:
+            continue
+        seen.add(p.dtype)
+        out = fn(torch.zeros((), dtype=p.dtype))  # the call's target device and dtype (the same as torch's convert)
+        if out.device != device:
+            raise RuntimeError(
+                f"offload: moving a wrapped model's parameters to {out.device} (model.to / .cuda / .cpu) is refused: "
+                f"the runtime keeps them in its shards and computes on {device}; drop the call and put the inputs "
+                "on rt.device (read values with rt.full_state_dict(model))")
+        if out.dtype not in (p.dtype, torch.float32, compute_dtype):
+            want = _DTYPE_NAMES.get(out.dtype)
+            fix = (f'set offload.Config(compute_dtype="{want}") instead' if want else
+                   "the runtime trains in fp32, bf16 or fp16 (Config.compute_dtype)")
+            raise RuntimeError(
+                f"offload: casting a wrapped model's parameters to {out.dtype} (model.to / .half / .bfloat16 / "
+                f".double) is refused: the runtime keeps fp32 masters and computes in Config.compute_dtype "
+                f"({_DTYPE_NAMES.get(compute_dtype, compute_dtype)}), so the cast would not take; {fix} and drop "
+                "the cast")
+    for m in (module.modules() if recurse else (module,)):
+        for key, buf in m._buffers.items():
+            if buf is not None:
+                out = fn(buf)
+                if buf.is_floating_point() and out.dtype != buf.dtype:
+                    out = out.to(buf.dtype)  # floating buffers are the runtime's to cast too (compute dtype at wrap)
+                m._buffers[key] = out
+    return module
 
 
 _CLASSES: dict[type, type] = {}  # original class -> its offload class
@@ -94,3 +148,115 @@ def route_compiled_zero_grad(compiled: nn.Module) -> None:
     inner = getattr(compiled, "_orig_mod", None)
     if inner is not None and getattr(inner, "_offload_runtime_ref", None) is not None:
         compiled.__dict__["zero_grad"] = inner.zero_grad
+
+
+# ---- global guards while a runtime is open -------------------------------------------------------------------
+
+def _runtime_of(p):
+    """The runtime owning `p` (a wrapped model's placeholder, or a gathered unit's view), else None."""
+    p = getattr(p, "_offload_placeholder", p)
+    return getattr(p, "_offload_rt", None)
+
+
+_FIX_CLIP = "call rt.clip_grad_norm_(max_norm) (the global norm over every shard and rank)"
+
+
+def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """torch.nn.utils.clip_grad_norm_, routed to rt.clip_grad_norm_ when the parameters are a wrapped model's."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    runtimes = {id(rt): rt for rt in map(_runtime_of, params) if rt is not None}
+    if not runtimes:
+        return _ORIGINAL["clip_grad_norm_"](params, max_norm, norm_type, error_if_nonfinite, foreach)
+    rt = next(iter(runtimes.values()))
+    plain = [p for p in params if _runtime_of(p) is None and p.grad is not None]
+    given = {id(getattr(p, "_offload_placeholder", p)) for p in params}
+    missing = [p for u in rt.units for p in u.placeholders if p.requires_grad and id(p) not in given]
+    if len(runtimes) > 1 or plain or missing:
+        what = ("parameters of two runtimes" if len(runtimes) > 1 else
+                "wrapped parameters together with plain ones that have gradients" if plain else
+                f"part of the runtime's parameters ({len(missing)} trainable ones left out)")
+        raise RuntimeError(f"offload: torch.nn.utils.clip_grad_norm_ over {what}: the runtime clips all of its "
+                           f"gradients by one global norm; {_FIX_CLIP}")
+    total = rt.clip_grad_norm_(max_norm, norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so "
+                           "it cannot be clipped. To disable this error and scale the gradients by the non-finite "
+                           "norm anyway, set `error_if_nonfinite=False`")
+    return total
+
+
+def _refusing(name: str):
+    def refuse(parameters, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if any(_runtime_of(p) is not None for p in params):
+            raise RuntimeError(f"offload: torch.nn.utils.{name} over a wrapped model's parameters would change "
+                               "nothing (their gradients live in the runtime's shards; .grad is None); "
+                               f"{_FIX_CLIP}")
+        return _ORIGINAL[name](params, *args, **kwargs)
+    return refuse
+
+
+_ORIGINAL: dict = {}
+
+
+def _refuse_foreign_optimizer(optimizer, args, kwargs) -> None:
+    """Global step pre-hook: a torch optimizer over placeholders would step nothing (their .grad stays None)."""
+    from ..update.optimizer import ShardedOptimizer  # (the update package imports the units)
+
+    if isinstance(optimizer, ShardedOptimizer):
+        return
+    sizes = tuple(len(g["params"]) for g in optimizer.param_groups)
+    if _CHECKED.get(optimizer) == sizes:
+        return
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if _runtime_of(p) is not None:
+                raise RuntimeError(
+                    f"offload: the optimizer {type(optimizer).__name__} ({type(optimizer).__module__}) over a wrapped model's "
+                    "parameters would step nothing: their gradients live in the runtime's shards (.grad stays "
+                    "None). Use offload's optimizers, which step the shards: offload.AdamW(model.parameters(), ...) "
+                    "(or offload.AdamW8bit, offload.Lion), and rt.clip_grad_norm_ for clipping")
+    _CHECKED[optimizer] = sizes
+
+
+_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> group sizes found clean
+
+
+class ForeignCodeGuards:
+    """The module docstring's global guards; one handle per open runtime (`remove()` at its close), installed
+    while any handle lives."""
+
+    _live = 0
+    _step_hook = None
+
+    def __init__(self):
+        cls = ForeignCodeGuards
+        if cls._live == 0:
+            import torch.nn.utils as utils
+            from torch.nn.utils import clip_grad
+
+            _ORIGINAL.update(clip_grad_norm_=clip_grad.clip_grad_norm_, clip_grad_value_=clip_grad.clip_grad_value_,
+                             clip_grads_with_norm_=clip_grad._clip_grads_with_norm_)
+            value, with_norm = _refusing("clip_grad_value_"), _refusing("clip_grads_with_norm_")
+            for mod in (utils, clip_grad):
+                mod.clip_grad_norm_, mod.clip_grad_value_ = _clip_grad_norm_, value
+            utils.clip_grads_with_norm_ = clip_grad._clip_grads_with_norm_ = with_norm
+            cls._step_hook = register_optimizer_step_pre_hook(_refuse_foreign_optimizer)
+        cls._live += 1
+        self._removed = False
+
+    def remove(self) -> None:
+        cls = ForeignCodeGuards
+        if self._removed:
+            return
+        self._removed = True
+        cls._live -= 1
+        if cls._live == 0:
+            import torch.nn.utils as utils
+            from torch.nn.utils import clip_grad
+
+            for mod in (utils, clip_grad):
+                mod.clip_grad_norm_, mod.clip_grad_value_ = _ORIGINAL["clip_grad_norm_"], _ORIGINAL["clip_grad_value_"]
+            utils.clip_grads_with_norm_ = clip_grad._clip_grads_with_norm_ = _ORIGINAL["clip_grads_with_norm_"]
+            cls._step_hook.remove()
+            cls._step_hook = None

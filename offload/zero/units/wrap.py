@@ -14,7 +14,7 @@ from ..collectives import comm
 from . import hooks
 from .. import placement
 from .layout import FlatLayout
-from .materialize import init_device, is_meta_model, lora_layers, materialize_unit
+from .materialize import hf_inits, init_device, is_meta_model, lora_layers, materialize_unit
 from .shards import StateKind, UnitShards
 from .torch_patches import patch_model
 from .unit import ShardedUnit
@@ -60,6 +60,7 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
     if meta and weights is None:  # one decision for all units, the same on every rank (collective)
         where = init_device(rt.device, max((s.layout.numel for s in new), default=0), rt.group)
     adapters = lora_layers(model) if meta else {}
+    hf = hf_inits(model) if meta or weights is not None else {}
     model_tag = f"model{len(rt.models)}:" if rt.models else ""  # unit ids stay unique across models
     base = len(rt.units)
     ordinal = {id(p): i + rt._ordinal_base for i, p in enumerate(model.parameters())}
@@ -71,11 +72,12 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
                 values = [weights(fqn, p) for p, _, fqn in spec.params]
                 fresh = [i for i, v in enumerate(values) if v is None]
                 if fresh:  # not in the files: initialized as if built in the block (same seed on every rank)
-                    made = materialize_unit(model, [spec.params[i] for i in fresh], cfg.seed + index, where, adapters)
+                    made = materialize_unit(model, [spec.params[i] for i in fresh], cfg.seed + index, where, adapters,
+                                            hf)
                     for i, v in zip(fresh, made):
                         values[i] = v
             elif meta:
-                values = materialize_unit(model, spec.params, cfg.seed + index, where, adapters)
+                values = materialize_unit(model, spec.params, cfg.seed + index, where, adapters, hf)
             else:
                 values = [p.detach() for p, _, _ in spec.params]
             full = layout.flatten(values, torch.float32)
@@ -147,8 +149,9 @@ def _adopt(rt, unit: ShardedUnit, spec, ordinal: dict) -> None:
         if p.device.type != "meta":
             torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"),
                                                      requires_grad=p.requires_grad))
-        if hasattr(p, "_offload_initial_value"):
-            del p._offload_initial_value
+        for attr in ("_offload_initial_value", "_offload_init_calls"):  # (materialize.py's, used by now)
+            if attr in p.__dict__:
+                delattr(p, attr)
         p._offload_unit = unit
         p._offload_slot = slot.index
         p._offload_rt = rt
