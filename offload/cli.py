@@ -40,6 +40,10 @@ def _cmd_env(args: argparse.Namespace) -> int:
         info["kernel_threads"] = mod.num_threads()
         if hasattr(mod, "aio_backends"):
             info["aio_backends"] = mod.aio_backends()
+    from .compute_dtype import fast_compute_dtype
+    from .device import compute_device
+
+    info["compute_dtype_auto"] = "{} ({})".format(*fast_compute_dtype(compute_device()))  # Config.compute_dtype="auto"
     info.update(_host_memory_info())
     if args.json:
         print(json.dumps(info, indent=2))

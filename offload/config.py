@@ -19,7 +19,7 @@ from .bench.figures import bench_figures
 from .store.sizes import Bytes, parse_size as _parse_size
 
 TIERS = ("device", "cpu", "nvme", "auto")
-COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16", "auto")
 REDUCE_DTYPES = ("fp32", "bf16")
 ACTIVATION_HOMES = ("none", "cpu", "nvme", "auto")  # Config.activations
 
@@ -72,9 +72,13 @@ class Config:
       plus 90% of what the device had free at that step's peak, if that is less (rt.stats()["memory"]
       ["device_budget_fit"]). `init` refuses budgets the machine cannot hold, and an nvme_budget larger
       than the free space.
-    compute_dtype: "fp32" (like plain PyTorch), "bf16" (params gathered and computed in bf16; the master
-      copy stays fp32) or "fp16" (the same in float16; train it with offload.GradScaler, whose loss scaling
-      keeps small gradients from flushing to zero and skips a step whose gradients overflowed).
+    compute_dtype: "fp32" (default, like plain PyTorch, fast on every CPU and GPU), "bf16" (params gathered and
+      computed in bf16; the master copy stays fp32), "fp16" (the same in float16; train it with
+      offload.GradScaler, whose loss scaling keeps small gradients from flushing to zero and skips a step whose
+      gradients overflowed) or "auto" (bf16 where the compute device multiplies it fast: a GPU with bf16, a CPU
+      with AVX512_BF16 or AMX; else fp32; offload/compute_dtype.py says how it is decided; the runtime's
+      config holds the choice, rt.stats()["compute_dtype"] says why). An explicit bf16/fp16 on a CPU that only
+      emulates it (20-70x slower matmuls) is kept and warned about once, with the measured figure.
     reduce_dtype: the dtype gradients are summed over ranks in: "fp32" (default, exact as plain PyTorch's DDP
       in fp32) or "bf16" (half the reduce-scatter bytes, FSDP2's MixedPrecisionPolicy(reduce_dtype=bf16): each
       rank's gradient is rounded to bf16 before the sum, and each partial sum is rounded again, in the
@@ -192,7 +196,7 @@ class Config:
         if self.machine is not None:
             bench_figures(self.machine, "offload.Config.machine")  # unreadable: say so now, not at wrap
         if isinstance(self.persist_threshold, PersistElements):  # DeepSpeed's count, in bytes of this compute dtype
-            self.persist_threshold = Bytes(int(self.persist_threshold) * (2 if self.compute_dtype in ("bf16", "fp16") else 4))
+            self.persist_threshold = Bytes(int(self.persist_threshold) * self.torch_compute_dtype.itemsize)
         parse_size(self.persist_threshold, "persist_threshold")
         if isinstance(self.unit_classes, (str, type)):
             self.unit_classes = (self.unit_classes,)
@@ -244,7 +248,13 @@ class Config:
     def torch_compute_dtype(self):
         import torch
 
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.compute_dtype, torch.float32)
+        name = self.compute_dtype
+        if name == "auto":  # what a runtime opened here would choose (it agrees the choice across ranks)
+            from .compute_dtype import fast_compute_dtype
+            from .device import compute_device
+
+            name = fast_compute_dtype(compute_device())[0]
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name, torch.float32)
 
     @property
     def torch_reduce_dtype(self):

@@ -67,7 +67,8 @@ def _first_batch(model_dir: Path, data: Path, cfg: FinetuneConfig):
 # ---- the default run, shortened ----------------------------------------------------------------
 def test_default_run_shortened(tmp_path, capsys, monkeypatch):
     """The README's main command, 6 steps: exit 0, the loss falls, the summary is printed, and the output
-    loads with transformers and gives the trained runtime model's logits (bf16, as trained)."""
+    loads with transformers and gives the trained runtime model's logits (in the dtype it trained in: "auto",
+    bf16 where the CPU has bf16 instructions, else fp32)."""
     import offload.finetune.job as job
 
     ids = torch.arange(64).view(2, 32) + 100
@@ -83,8 +84,12 @@ def test_default_run_shortened(tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     rc = main(["finetune", "--steps", "6", "--eval-blocks", "8", "--output", str(out),
                "--json", str(tmp_path / "r.json")])
-    text = capsys.readouterr().out
+    said = capsys.readouterr()
+    text = said.out
     assert rc == 0
+    # the bar shows the paging every step does (in MB/s: GB/s rounded a slow CPU's 5 MB/s to "0.00")
+    rates = [(int(r), int(w)) for r, w in re.findall(r"nvme MB/s=R (\d+) W (\d+)", said.err)]
+    assert rates and all(r > 0 and w > 0 for r, w in rates), said.err[-2000:]
     r = json.loads((tmp_path / "r.json").read_text())
     losses = r["losses"]
     assert len(losses) == 6 and all(map(lambda x: x == x and abs(x) < 100, losses))
@@ -94,7 +99,12 @@ def test_default_run_shortened(tmp_path, capsys, monkeypatch):
     assert (r["params_tier"], r["optimizer_tier"]) == ("nvme", "nvme")
     assert r["bytes_moved"]["nvme read"] > 6 * r["n_params"] * 2  # every step pages the params in
     assert "held-out loss" in text and "peak host RSS" in text and "nvme read" in text
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)  # the runtime computed in bf16
+    from offload.compute_dtype import fast_compute_dtype
+
+    assert r["compute_dtype"] == fast_compute_dtype(torch.device("cpu"))[0]  # the default: "auto"
+    assert f"compute dtype   {r['compute_dtype']} (the CPU multiplies bf16 at " in text
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[r["compute_dtype"]]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=dtype)  # as the runtime computed
     tok = AutoTokenizer.from_pretrained(out)
     assert model.num_parameters() == r["n_params"] and len(tok) <= model.config.vocab_size
     with torch.no_grad():
@@ -344,7 +354,7 @@ def test_runtime_settings_from_flags_config_file_and_defaults(tmp_path):
     assert (c.params, c.cpu_budget) == ("nvme", "1GiB")  # flags win
     c = runtime_config(FinetuneConfig(), "/tmp/default-swap")  # the built-in model: small budget, both on disk
     assert (c.params, c.optimizer, c.cpu_budget, c.nvme_path, c.compute_dtype) == (
-        "nvme", "nvme", "256MiB", "/tmp/default-swap", "bf16")
+        "nvme", "nvme", "256MiB", "/tmp/default-swap", "auto")
     ours = tmp_path / "offload.json"
     ours.write_text(json.dumps({"optimizer": "cpu", "chunk_size": "4MiB", "nosuch": 1}))
     with pytest.raises(ValueError, match=r"--config .*offload.json: unknown offload.Config fields \['nosuch'\]"):

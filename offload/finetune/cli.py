@@ -44,7 +44,8 @@ def _progress_bar(enabled: bool, tokens_per_step: int):
         post = {"loss": f"{loss:.3f}"}
         if wall > 0:
             post["tok/s"] = f"{tokens_per_step / wall:.0f}"
-            post["nvme GB/s"] = f"R {rates['R'] / wall / 1e9:.2f} W {rates['W'] / wall / 1e9:.2f}"
+            # MB/s: a slow step's paging (hundreds of MB over tens of seconds) showed as "GB/s=R 0.00 W 0.00"
+            post["nvme MB/s"] = f"R {rates['R'] / wall / 1e6:.0f} W {rates['W'] / wall / 1e6:.0f}"
         bar.set_postfix(post, refresh=False)
         bar.update(1)
         if step == total:
@@ -144,6 +145,7 @@ def run_finetune(args: argparse.Namespace) -> int:
               if r.trainable_params < r.n_params else "")
     print(f"\n{r.n_params / 1e6:.1f}M parameters{trains}, params on {r.params_tier}, optimizer on {r.optimizer_tier}, "
           f"{r.world_size} rank(s); {len(r.losses)} steps of {r.tokens_per_step} tokens")
+    print(f"compute dtype   {r.compute_dtype} ({r.compute_dtype_why})")
     print(f"train loss      {r.losses[0]:.4f} (step {r.first_step + 1}) -> {r.losses[-1]:.4f} "
           f"(step {r.first_step + len(r.losses)})")
     print(f"held-out loss   {r.eval_loss_before:.4f} before -> {r.eval_loss_after:.4f} after")
@@ -224,9 +226,11 @@ def add_finetune_parser(sub) -> None:
     p.add_argument("--device-budget", help="accelerator bytes for states, e.g. 60GiB (default auto: 90%% of the "
                                            "GPU's free memory; without a GPU a quarter of the host's, split among "
                                            "ranks)")
-    p.add_argument("--compute-dtype", choices=("fp32", "bf16", "fp16"),
-                   help="forward and backward dtype (default bf16; fp16, for GPUs without bf16, scales the loss "
-                        "with offload.GradScaler and skips a step whose gradients overflow)")
+    p.add_argument("--compute-dtype", choices=("auto", "fp32", "bf16", "fp16"),
+                   help="forward and backward dtype (default auto: bf16 where the device multiplies it fast, a GPU "
+                        "with bf16 or a CPU with AVX512_BF16/AMX, else fp32; bf16 on a CPU without those instructions "
+                        "is 20-70x slower. fp16, for GPUs without bf16, scales the loss with offload.GradScaler and "
+                        "skips a step whose gradients overflow)")
     p.add_argument("--grad-checkpointing", action="store_true", help="the model's own activation checkpointing")
     p.add_argument("--update-in-backward", action="store_true", default=None,
                    help="opt-in: each unit's update under the backward, clipped by the previous step's norm "

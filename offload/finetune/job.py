@@ -67,7 +67,7 @@ class FinetuneConfig:
     nvme_budget: str | None = None  # swap bytes per rank (default auto: 90% of the free space, split among ranks)
     cpu_budget: str | None = None  # default 256MiB for the built-in model (so shards really page), else auto
     device_budget: str | None = None  # default auto
-    compute_dtype: str | None = None  # default bf16
+    compute_dtype: str | None = None  # default auto: bf16 where the device multiplies it fast, else fp32
     update_in_backward: bool | None = None  # Config.update_in_backward (opt-in; default off)
     activations: str | None = None  # Config.activations: none, cpu or nvme (default none)
     grad_checkpointing: bool = False
@@ -153,6 +153,8 @@ class FinetuneResult:
     merged: Path | None = None  # --lora-merge: the base with the adapters merged
     checkpoints: list[dict] = dataclasses.field(default_factory=list)  # {"path", "bytes", "seconds"} per save
     skipped_steps: int = 0  # --compute-dtype fp16: steps skipped because their gradients overflowed
+    compute_dtype: str = "fp32"  # what the run computed in ("auto" resolved)
+    compute_dtype_why: str = ""  # why: "as set", or what "auto" measured
 
 
 # --optim: the offload optimizer of each family (offload.optim.schema), as `offload plan --optimizer-states` names them
@@ -163,7 +165,7 @@ def runtime_config(cfg: FinetuneConfig, default_nvme_path: str) -> Config:
     """The runtime's Config: each field from the flag if given, else the --config file if it sets it, else
     the fine-tune's default."""
     defaults = dict(params="nvme", optimizer="nvme", nvme_path=default_nvme_path, device_budget="auto",
-                    compute_dtype="bf16", cpu_budget="256MiB" if cfg.model is None else "auto",
+                    compute_dtype="auto", cpu_budget="256MiB" if cfg.model is None else "auto",
                     update_in_backward=False, activations="none")  # nvme_budget: the file's, else Config's (auto)
     from_file: dict = {}
     if cfg.offload_config is not None:
@@ -583,4 +585,5 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                      "all-gather": stats["allgather_bytes"], "reduce-scatter": stats["reduce_scatter_bytes"]},
         params_tier=stats["params_tier"], optimizer_tier=stats["optimizer_tier"], world_size=world,
         ignored_weights=inputs.ignored, checkpoints=checkpoints, trainable_params=sum(p.numel() for p in trained),
-        merged=merged, skipped_steps=stats["loss_scale"]["skipped_steps"])
+        merged=merged, skipped_steps=stats["loss_scale"]["skipped_steps"],
+        compute_dtype=stats["compute_dtype"]["dtype"], compute_dtype_why=stats["compute_dtype"]["why"])

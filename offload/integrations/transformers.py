@@ -95,9 +95,10 @@ def _refuse_unsupported(args: TrainingArguments, offload_config: Config | None, 
     if optim not in OPTIMIZERS and not deepspeed_optimizer:  # (a DeepSpeed optimizer section replaces args.optim)
         raise ValueError(f"OffloadTrainer: TrainingArguments.optim={optim!r}; the optimizer is offload.AdamW (the "
                          f"fused CPU AdamW over the sharded states): give optim='adamw_torch' (same update)")
-    # TrainingArguments.bf16 / fp16 set the compute dtype; a Config asking for a half dtype (not its fp32 default)
-    # against them is a contradiction, not a choice to make silently
-    if offload_config is not None and offload_config.compute_dtype not in ("fp32", compute_dtype(args)):
+    # TrainingArguments.bf16 / fp16 set the compute dtype; a Config asking for a half dtype (not its fp32 default,
+    # nor "auto", which leaves it to them) against them is a contradiction, not a choice to make silently. An
+    # explicit bf16 on a CPU that emulates it is kept and warned about (offload/compute_dtype.py)
+    if offload_config is not None and offload_config.compute_dtype not in ("fp32", "auto", compute_dtype(args)):
         flag = "bf16" if offload_config.compute_dtype == "bf16" else "fp16"
         raise ValueError(f"OffloadTrainer: TrainingArguments.{flag}=False but offload_config.compute_dtype="
                          f"{offload_config.compute_dtype!r}; set TrainingArguments.{flag}=True (it sets the compute "

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import compute_dtype as compute_dtypes
 from ..config import Config, parse_duration
 from ..optim.schema import by_name as schema_by_name
 from ..device import Streams, bind_thread, compute_device
@@ -94,7 +95,10 @@ def init(config: Config | None = None, **fields) -> "Runtime":
 
 class Runtime:
     def __init__(self, config: Config):
-        self.config = config
+        # "auto" becomes the dtype this device multiplies fast; open() agrees it across ranks
+        self._auto_compute_dtype = config.compute_dtype == "auto"
+        name, self.compute_dtype_reason = compute_dtypes.resolve(config.compute_dtype, compute_device())
+        self.config = config = dataclasses.replace(config, compute_dtype=name)
         self.sized_schema = schema_by_name(config.optimizer_states)  # what the placement sizes optimizer states for
         self.units: list[ShardedUnit] = []
         self.models: list[nn.Module] = []
@@ -172,11 +176,17 @@ class Runtime:
             # step issues (gather ahead, what stays gathered, the "auto" tiers), and ranks that decide apart hang.
             # Agreed before any rank builds its store: a rank's pinned arena would shrink the memory the ranks
             # after it read for their "auto" budgets, and each store holds only the agreed budget
+            # (and an "auto" compute dtype: 0 where a rank found bf16 slow, so every rank then computes in fp32)
             agreed = comm.all_reduce_host_(self.group, torch.tensor(
-                [float(self.budgets[t] if self.budgets[t] is not None else -1) for t in ("device", "cpu", "nvme")],
-                dtype=torch.float64), "min", what="the budgets every rank plans with")
+                [float(self.budgets[t] if self.budgets[t] is not None else -1) for t in ("device", "cpu", "nvme")]
+                + [float(cfg.compute_dtype != "fp32")], dtype=torch.float64), "min",
+                what="the budgets and compute dtype every rank plans with")
             self.budgets.update(device=int(agreed[0]), cpu=int(agreed[1]),
                                 nvme=int(agreed[2]) if agreed[2] >= 0 else None)
+            if self._auto_compute_dtype and agreed[3] == 0 and cfg.compute_dtype != "fp32":
+                self.config = cfg = dataclasses.replace(cfg, compute_dtype="fp32")
+                self.compute_dtype = torch.float32
+                self.compute_dtype_reason = "fp32: another rank's CPU multiplies bf16 slowly"
         self.states = UnitStateStore(self.device, self.budgets, cfg.nvme_path, self.group.rank, cfg.swap_checksums)
         # the store rounded the budgets to pages (the same on every rank): plan against what it enforces
         self.budgets = {t: self.states.capacity(t) for t in ("device", "cpu")} | {"nvme": self.budgets["nvme"]}
@@ -795,6 +805,8 @@ class Runtime:
             "activations": self.activations.report() if self.activations is not None else None,
             "speculation": self.backward_updates.speculation.report(),
             "loss_scale": self.loss_scale.report(),
+            "compute_dtype": {"dtype": self.config.compute_dtype, "auto": self._auto_compute_dtype,
+                              "why": self.compute_dtype_reason},
         }
 
     def _memory(self, store_stats: dict) -> dict:
