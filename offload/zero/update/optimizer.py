@@ -225,7 +225,43 @@ class ShardedOptimizer:
         sd["world_size"] = self.rt.world_size
         return sd
 
+    def full_state_dict(self) -> dict:
+        """torch.optim's state dict of the whole run, as torch.optim.AdamW (or the family's torch-side twin) keeps
+        it: per parameter its step and each logical state (AdamW: exp_avg, exp_avg_sq, fp32) in the parameter's
+        shape. Collective: every rank calls it and gets the whole. `torch.optim.AdamW(params).load_state_dict(
+        opt.full_state_dict())` goes on from this run; load_state_dict here takes it back (or torch's own)."""
+        sd = self.state_dict()  # this rank's pieces (quiesced)
+        names = [v.name for v in self.schema.logical]
+        params = [p for g in self.param_groups for p in g["params"]]
+        slots = [p._offload_unit.layout.slots[p._offload_slot] for p in params]
+        offsets, total = [], 0
+        for slot in slots:
+            offsets.append(total)
+            total += slot.numel
+        steps = torch.zeros(len(params), dtype=torch.float64)
+        values = torch.zeros(len(names), max(1, total), dtype=torch.float32)
+        for i, st in sd["state"].items():
+            steps[i] = float(st["step"])
+            lo, hi = st["shard_range"]
+            for k, n in enumerate(names):
+                values[k, offsets[i] + lo:offsets[i] + hi] = st[n]
+        if self.rt.world_size > 1:  # each rank holds its pieces: the others' are zeros here
+            from ..collectives import comm
+
+            comm.all_reduce_host_(self.rt.group, steps, "max", what="optimizer step counts")
+            comm.all_reduce_host_(self.rt.group, values, "sum", what="optimizer states")
+        state = {}
+        for i, slot in enumerate(slots):
+            if steps[i] > 0:
+                state[i] = {"step": torch.tensor(float(steps[i])),
+                            **{n: values[k, offsets[i]:offsets[i] + slot.numel].view(slot.shape).clone()
+                               for k, n in enumerate(names)}}
+        return {"state": state, "param_groups": sd["param_groups"]}
+
     def load_state_dict(self, state_dict):
+        """This optimizer's own state dict (state_dict(): this rank's shard, or full_state_dict()), or torch.optim's
+        of the same parameters (torch.optim.AdamW's, moments in each parameter's shape): each rank takes its
+        pieces. A state whose size is not the parameter's is refused naming the parameter and both shapes."""
         where = f"{self.display}.load_state_dict"
         if state_dict.get("world_size", self.rt.world_size) != self.rt.world_size:
             raise ValueError(f"{where}: saved with world_size {state_dict['world_size']}, loading with "
@@ -240,27 +276,39 @@ class ShardedOptimizer:
             if missing:
                 raise ValueError(f"{where}: the state dict has no {', '.join(missing)} (saved by another optimizer "
                                  f"family than {self.schema.name!r}?); load it into the optimizer that saved it")
+        by_index = {}
+        for group, saved in zip(self.param_groups, groups):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"{where}: a param group of the state dict has {len(saved['params'])} parameters, "
+                                 f"this optimizer's {len(group['params'])}")
+            for p, i in zip(group["params"], saved["params"]):
+                by_index[i] = p
+        saved_state = state_dict["state"]
+        # every piece read and checked against its parameter's shape before anything is written: all or nothing
+        loads = []
+        for unit, entries in self._unit_plan():
+            touched = []
+            for piece, _, p in entries:
+                i = _index_of(by_index, p)
+                if i in saved_state:
+                    st = saved_state[i]
+                    slot = unit.layout.slots[piece.slot]
+                    touched.append((piece, p, int(st["step"]), {n: _piece_of(st, n, piece, slot, where) for n in names}))
+            if touched:
+                loads.append((unit, touched))
         self.rt.backward_updates.check_quiet(f"{self.display}.load_state_dict")  # (would shadow what is loaded)
         self.rt.quiesce()  # no update may be running while the moments are replaced
-        by_index = {}
         for group, saved in zip(self.param_groups, groups):
             for key, value in saved.items():
                 if key != "params":
                     group[key] = value
-            for p, i in zip(group["params"], saved["params"]):
-                by_index[i] = p
-        saved_state = state_dict["state"]
-        for unit, entries in self._unit_plan():
-            touched = [(pc, p) for pc, g, p in entries if _index_of(by_index, p) in saved_state]
-            if not touched:
-                continue
+        for unit, touched in loads:
             optim_states.register(unit, self.schema)
             views = {n: optim_states.read_view(unit, n) for n in names}
-            for piece, p in touched:
-                st = saved_state[_index_of(by_index, p)]
+            for piece, p, step, values in touched:
                 for n in names:
-                    views[n][piece.lo:piece.hi].copy_(st[n])
-                self.state[p]["step"] = int(st["step"])
+                    views[n][piece.lo:piece.hi].copy_(values[n])
+                self.state[p]["step"] = step
             for n in names:
                 optim_states.write_view(unit, n, views[n])
 
@@ -303,6 +351,26 @@ def register_family(base: type[SchemaOptimizer]) -> type:
     sharded = type(f"Sharded{base.__name__}", (ShardedOptimizer, base), {"display": base.display})
     register_sharded(base, wants_sharded, sharded)
     return sharded
+
+
+def _piece_of(saved: dict, name: str, piece, slot, where: str) -> torch.Tensor:
+    """The elements of `piece` in a saved state: a shard's slice (state_dict(): `shard_range`) or the whole
+    parameter's (full_state_dict(), torch.optim's), checked against the parameter's shape."""
+    value = torch.as_tensor(saved[name])
+    n = piece.hi - piece.lo
+    if "shard_range" in saved:
+        lo, hi = saved["shard_range"]
+        if (lo, hi) == (piece.param_lo, piece.param_lo + n) and value.numel() == n:
+            return value.reshape(-1)
+        raise ValueError(f"{where}: parameter {slot.fqn or slot.index} (shape {tuple(slot.shape)}): the state dict's "
+                         f"{name} holds elements [{lo}, {hi}) and this rank's shard [{piece.param_lo}, "
+                         f"{piece.param_lo + n}); load a state dict of the same model and world size, or its "
+                         "full_state_dict()")
+    if value.numel() != slot.numel:
+        raise ValueError(f"{where}: parameter {slot.fqn or slot.index} has shape {tuple(slot.shape)} but the state "
+                         f"dict's {name} has shape {tuple(value.shape)}; load a state dict of the same model (its "
+                         "parameters in the same order)")
+    return value.reshape(-1)[piece.param_lo:piece.param_lo + n]
 
 
 def _index_of(by_index, p):
