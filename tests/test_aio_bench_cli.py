@@ -17,6 +17,7 @@ def test_bench_nvme_writes_json_and_cleans_up(tmp_path, capsys, with_fio):
         pytest.skip("fio is not installed")
     out = tmp_path / "nvme.json"
     bench_dir = tmp_path / "disk"
+    bench_dir.mkdir()  # (a --path that does not exist is refused: tests/test_first_hour.py)
     argv = ["bench", "nvme", "--path", str(bench_dir), "--size", "8MiB", "--block-sizes", "1MiB,4MiB",
             "--queue-depths", "1,4", "--rounds", "1", "--json", str(out)]
     if not with_fio:

@@ -299,6 +299,7 @@ def test_bench_nvme_on_two_paths_streams_both_at_once(tmp_path, capsys):
     from offload.cli import main as cli_main
 
     a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()  # (a --path that does not exist is refused)
     rc = cli_main(["bench", "nvme", "--path", str(a), "--path", str(b), "--size", "8MiB", "--block-sizes", "1MiB",
                    "--queue-depths", "4", "--rounds", "1", "--no-fio", "--json", str(tmp_path / "n.json")])
     text = capsys.readouterr().out
