@@ -56,11 +56,10 @@ import weakref
 import torch
 import torch.nn as nn
 
+from . import init_record
+from .init_record import CALLS_ATTR, INIT_FUNCTIONS, Placeholder, recording_init, replay
+
 _STAGED_ATTR = "_offload_initial_value"
-_CALLS_ATTR = "_offload_init_calls"  # [(torch.nn.init function, args, kwargs)] made on a placeholder, to replay
-_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
-                   "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
-                   "sparse_")
 
 
 def _compiler_built(module: nn.Module) -> bool:
@@ -74,8 +73,8 @@ class ConstructionCapture:
 
     While it is open (the block; paused while the runtime builds its own modules) it patches, on the classes:
     nn.Module's register_parameter, __init__, load_state_dict, state_dict and _apply (a model built here and not
-    used yet: .to()/.cuda()/.float() reach its buffers, on_apply), and torch.nn.init's public in-place functions,
-    which record each call made on a placeholder for materialize_unit to replay (_INIT_FUNCTIONS)."""
+    used yet: .to()/.cuda()/.float() reach its buffers, on_apply), and torch.nn.init's public in-place functions;
+    the placeholders it makes record the writes made on them, for materialize_unit to replay (init_record.py)."""
 
     def __init__(self, on_module=None, on_load=None, on_apply=None):
         self.modules: list[weakref.ref] = []
@@ -84,7 +83,6 @@ class ConstructionCapture:
         self.on_apply = on_apply  # (module, fn, recurse) -> module: _apply on a still-meta module
         self._originals: list | None = None  # [(owner, name, original)] while patched
         self._patched: list | None = None
-        self._placeholders: dict[int, weakref.ref] = {}  # storage of a placeholder built here -> the placeholder
 
     def __enter__(self):
         capture = self
@@ -94,13 +92,11 @@ class ConstructionCapture:
         def register_parameter(module, name, param):
             if (param is not None and param.device.type != "meta" and not getattr(param, "_offload_keep", False)
                     and not _compiler_built(module)):
-                meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+                meta = Placeholder(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
                 if _may_leave_unwritten(module):
                     # no initializer known to write every parameter of this module: keep the value (rule 3)
                     setattr(meta, _STAGED_ATTR, param.detach().clone())
                 param = meta
-            if param is not None and param.device.type == "meta" and not hasattr(param, "_offload_unit"):
-                capture._placeholders[param.untyped_storage()._cdata] = weakref.ref(param)
             orig_register(module, name, param)
 
         def module_init(module, *args, **kwargs):
@@ -144,37 +140,13 @@ class ConstructionCapture:
         patches = [(nn.Module, "register_parameter", register_parameter), (nn.Module, "__init__", module_init),
                    (nn.Module, "load_state_dict", load_state_dict), (nn.Module, "state_dict", state_dict),
                    (nn.Module, "_apply", _apply)]
-        patches += [(nn.init, name, self._recording(name, getattr(nn.init, name))) for name in _INIT_FUNCTIONS]
+        patches += [(nn.init, name, recording_init(name, getattr(nn.init, name))) for name in INIT_FUNCTIONS]
         self._originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
         self._patched = patches
         for owner, name, fn in patches:
             setattr(owner, name, fn)
+        init_record.state.recording = True
         return self
-
-    def _recording(self, name: str, original):
-        """torch.nn.init.<name>, recording the calls made on this capture's placeholders (outside the holding
-        module's own reset_parameters, which materialize_unit runs itself) for materialize_unit to replay."""
-        capture = self
-
-        def init_fn(tensor, *args, **kwargs):
-            if capture._patched is not None and isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                ref = capture._placeholders.get(tensor.untyped_storage()._cdata)
-                p = ref() if ref is not None else None
-                if p is not None and not hasattr(p, "_offload_unit") and not _inside_own_init(p):
-                    if (tensor.shape, tensor.stride(), tensor.storage_offset()) != (p.shape, p.stride(),
-                                                                                    p.storage_offset()):
-                        raise RuntimeError(
-                            f"offload: torch.nn.init.{name} on part of a parameter of a model built inside "
-                            "offload.init cannot be replayed when the model is materialized; build the model "
-                            "before offload.init and pass it to rt.wrap(model), which keeps its values")
-                    calls = p.__dict__.setdefault(_CALLS_ATTR, [])
-                    calls.append((original, args, kwargs))
-            return original(tensor, *args, **kwargs)
-
-        init_fn.__name__ = init_fn.__qualname__ = name
-        init_fn.__doc__ = original.__doc__
-        init_fn.__wrapped__ = original
-        return init_fn
 
     def __exit__(self, *exc):
         self.stop()
@@ -185,6 +157,7 @@ class ConstructionCapture:
             for owner, name, fn in self._originals:
                 setattr(owner, name, fn)
             self._originals = self._patched = None
+            init_record.state.recording = False
 
     @contextlib.contextmanager
     def paused(self):
@@ -195,18 +168,18 @@ class ConstructionCapture:
         patched, self._patched = self._patched, None
         for owner, name, fn in self._originals:
             setattr(owner, name, fn)
+        init_record.state.recording = False
         try:
             yield
         finally:
             for owner, name, fn in patched:
                 setattr(owner, name, fn)
             self._patched = patched
+            init_record.state.recording = True
 
     def forget_dead(self) -> None:
-        """Drop the records of modules and placeholders that no longer exist (or were sharded)."""
+        """Drop the records of modules that no longer exist."""
         self.modules[:] = [r for r in self.modules if r() is not None]
-        self._placeholders = {k: r for k, r in self._placeholders.items()
-                              if (p := r()) is not None and not hasattr(p, "_offload_unit")}
 
     def roots_holding(self, params) -> list[nn.Module]:
         """Outermost recorded modules that hold any of `params` (meta parameters built in the block)."""
@@ -290,10 +263,9 @@ def materialize_unit(root: nn.Module, params: list, seed: int, device: torch.dev
                         real[pid].data.copy_(value)
                 for layer, adapter in _adapters_among(modules, lora_layers or {}):
                     _init_lora(root, layer, adapter, modules)
-                for p, refs, _ in params:  # rule 5: torch.nn.init calls made on the placeholders, in their order
+                for p, refs, fqn in params:  # rule 5: the model's own writes on the placeholders, in their order
                     if id(owners[id(p)]) not in hf:
-                        for fn, args, kwargs in getattr(p, _CALLS_ATTR, ()):
-                            fn(real[id(p)], *args, **kwargs)
+                        replay(real[id(p)], p.__dict__.get(CALLS_ATTR, ()), fqn)
         for p, refs, fqn in params:
             if getattr(p, _STAGED_ATTR, None) is None and bool(torch.isnan(real[id(p)]).any()):
                 owner = owners[id(p)]
@@ -337,21 +309,6 @@ def _may_leave_unwritten(module: nn.Module) -> bool:
     """Whether a parameter this module registers might be written by no initializer: torch.nn's own layers'
     reset_parameters write all of theirs; any other module's (or a module without one) may not."""
     return _init_method(module) is None or not type(module).__module__.startswith("torch.")
-
-
-def _inside_own_init(p: torch.Tensor) -> bool:
-    """A torch.nn.init call on `p` made from the reset_parameters() of the module holding it: materialize_unit
-    runs that initializer itself (rule 2), so the call is not recorded."""
-    frame = sys._getframe(2)
-    for _ in range(24):
-        if frame is None:
-            return False
-        if frame.f_code.co_name in ("reset_parameters", "_reset_parameters"):
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, nn.Module) and any(v is p for v in owner._parameters.values()):
-                return True
-        frame = frame.f_back
-    return False
 
 
 def _post_order(root: nn.Module):
