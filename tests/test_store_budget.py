@@ -16,7 +16,10 @@ def test_parse_size():
     assert parse_size("60GiB") == 60 << 30
     assert parse_size("1.5GB") == 1_500_000_000
     assert parse_size("512M") == 512 << 20
-    assert parse_size(" 4096 ") == 4096 and parse_size(7) == 7
+    assert parse_size(" 4096B ") == 4096 and parse_size(7, counts=True) == 7  # (a bare number: tests/test_size_rule.py)
+    for bare in (" 4096 ", 7):
+        with pytest.raises(ValueError, match="add a unit"):
+            parse_size(bare, "cpu_budget")
     for bad in ["60 gigs", "", "-1GiB", "auto"]:
         with pytest.raises(ValueError, match="cpu_budget must be a size like '60GiB'"):
             parse_size(bad, "cpu_budget")
