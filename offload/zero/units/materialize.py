@@ -25,10 +25,12 @@ init), and then
      ran on placeholders when `get_peft_model` injected them: it runs again for the adapters in the unit,
      with the `init_lora_weights` of the model's `peft_config` (those that read the base weights, PiSSA,
      OLoRA, LoftQ and the like, and DoRA's magnitudes, are refused: the base is placeholders there),
-  5. outside Hugging Face models, the `torch.nn.init` calls the model's own code made on the placeholders while
-     the block was open, other than those of the holding module's own reset_parameters (rule 2 runs it), replayed
-     in the order they ran: nanoGPT's `self.apply(self._init_weights)` and its scaled `c_proj` init in __init__
-     (ConstructionCapture records them; one on part of a parameter, a view, is refused at the call, naming rt.wrap),
+  5. outside Hugging Face models, the writes the model's own code made on the placeholders while the block was
+     open (torch.nn.init's functions and in-place tensor methods, on a parameter or a view of it), other than
+     those of the holding module's own reset_parameters (rule 2 runs it), replayed in the order they ran:
+     nanoGPT's `self.apply(self._init_weights)` and scaled `c_proj` init in __init__, `w.data.normal_(0, 0.02)`,
+     `p.data[pad].zero_()`, `p.copy_(pretrained)` (init_record.py records them; a write reading another
+     parameter, which has no values yet, is refused naming rt.wrap),
 seeded with `config.seed + unit index` in a forked RNG: every rank computes the same values (so each can
 keep its own shard) and the user's RNG streams, the CPU's and the compute GPU's, are untouched. On a GPU a
 unit is initialized there when the device has room for it (4x its fp32 bytes free), by the GPU's generator:
@@ -44,8 +46,7 @@ it first (materializing as above) and then loads `sd` into the shards, so pretra
 `.cuda()`, `.float()` move only its buffers (the parameters are placed when it is sharded; a move or cast the
 runtime cannot honour is refused, torch_patches.placed_apply). A parameter no initializer wrote and whose value
 was not kept is refused by name when its unit is materialized (it starts as NaN: detected, not assumed).
-Writing into a meta placeholder through a tensor method (`p.data.normal_()`, `p.copy_(x)`, `p.data = x`) is not
-seen: use torch.nn.init's functions, load_state_dict, or build the model outside and `rt.wrap(model)`.
+An in-place update of a real tensor from a placeholder (an EMA copy made before the first use) is refused.
 """
 from __future__ import annotations
 
