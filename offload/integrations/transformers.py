@@ -13,7 +13,11 @@ What differs from Trainer, and why (as transformers' DeepSpeed integration repla
     close()), or the one open around it (`with offload.init(cfg): model = ...; trainer = OffloadTrainer(...)`),
     or, for a second trainer on a model an earlier one sharded (a second stage), that trainer's (still its to close);
   - the optimizer is offload.AdamW over Trainer's two parameter groups (weight decay on the same names),
-    with its learning rate, betas and epsilon; the scheduler is Trainer's own;
+    with its learning rate, betas and epsilon; the scheduler is Trainer's own. An offload_config made by
+    Config.from_deepspeed carries the JSON's training sections, applied as Trainer with DeepSpeed applies them
+    (match_deepspeed, integrations/deepspeed.py): "auto" filled from TrainingArguments, every differing value
+    refused at once naming both, an optimizer section making the optimizer DeepSpeed's (one group, decay on every
+    parameter), a scheduler section DeepSpeed's schedule; one warning says what changed;
   - `max_grad_norm` clips with rt.clip_grad_norm_ (the global norm over every shard and rank);
   - the micro-batches before a step's last run inside rt.accumulating() (each reduces its gradient into the
     gradient shards, which hold the sum: memory one shard per unit, not a full gradient);
