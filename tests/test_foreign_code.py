@@ -453,3 +453,52 @@ def test_torch_save_of_a_state_dict_holds_the_values():
     loaded = torch.load(buf)
     for name, p in ref.state_dict().items():
         assert torch.equal(loaded[name], p), name
+
+
+def test_writes_into_and_value_reads_of_a_wrapped_models_parameters_are_refused_naming_the_fix():
+    """On the meta placeholders of a wrapped model `p.data.copy_(x)`, torch.nn.init and `p.mul_()` changed nothing,
+    `[p.detach().clone() ...]` (an EMA's start) held no values, and `ema.add_(p)` added nothing: in silence."""
+    base, ref = _wrapped_pair()
+    with offload.init(small_config()) as rt:
+        model = rt.wrap(base)
+        p = model.layers[0].mlp[0].weight
+        writes = [lambda: p.data.copy_(torch.ones(p.shape)), lambda: torch.nn.init.normal_(p),
+                  lambda: p.data[0].zero_(), lambda: setattr(p, "data", torch.ones(p.shape)),
+                  lambda: p.detach().mul_(2.0)]
+        for write in writes:
+            with torch.no_grad(), pytest.raises(RuntimeError, match=r"model\.load_state_dict"):
+                write()
+        ema = torch.zeros(p.shape)
+        reads = [lambda: [q.detach().clone() for q in model.parameters()], lambda: p.data.to(torch.float64),
+                 lambda: ema.mul_(0.9).add_(p.detach(), alpha=0.1), lambda: ema.copy_(p), lambda: p.cpu()]
+        for read in reads:
+            with torch.no_grad(), pytest.raises(RuntimeError, match=r"rt\.full_state_dict\(model\)"):
+                read()
+        # what stays: metadata, and the values through the runtime
+        assert sum(q.numel() for q in model.parameters()) == sum(q.numel() for q in ref.parameters())
+        assert p.shape == ref.layers[0].mlp[0].weight.shape and p.requires_grad and p.dtype == torch.float32
+        assert torch.equal(rt.full_state_dict(model)["layers.0.mlp.0.weight"], ref.layers[0].mlp[0].weight)
+
+
+def test_an_ema_kept_from_full_state_dict_is_plain_pytorchs():
+    """The recipe the refusal names: an EMA of the weights updated from rt.full_state_dict after each step gives
+    plain torch's EMA."""
+    base, ref = _wrapped_pair()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_ema = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    with offload.init(small_config()) as rt:
+        model = rt.wrap(base)
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        ema = {n: v.clone() for n, v in rt.full_state_dict(model).items() if n in ref_ema}
+        for s in range(3):
+            for m, o in ((model, opt), (ref, ref_opt)):
+                compute_loss(m, _ids(s), "tiny").backward()
+                o.step()
+                o.zero_grad()
+            now = rt.full_state_dict(model)
+            with torch.no_grad():
+                for n, p in ref.named_parameters():
+                    ref_ema[n].mul_(0.9).add_(p, alpha=0.1)
+                    ema[n].mul_(0.9).add_(now[n], alpha=0.1)
+    for n in ref_ema:
+        assert torch.allclose(ema[n], ref_ema[n], rtol=1e-5, atol=1e-7), n

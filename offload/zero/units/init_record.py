@@ -1,5 +1,6 @@
 """Writes a model's own code makes on its parameters while it is built inside `offload.init`, recorded so that
-materialize_unit can replay them on the real values (materialize.py, rule 5).
+materialize_unit can replay them on the real values (materialize.py, rule 5); and, once a model is wrapped, the
+writes and value reads on its placeholders that would do nothing, refused.
 
 Inside the block every parameter is a meta placeholder until its unit is materialized, so code that initializes
 parameters after the submodules exist (nanoGPT's `self.apply(self._init_weights)` and scaled `c_proj` init, a
@@ -17,6 +18,12 @@ plain nn.Parameter when its unit takes it, wrap._adopt), whose __torch_function_
   - anything else runs as on a meta tensor.
 Calls made from the reset_parameters() of the module holding the parameter are not recorded: materialize_unit
 runs that initializer itself (rule 2). Only while a capture records (the block open, not paused).
+
+Once its unit takes it (wrap._adopt: any model, built in the block or passed to rt.wrap) a placeholder is a
+`Sharded` parameter: metadata (shape, dtype, numel, requires_grad, .grad) reads as before, and what would silently
+do nothing is refused, naming the fix: an in-place write into it or a view of it (`p.data.copy_(x)`,
+torch.nn.init, `p.data = x`: model.load_state_dict), and a read of its values (`p.detach().clone()`, `.to()`,
+`.cpu()`, an in-place update of a real tensor from it, an EMA: rt.full_state_dict(model)).
 """
 from __future__ import annotations
 
@@ -52,16 +59,20 @@ state = _State()
 
 
 def _origin(t):
-    """(placeholder, view path) when `t` is a placeholder not sharded yet, or a view of one; else None."""
-    if isinstance(t, Placeholder):
-        found = (t, ())
-    elif isinstance(t, _View):
-        found = t.__dict__.get("_offload_view")
-    else:
-        return None
-    if found is None or "_offload_unit" in found[0].__dict__:
-        return None
-    return found
+    """(placeholder, view path) when `t` is a placeholder (sharded or not yet), or a view of one; else None."""
+    if isinstance(t, _Tracked) and isinstance(t, nn.Parameter):
+        return (t, ())
+    if isinstance(t, _View):
+        return t.__dict__.get("_offload_view")
+    return None
+
+
+def _sharded(p) -> bool:
+    return "_offload_unit" in p.__dict__
+
+
+_VALUE_READS = {"clone", "to", "cpu", "cuda", "item", "tolist", "numpy", "copy", "double", "float", "half",
+                "bfloat16"}  # calls that would copy a sharded placeholder's (missing) values out
 
 
 def _sub(values, target):
@@ -141,12 +152,23 @@ def _as_view(out, p, path, step):
     return out
 
 
+def _refuse_sharded(func, write: bool):
+    name = getattr(func, "__name__", func)
+    name = "assigning .data" if name == "__set__" else name
+    if write:
+        raise RuntimeError(f"offload: {name} writes into a parameter of a wrapped model, whose values live in the "
+                           "runtime's shards: it would change nothing. Load values with model.load_state_dict(...) "
+                           "(written into the shards), or set them before the model is wrapped")
+    raise RuntimeError(f"offload: {name} reads a parameter of a wrapped model, a placeholder without values (they "
+                       "live in the runtime's shards); take the values from rt.full_state_dict(model) or "
+                       "model.state_dict() (an EMA: update it from those after opt.step())")
+
+
 class _Tracked:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if state.depth or not state.recording or (getattr(func, "__name__", "") == "__get__"
-                                                  and getattr(func, "__self__", None) is not _DATA):
+        if state.depth or (getattr(func, "__name__", "") == "__get__" and getattr(func, "__self__", None) is not _DATA):
             with DisableTorchFunctionSubclass():  # (metadata reads, e.g. .shape, stay cheap)
                 return func(*args, **kwargs)
         target = _target(args, kwargs)
@@ -154,11 +176,25 @@ class _Tracked:
         write = _is_write(func)
         if origin is None:
             if write and isinstance(target, torch.Tensor) and not target.is_meta:
-                raise RuntimeError(
-                    f"offload: {getattr(func, '__name__', func)} reads a parameter of a model built inside offload.init "
-                    "before its first use, when it has no values yet (an EMA or other copy of the parameters made "
-                    "now would hold nothing); make the copy after the first forward (or rt.wrap(model)), from "
-                    "rt.full_state_dict(model)")
+                sources = [o for o in map(_origin, _tensors(args, kwargs)) if o is not None]
+                if any(_sharded(p) for p, _ in sources):
+                    _refuse_sharded(func, write=False)  # (an EMA updated from a wrapped model's placeholders)
+                if sources and state.recording:
+                    raise RuntimeError(
+                        f"offload: {getattr(func, '__name__', func)} reads a parameter of a model built inside "
+                        "offload.init before its first use, when it has no values yet (an EMA or other copy of the "
+                        "parameters made now would hold nothing); make the copy after the first forward (or "
+                        "rt.wrap(model)), from rt.full_state_dict(model)")
+            with DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        p, path = origin
+        if _sharded(p):
+            if write or getattr(func, "__name__", "") in _VALUE_READS:
+                _refuse_sharded(func, write)
+            with DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+            return _views_of(out, p, path, func, args, kwargs, target)  # (a write through a view is refused too)
+        if not state.recording:
             with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if write and getattr(func, "__name__", "") == "__set__":
@@ -173,15 +209,23 @@ class _Tracked:
         if write:
             record(func, args, kwargs)  # (after the call: one torch refuses is not recorded)
             return out
-        p, path = origin
-        step_args, step_kwargs = _sub(args, target), _sub(kwargs, target)
-        if isinstance(out, (tuple, list)):
-            return type(out)(_as_view(o, p, path, (func, step_args, step_kwargs, i)) for i, o in enumerate(out))
-        return _as_view(out, p, path, (func, step_args, step_kwargs, None))
+        return _views_of(out, p, path, func, args, kwargs, target)
+
+
+def _views_of(out, p, path, func, args, kwargs, target):
+    step_args, step_kwargs = _sub(args, target), _sub(kwargs, target)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_as_view(o, p, path, (func, step_args, step_kwargs, i)) for i, o in enumerate(out))
+    return _as_view(out, p, path, (func, step_args, step_kwargs, None))
 
 
 class Placeholder(_Tracked, nn.Parameter):
     """A parameter registered inside the block, not sharded yet: meta, its writes recorded (module docstring)."""
+
+
+class Sharded(_Tracked, nn.Parameter):
+    """A wrapped model's parameter (wrap._adopt): writes into it and reads of its values are refused, naming the
+    fix (module docstring)."""
 
 
 class _View(_Tracked, torch.Tensor):
@@ -191,7 +235,10 @@ class _View(_Tracked, torch.Tensor):
 def recording_init(name: str, original):
     """torch.nn.init.<name> while the block is open: one recorded call, whatever torch ops it is made of."""
     def init_fn(tensor, *args, **kwargs):
-        if state.depth or not state.recording or _origin(tensor) is None:
+        origin = None if state.depth else _origin(tensor)
+        if origin is not None and _sharded(origin[0]):
+            _refuse_sharded(original, write=True)
+        if origin is None or not state.recording:
             return original(tensor, *args, **kwargs)
         state.depth += 1
         try:

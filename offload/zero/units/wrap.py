@@ -14,7 +14,7 @@ from ..collectives import comm
 from . import hooks
 from .. import placement
 from .layout import FlatLayout
-from .init_record import Placeholder
+from .init_record import Sharded
 from .materialize import hf_inits, init_device, is_meta_model, lora_layers, materialize_unit
 from .shards import StateKind, UnitShards
 from .torch_patches import patch_model
@@ -153,8 +153,7 @@ def _adopt(rt, unit: ShardedUnit, spec, ordinal: dict) -> None:
         for attr in ("_offload_initial_value", "_offload_init_calls"):  # (materialize.py's, used by now)
             if attr in p.__dict__:
                 delattr(p, attr)
-        if type(p) is Placeholder:
-            p.__class__ = nn.Parameter  # its writes are replayed: a plain parameter from now on (init_record.py)
+        p.__class__ = Sharded  # writes into it and reads of its values are refused from now on (init_record.py)
         p._offload_unit = unit
         p._offload_slot = slot.index
         p._offload_rt = rt
