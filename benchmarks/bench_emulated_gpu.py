@@ -520,6 +520,10 @@ class EmulatedSpec:
     layers: int = 0
     hidden: int = 0
 
+    @property
+    def active_params(self) -> int:  # (a dense model: every parameter)
+        return self.params
+
 
 def runtime_room(s: EmuSettings, tiers: dict, cpu_budget: int) -> float:
     """Host bytes a rank keeps nvme-homed states resident in, by the runtime's own accounting (placement.py):

@@ -379,3 +379,131 @@ def test_plan_activations_auto_takes_the_host_then_the_drive(tmp_path, capsys):
     assert not by_place["params=device, optimizer=cpu"]["short"]
     longest = roomy["longest_seq"]["tokens"]
     assert longest["auto"] == max(longest["cpu"], longest["nvme"])
+
+
+# -- the count: every parameter, experts included (issue 45) ------------------------------------------------------
+
+# Mixtral-8x7B's config.json as published (mistralai/Mixtral-8x7B-v0.1)
+MIXTRAL_8X7B_CONFIG = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0",
+    "use_cache": True, "vocab_size": 32000}
+
+_SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=320, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+# small configs of each family the installed transformers has: biases, q/k norms, MoE layers among dense ones,
+# shared experts, latent attention, tied and untied heads
+_FAMILIES = [
+    ("LlamaConfig", _SMALL),
+    ("LlamaConfig", dict(_SMALL, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)),
+    ("Qwen2Config", _SMALL),
+    ("MistralConfig", dict(_SMALL, head_dim=32)),
+    ("Phi3Config", _SMALL),
+    ("Qwen3Config", dict(_SMALL, head_dim=24)),
+    ("GPT2Config", dict(n_embd=64, n_layer=3, n_head=4, vocab_size=320, n_positions=128, bos_token_id=1,
+                        eos_token_id=2)),
+    ("MixtralConfig", dict(_SMALL, num_local_experts=4, num_experts_per_tok=2)),
+    ("Qwen2MoeConfig", dict(_SMALL, **_MOE, num_experts=4, shared_expert_intermediate_size=48,
+                            decoder_sparse_step=2, mlp_only_layers=[3])),
+    ("Qwen3MoeConfig", dict(_SMALL, **_MOE, num_experts=4, head_dim=24, mlp_only_layers=[0])),
+    ("DeepseekV3Config", dict(_SMALL, **_MOE, n_routed_experts=4, n_shared_experts=2, first_k_dense_replace=1,
+                              q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                              n_group=1, topk_group=1)),
+    ("DeepseekV3Config", dict(_SMALL, **_MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=2,
+                              q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                              v_head_dim=16, n_group=1, topk_group=1, attention_bias=True)),
+    ("GptOssConfig", dict(_SMALL, num_local_experts=4, num_experts_per_tok=2, head_dim=16)),
+]
+
+
+def _meta_count(config) -> int:
+    """The model's own count: built on the meta device (no memory), as transformers builds it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config).num_parameters()
+
+
+def _saved_config(config, tmp_path):
+    """The config.json save_pretrained writes (only what differs from the defaults, as on the Hub)."""
+    config.save_pretrained(tmp_path)
+    return model_from(str(tmp_path))
+
+
+@pytest.mark.parametrize("family, kwargs", _FAMILIES, ids=[f"{f}-{i}" for i, (f, _) in enumerate(_FAMILIES)])
+def test_the_count_is_the_models_own(family, kwargs, tmp_path):
+    """offload plan counted the Llama shape: no experts (a tiny Mixtral was "0.00B", Mixtral-8x7B 7.24B), no
+    biases, no shared experts, no dense layers among MoE ones. Each family's config.json, as save_pretrained writes
+    it, now counts what the model's own num_parameters() says."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, family):
+        pytest.skip(f"this transformers has no {family}")
+    config = getattr(transformers, family)(**kwargs)
+    m = _saved_config(config, tmp_path)
+    assert m.params == _meta_count(config)
+    if m.experts:  # a token runs through num_experts_per_tok routed experts
+        assert m.active_params == m.params - m.moe_layers * (m.experts - m.experts_per_token) * m.expert_params
+        assert 0 < m.active_params < m.params
+
+
+def test_every_preset_counts_as_the_model_built_from_it():
+    transformers = pytest.importorskip("transformers")
+    from offload.plan.model_spec import MIXTRAL_8X7B
+
+    for name, m in PRESETS.items():
+        if m.experts:
+            config = transformers.MixtralConfig(**{k: v for k, v in MIXTRAL_8X7B.items() if k != "model_type"})
+        else:
+            config = transformers.LlamaConfig(vocab_size=m.vocab, hidden_size=m.hidden, intermediate_size=m.intermediate,
+                                              num_hidden_layers=m.layers, num_attention_heads=m.heads,
+                                              num_key_value_heads=m.kv_heads, tie_word_embeddings=m.tied)
+        assert m.params == _meta_count(config), name
+
+
+def test_mixtral_8x7b_is_46_7b_and_does_not_fit_where_it_cannot(tmp_path, capsys):
+    """The published config.json: 46.7B parameters (12.9B active), not 7.24B. On 8x 80 GiB with 256 GiB of host RAM
+    and 100 GiB of NVMe its 783 GiB of states hold nowhere (at 7.24B the plan said it fit on the devices alone); with
+    the drive unbounded the states go to nvme, never all on the device."""
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B_CONFIG))
+    m = model_from(str(tmp_path))
+    assert m.params == pytest.approx(46.7e9, abs=0.1e9) and m.active_params == pytest.approx(12.9e9, abs=0.1e9)
+    assert m.params == PRESETS["mixtral-8x7b"].params
+    base = ["plan", "--model", str(tmp_path), "--gpus", "8", "--gpu-mem", "80GiB", "--cpu-mem", "256GiB"]
+    assert main(base + ["--nvme-size", "100GiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{tmp_path.name}: 46.70B parameters, 12.88B active per token (2 of 8 experts in 32 of 32 "
+                          "layers)"), out
+    assert "does NOT fit" in out and "fits: placement" not in out, out
+    assert main(base + ["--json", str(tmp_path / "p.json")]) == 0
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert plan["model"]["params"] == m.params and plan["model"]["active_params"] == m.active_params
+    device_only = next(o for o in plan["options"] if o["placement"] == "params=device, optimizer=device")
+    assert device_only["short"]["device"] > 0  # 98 GiB of states a rank, 72 GiB usable
+    assert "optimizer=nvme" in plan["chosen"]["placement"]
+    assert sum(plan["chosen"]["tiers"]["device"].values()) <= 0.9 * 80 * 2**30
+    capsys.readouterr()
+
+
+def test_the_compute_counts_the_active_parameters():
+    """A forward is 2 x the active parameters' FLOPs per token: Mixtral runs 2 of its 8 experts."""
+    m = PRESETS["mixtral-8x7b"]
+    mc = Machine(gpus_per_node=1)
+    w = Workload(micro_batch=1, seq_len=1024, checkpointing=False)
+    p = predict(m, w, Placement("device", "device"), mc)
+    fwd = (2 * m.active_params + 4 * m.layers * m.hidden * 1024) * 1024
+    assert p["resources"]["compute"] == pytest.approx(3 * fwd / (mc.device_flops * mc.mfu))
+
+
+def test_a_tiny_moe_says_its_count(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(**dict(_SMALL, num_local_experts=4, num_experts_per_tok=2))
+    config.save_pretrained(tmp_path)
+    assert main(["plan", "--model", str(tmp_path), "--gpus", "1", "--gpu-mem", "8GiB", "--cpu-mem", "16GiB"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert f": {_meta_count(config):,} parameters, " in first and "0.00B" not in first, first

@@ -106,7 +106,7 @@ def plan_from_args(args: argparse.Namespace) -> dict:
     chosen = choose(options)
     # for the placement chosen (or, when none fits, the closest): how long a sequence fits, activations where
     closest = chosen or min(options, key=lambda o: sum(o["short"].values()))
-    return {"model": dataclasses.asdict(m) | {"params": m.params}, "workload": dataclasses.asdict(w),
+    return {"model": dataclasses.asdict(m) | {"params": m.params, "active_params": m.active_params}, "workload": dataclasses.asdict(w),
             "machine": dataclasses.asdict(mc), "capacity": dataclasses.asdict(cap), "options": options,
             "chosen": chosen, "advice": advice(m, w, mc, cap, chosen),
             "config": config_for(chosen, cap, mc.gpus_per_node) if chosen else None,
@@ -118,6 +118,19 @@ def _count_of(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
+def _params(n: int) -> str:
+    """46.70B, 12.3M, or the count itself: a tiny model is not "0.00B"."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
+def _experts(m: dict) -> str:
+    """", 12.88B active per token (2 of 8 experts in 32 of 32 layers)" for a MoE model; "" for a dense one."""
+    if not m.get("experts"):
+        return ""
+    return (f", {_params(m['active_params'])} active per token ({m['experts_per_token']} of {m['experts']} experts "
+            f"in {m['moe_layers']} of {m['layers']} layers)")
+
+
 def _gib(x: float) -> str:
     return format_bytes(int(x))
 
@@ -125,7 +138,7 @@ def _gib(x: float) -> str:
 def _print(plan: dict) -> None:
     m, w, mc = plan["model"], plan["workload"], plan["machine"]
     ranks = mc["gpus_per_node"] * mc["nodes"]
-    print(f"{m['name']}: {m['params'] / 1e9:.2f}B parameters; {_count_of(ranks, 'rank')} "
+    print(f"{m['name']}: {_params(m['params'])} parameters{_experts(m)}; {_count_of(ranks, 'rank')} "
           f"({_count_of(mc['nodes'], 'node')} x "
           f"{mc['gpus_per_node']}); micro-batch {w['micro_batch']} x seq {w['seq_len']}, accumulation "
           f"{w['grad_accum']}, activation checkpointing {'on' if w['checkpointing'] else 'off'}"

@@ -2,7 +2,8 @@
 and the machine's figures: pure arithmetic.
 
 Each resource's busy seconds per step (per rank; the disks and the CPU Adam are shared by a node's ranks):
-  compute       a forward is 2 N + 4 L h s FLOPs per token, a backward twice that, and activation
+  compute       a forward is 2 N + 4 L h s FLOPs per token (N: the active parameters, a MoE layer's routed
+                experts counted num_experts_per_tok times), a backward twice that, and activation
                 checkpointing adds one more forward; at the device's peak x its achieved fraction (mfu)
   pcie          each rank's shard of the parameters host -> device twice per micro-batch (forward and
                 backward) when params are off the device; gradient shards device -> host every micro-batch
@@ -169,7 +170,7 @@ def predict(m: ModelSpec, w: Workload, place: Placement, mc: Machine, sb: StateB
     r = mc.ranks
     shard = m.params / r  # parameters per rank
     tokens = w.micro_batch * w.seq_len  # per rank per micro-batch
-    fwd_flops = (2 * m.params + 4 * m.layers * m.hidden * w.seq_len) * tokens  # per micro-batch
+    fwd_flops = (2 * m.active_params + 4 * m.layers * m.hidden * w.seq_len) * tokens  # per micro-batch
     passes = 4 if w.checkpointing else 3  # forward, backward (2x), and the recomputed forward
     rate = mc.device_flops * mc.mfu
     compute = passes * fwd_flops / rate
