@@ -80,7 +80,7 @@ def test_default_run_shortened(tmp_path, capsys, monkeypatch):
 
     real = job.finetune
     # the CLI's own run (it imports job.finetune when called), with a look at the model before it closes
-    monkeypatch.setattr(job, "finetune", lambda cfg, progress=None: real(cfg, progress, on_trained=on_trained))
+    monkeypatch.setattr(job, "finetune", lambda cfg, progress=None, **kw: real(cfg, progress, on_trained=on_trained, **kw))
     out = tmp_path / "out"
     rc = main(["finetune", "--steps", "6", "--eval-blocks", "8", "--output", str(out),
                "--json", str(tmp_path / "r.json")])
@@ -723,3 +723,34 @@ def test_fp16_trains_through_the_loss_scaler_and_resumes_exactly(tmp_path, tiny_
     assert all(torch.isfinite(p).all() for p in saved.parameters())
     with pytest.raises(ValueError, match=r"--update-in-backward with --compute-dtype fp16"):
         finetune(FinetuneConfig(**common, update_in_backward=True, output=str(tmp_path / "c")))
+
+
+@pytest.mark.parametrize("built_in", [True, False], ids=["built-in", "model-dir"])
+def test_every_phase_before_the_first_step_says_what_it_does(tmp_path, capsys, text_file, tiny_model, built_in):
+    """Minutes of silence before the progress bar (the tokenizer's training, the weights' loading): each phase of
+    the set-up now says what it does, one line each on rank 0, in order, before the first step's bar."""
+    args = ["finetune", "--steps", "1", "--eval-blocks", "1", "--data", str(text_file), "--output",
+            str(tmp_path / "out")]
+    if not built_in:
+        args += ["--model", str(tiny_model), "--seq-len", "64"]
+    assert main(args) == 0
+    said = capsys.readouterr()
+    lines = [x[len("offload finetune: "):] for x in said.out.splitlines() if x.startswith("offload finetune: ")]
+    size = text_file.stat().st_size
+    expected = [f"reading {text_file} ("]
+    if built_in:
+        expected += [f"training a byte-level BPE tokenizer (vocabulary 8192) on 1 document, {size / 1e6:.1f}M "
+                     "characters", "tokenizing 1 document", "initializing the built-in Llama's "]
+    else:
+        expected += ["tokenizing 1 document", f"loading the weights from {tiny_model} ("]
+    expected += ["the held-out loss before training (1 block)",
+                 "step 1 traces the order the units are used in (the plan the prefetch follows)"]
+    at = 0  # (the first line names the model, the data and the output)
+    for needle in expected:
+        at = next((i for i in range(at + 1, len(lines)) if needle in lines[i]), None)
+        assert at is not None, (needle, lines)
+    assert len(lines) == len(expected) + 1, lines
+    if not built_in:
+        assert re.search(r"\(.* in 1 safetensors file\) and sharding them over 1 rank \(params \w+, optimizer \w+\)$",
+                         lines[-3]), lines
+    assert said.err.index("finetune:") >= 0 and "step/s" in said.err  # the step bar follows

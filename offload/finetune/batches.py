@@ -45,7 +45,26 @@ def start_tokens(tokenizer) -> list[int]:
     return [bos] if probe and probe[0] == bos else []
 
 
-def build_blocks(examples: list[Example], tokenizer, seq_len: int) -> TokenBlocks:
+def _encode(tokenizer, texts: list[str], bar) -> list[list[int]]:
+    """The texts' token ids, a batch of documents at a time (the same ids as one call) so the bar moves."""
+    out, step = [], max(64, len(texts) // 100)
+    for i in range(0, len(texts), step):
+        out.extend(tokenizer(texts[i:i + step], add_special_tokens=False)["input_ids"])
+        bar.update(len(texts[i:i + step]))
+    return out
+
+
+def build_blocks(examples: list[Example], tokenizer, seq_len: int, show_progress: bool = False) -> TokenBlocks:
+    """show_progress: a bar of the texts tokenized, where that takes more than a couple of seconds."""
+    from tqdm import tqdm
+
+    n_texts = sum(1 if e.response is None else 2 for e in examples)
+    with tqdm(total=n_texts, desc="tokenizing", unit="text", delay=2, disable=not show_progress,
+              dynamic_ncols=True) as bar:
+        return _build_blocks(examples, tokenizer, seq_len, bar)
+
+
+def _build_blocks(examples: list[Example], tokenizer, seq_len: int, bar) -> TokenBlocks:
     eos = tokenizer.eos_token_id
     bos = start_tokens(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -53,7 +72,7 @@ def build_blocks(examples: list[Example], tokenizer, seq_len: int) -> TokenBlock
     pairs = [e for e in examples if e.response is not None]
     rows_in, rows_lab = [], []
     if docs:
-        ids = tokenizer([e.text for e in docs], add_special_tokens=False)["input_ids"]
+        ids = _encode(tokenizer, [e.text for e in docs], bar)
         stream = torch.tensor([t for doc in ids for t in (*bos, *doc, eos)], dtype=torch.long)
         n = (stream.numel() - 1) // seq_len
         if n:
@@ -61,8 +80,8 @@ def build_blocks(examples: list[Example], tokenizer, seq_len: int) -> TokenBlock
             rows_in.append(stream[:n * seq_len].view(n, seq_len))
             rows_lab.append(stream[1:n * seq_len + 1].view(n, seq_len))
     if pairs:
-        prompts = tokenizer([e.text for e in pairs], add_special_tokens=False)["input_ids"]
-        responses = tokenizer([e.response for e in pairs], add_special_tokens=False)["input_ids"]
+        prompts = _encode(tokenizer, [e.text for e in pairs], bar)
+        responses = _encode(tokenizer, [e.response for e in pairs], bar)
         ins = torch.full((len(pairs), seq_len + 1), pad, dtype=torch.long)
         lab = torch.full((len(pairs), seq_len + 1), IGNORE, dtype=torch.long)
         for i, (p, r) in enumerate(zip(prompts, responses)):

@@ -54,6 +54,11 @@ def _progress_bar(enabled: bool, tokens_per_step: int):
     return update
 
 
+def _phase(text: str) -> None:
+    """One line before each phase of the set-up (job.finetune's `phase`), on rank 0."""
+    print(f"offload finetune: {text}", flush=True)
+
+
 class Terminated(KeyboardInterrupt):
     """SIGINT or SIGTERM, raised in the main thread as a KeyboardInterrupt: the same unwinding for both (the
     runtime's block closes, swap files and the run's temporary directory are removed)."""
@@ -112,7 +117,7 @@ def run_finetune(args: argparse.Namespace) -> int:
 
     previous = _stop_on_signals(pending)
     try:
-        r = finetune(cfg, progress=progress)
+        r = finetune(cfg, progress=progress, phase=_phase if rank0 else None)
     except InputError as exc:
         if debugging():
             raise

@@ -30,12 +30,24 @@ class DataError(InputError):
     """A data file that cannot be trained on; the message names the file and the fix."""
 
 
-def stdlib_corpus(max_chars: int = 6_000_000) -> list[Example]:
+STDLIB_CHARS = 6_000_000  # the default corpus: this many characters of the standard library's sources
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_corpus(max_chars: int = STDLIB_CHARS, show_progress: bool = False) -> list[Example]:
     """The standard library's .py files (tests and site-packages excluded), in sorted path order, until
-    `max_chars` characters: the same text on every machine with the same Python version."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    `max_chars` characters: the same text on every machine with the same Python version. show_progress: a bar
+    of the characters read, where reading takes more than a couple of seconds (a cold page cache)."""
+    from tqdm import tqdm
+
+    root = stdlib_root()
     skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
     out, total = [], 0
+    bar = tqdm(total=max_chars, desc="reading", unit="char", unit_scale=True, delay=2, disable=not show_progress,
+               dynamic_ncols=True)
     for path in sorted(root.rglob("*.py")):
         if skip.intersection(path.relative_to(root).parts):
             continue
@@ -46,8 +58,10 @@ def stdlib_corpus(max_chars: int = 6_000_000) -> list[Example]:
         if text.strip():
             out.append(Example(text))
             total += len(text)
+            bar.update(min(len(text), max(0, max_chars - bar.n)))
         if total >= max_chars:
             break
+    bar.close()
     if not out:
         raise DataError(f"no Python sources found under the standard library at {root}; pass --data FILE")
     return out

@@ -30,9 +30,10 @@ from .batches import IGNORE, Sampler, TokenBlocks, build_blocks, split_heldout
 from .hf_model_dir import HFModelDir, save_pretrained
 from ..integrations.lora import base_name, base_weights, merged_params, save_adapter
 from . import preflight
-from .corpus import DataError, read_data_file, stdlib_corpus
+from .corpus import STDLIB_CHARS, DataError, read_data_file, stdlib_corpus, stdlib_root
 from ..errors import InputError
 from .preflight import RUNTIME_FIELDS, as_flags
+from ..store.sizes import format_bytes
 from .tokenizer import load_tokenizer, train_bpe
 
 # The built-in model: a Llama of 25.8M parameters, small enough to train for a few hundred steps on 2 cores.
@@ -296,8 +297,34 @@ def _save(rt, model, cfg: FinetuneConfig, out: Path, tokenizer) -> Path:
     return out
 
 
-def _load_examples(cfg: FinetuneConfig):
-    return stdlib_corpus() if cfg.data is None else read_data_file(cfg.data)
+BPE_BARS_CHARS = 16_000_000  # the tokenizer's training draws its bars from this much text (tens of seconds)
+
+
+def _chars(n: int) -> str:
+    return f"{n / 1e6:.1f}M characters" if n >= 100_000 else f"{n:,} characters"
+
+
+def _say(phase, text: str) -> None:
+    if phase is not None:
+        phase(text)
+
+
+def _load_examples(cfg: FinetuneConfig, phase=None):
+    if cfg.data is None:
+        _say(phase, f"reading the Python standard library's sources under {stdlib_root()} (the first "
+                    f"{_chars(STDLIB_CHARS)})")
+        return stdlib_corpus(show_progress=phase is not None)
+    size = Path(cfg.data).stat().st_size if Path(cfg.data).is_file() else 0
+    _say(phase, f"reading {cfg.data} ({format_bytes(size)})")
+    return read_data_file(cfg.data)
+
+
+def _count_of(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _files_size(directory: Path, files) -> str:
+    return format_bytes(sum((Path(directory) / f).stat().st_size for f in files))
 
 
 def _loss_sum(model, batch: TokenBlocks, device) -> torch.Tensor:
@@ -390,18 +417,22 @@ class _Inputs:
     trained_params: int  # n_params in a full fine-tune; the adapters' with --lora-r (the rest has no states)
 
 
-def _inputs(cfg: FinetuneConfig) -> _Inputs:
-    """The model directory, tokenizer, config and token blocks, each checked (InputError otherwise)."""
+def _inputs(cfg: FinetuneConfig, phase=None) -> _Inputs:
+    """The model directory, tokenizer, config and token blocks, each checked (InputError otherwise). phase: told
+    what each step does before it starts (with bars where one takes more than a few seconds)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     model_dir = HFModelDir(cfg.model) if cfg.model is not None else None
-    examples = _load_examples(cfg)
+    examples = _load_examples(cfg, phase)
+    chars = sum(len(e.text) + len(e.response or "") for e in examples)
     if cfg.tokenizer is not None:
         tokenizer = load_tokenizer(cfg.tokenizer, "--tokenizer")
     elif model_dir is not None:
         tokenizer = load_tokenizer(model_dir.path, "--model")
     else:
-        tokenizer = train_bpe(examples, cfg.vocab_size)
+        _say(phase, f"training a byte-level BPE tokenizer (vocabulary {cfg.vocab_size}) on "
+                    f"{_count_of(len(examples), 'document')}, {_chars(chars)}" + (": its bars follow" if chars >= BPE_BARS_CHARS else ""))
+        tokenizer = train_bpe(examples, cfg.vocab_size, show_progress=phase is not None and chars >= BPE_BARS_CHARS)
     if model_dir is not None:
         hf_config = model_dir.config()
     else:
@@ -415,7 +446,8 @@ def _inputs(cfg: FinetuneConfig) -> _Inputs:
     if len(tokenizer) > hf_config.vocab_size:
         raise InputError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                          f"{hf_config.vocab_size}; use the tokenizer the model was trained with")
-    blocks = build_blocks(examples, tokenizer, cfg.seq_len)
+    _say(phase, f"tokenizing {_count_of(len(examples), 'document')}, {_chars(chars)}, into blocks of {cfg.seq_len} tokens")
+    blocks = build_blocks(examples, tokenizer, cfg.seq_len, show_progress=phase is not None)
     if len(blocks) < cfg.eval_blocks + 1:
         raise DataError(f"--data {cfg.data or '(stdlib)'}: {len(blocks)} blocks of --seq-len {cfg.seq_len} tokens, "
                         f"too few to hold out --eval-blocks {cfg.eval_blocks} and train on the rest; give more "
@@ -432,12 +464,15 @@ def _inputs(cfg: FinetuneConfig) -> _Inputs:
     return _Inputs(model_dir, tokenizer, hf_config, train, heldout, n_params, n_tensors, ignored, trained)
 
 
-def finetune(cfg: FinetuneConfig, progress=None, on_trained=None) -> FinetuneResult:
+def finetune(cfg: FinetuneConfig, progress=None, on_trained=None, phase=None) -> FinetuneResult:
     """Run the fine-tune (module docstring). `progress(step, total, loss, stats)` is called after each step
     (the CLI draws its progress bar with it); `on_trained(rt, model)` once training ends, while the runtime
-    is still open (to inspect or evaluate the model before it is saved and the runtime closes)."""
+    is still open (to inspect or evaluate the model before it is saved and the runtime closes); `phase(text)`
+    before each phase of the set-up with one line saying what it does (reading the data, training the tokenizer,
+    tokenizing, loading and sharding the weights, the first step's tracing), and with it tqdm bars on stderr
+    where a phase takes more than a few seconds (the CLI passes it on rank 0)."""
     with contextlib.ExitStack() as held:  # this run's directories and locks, released last
-        return _finetune(cfg, held, progress, on_trained)
+        return _finetune(cfg, held, progress, on_trained, phase)
 
 
 @contextlib.contextmanager
@@ -453,7 +488,24 @@ def _batch_fits(cfg: FinetuneConfig):
                          "the batch), add --grad-checkpointing, or lower --seq-len") from None
 
 
-def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trained) -> FinetuneResult:
+def _counted(weights, total: int, show: bool):
+    """rt.wrap's `weights`, moving a bar of the parameters read (shown after a couple of seconds)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="loading", unit="param", unit_scale=True, delay=2, disable=not show,
+               dynamic_ncols=True)
+
+    def read(name, meta):
+        value = weights(name, meta)
+        bar.update(meta.numel())
+        if bar.n >= total:
+            bar.close()
+        return value
+
+    return read, bar
+
+
+def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trained, phase=None) -> FinetuneResult:
     import offload
     from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
@@ -463,7 +515,7 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rcfg = runtime_config(cfg, preflight.own_swap_dir(held))
     preflight.check_budgets(rcfg, world)
-    inputs = _inputs(cfg)
+    inputs = _inputs(cfg, phase)
     model_dir, tokenizer, train, heldout = inputs.model_dir, inputs.tokenizer, inputs.train, inputs.heldout
     n_params = inputs.n_params
     budget_setting = (f"--nvme-budget {cfg.nvme_budget}" if cfg.nvme_budget is not None
@@ -475,11 +527,20 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
             model = AutoModelForCausalLM.from_config(inputs.hf_config)  # meta placeholders: nothing allocated yet
             if cfg.lora_r:  # on the placeholders, so the adapters are units of their own when the model shards
                 model = _with_lora(model, cfg)
+            where = f"{_count_of(rt.world_size, 'rank')} (params {rcfg.params}, optimizer {rcfg.optimizer})"
             if model_dir is not None:
-                rt.wrap(model, weights=base_weights(model_dir, model) if cfg.lora_r else model_dir.weights(model))
+                files = sorted({f for f, _ in model_dir.entries.values()})
+                _say(phase, f"loading the weights from {model_dir.path} ({_files_size(model_dir.path, files)} in "
+                            f"{_count_of(len(files), 'safetensors file')}) and sharding them over {where}")
+                weights = base_weights(model_dir, model) if cfg.lora_r else model_dir.weights(model)
+                weights, bar = _counted(weights, n_params, phase is not None)
+                rt.wrap(model, weights=weights)
+                bar.close()
                 model_dir.load_buffers(model, rename=base_name if cfg.lora_r else None)
                 model_dir.adopt_generation_config(model)  # written out with the model, as the input had it
             else:
+                _say(phase, f"initializing the built-in Llama's {n_params / 1e6:.1f}M parameters (random, seed "
+                            f"{cfg.seed}) and sharding them over {where}")
                 rt.wrap(model)
             if cfg.grad_checkpointing:
                 kwargs = {"use_reentrant": False}
@@ -516,8 +577,12 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
             ckpt_dir = Path(cfg.checkpoint_dir or Path(cfg.output) / "checkpoints")
             load_s = time.perf_counter() - t_load
             model.train()
+            _say(phase, f"the held-out loss before training ({_count_of(len(heldout), 'block')})")
             with _batch_fits(cfg):
                 eval_before = evaluate(rt, model, heldout, cfg.micro_batch)
+            if start < steps:
+                _say(phase, f"step {start + 1} traces the order the units are used in (the plan the prefetch "
+                            f"follows) and makes the optimizer states: slower than the steps after it")
             losses, step_s, checkpoints = [], [], []
             split: dict[str, float] = {}
             for step in range(start, steps):

@@ -12,17 +12,19 @@ from ..errors import InputError
 END_OF_TEXT = "<|endoftext|>"  # separates packed documents; also the padding token (padding has no loss)
 
 
-def train_bpe(examples: list[Example], vocab_size: int):
-    """A byte-level BPE (GPT-2 style: every byte is a token, so any text encodes) trained on `examples`."""
+def train_bpe(examples: list[Example], vocab_size: int, show_progress: bool = False):
+    """A byte-level BPE (GPT-2 style: every byte is a token, so any text encodes) trained on `examples`.
+    show_progress: the `tokenizers` library's own bars (reading, counting pairs, merging) on stderr."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=show_progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator((t for e in examples for t in (e.text, e.response) if t), trainer)
+    texts = [t for e in examples for t in (e.text, e.response) if t]
+    tok.train_from_iterator(texts, trainer, length=len(texts))
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=END_OF_TEXT, eos_token=END_OF_TEXT,
                                    pad_token=END_OF_TEXT, unk_token=None)
 
