@@ -211,11 +211,12 @@ def _refuse_foreign_optimizer(optimizer, args, kwargs) -> None:
     for g in optimizer.param_groups:
         for p in g["params"]:
             if _runtime_of(p) is not None:
+                kind = f"{type(optimizer).__name__} ({type(optimizer).__module__})"
                 raise RuntimeError(
-                    f"offload: the optimizer {type(optimizer).__name__} ({type(optimizer).__module__}) over a wrapped model's "
-                    "parameters would step nothing: their gradients live in the runtime's shards (.grad stays "
-                    "None). Use offload's optimizers, which step the shards: offload.AdamW(model.parameters(), ...) "
-                    "(or offload.AdamW8bit, offload.Lion), and rt.clip_grad_norm_ for clipping")
+                    f"offload: the optimizer {kind} over a wrapped model's parameters would step nothing: their "
+                    "gradients live in the runtime's shards (.grad stays None). Use offload's optimizers, which step "
+                    "the shards: offload.AdamW(model.parameters(), ...) (or offload.AdamW8bit, offload.Lion), and "
+                    "rt.clip_grad_norm_ for clipping")
     _CHECKED[optimizer] = sizes
 
 
