@@ -67,6 +67,7 @@ from .schedule import Schedule
 from .units.shards import StateKind
 from .units.state import UnitState
 from .units.torch_patches import ForeignCodeGuards, placed_apply, route_compiled_zero_grad
+from .ddp_guard import DDPGuard
 from .state_store import UnitStateStore, prepare_swap_dir
 from .update.step import UpdatePath
 from .step_stats import StepStats
@@ -230,6 +231,7 @@ class Runtime:
         self._auto_wrap_hook = nn.modules.module.register_module_forward_pre_hook(self._auto_wrap)
         self._hooks.append(self._auto_wrap_hook)
         self._hooks.append(ForeignCodeGuards())  # torch's clip and optimizers over wrapped parameters (torch_patches)
+        self._hooks.append(DDPGuard())  # DistributedDataParallel over a wrapped model, refused (ddp_guard.py)
         if "transformers" in sys.modules:  # from_pretrained in the block streams into the store (not imported else)
             importlib.import_module("offload.integrations.hf_loading")
         self.is_open = True
