@@ -4,6 +4,7 @@ tensors"). Now refused at once, in one line naming the recipe that works (the mo
 recipe itself is in docs/zero-runtime.md. A 1-rank gloo group: DDP's own checks run as on more ranks."""
 import os
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.nn as nn
 import offload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import TinyTransformer, small_config  # noqa: E402
+from zero_common import TinyTransformer, run_torchrun, small_config  # noqa: E402
 
 DDP = torch.nn.parallel.DistributedDataParallel
 
@@ -47,3 +48,54 @@ def test_ddp_over_a_wrapped_model_is_refused_naming_the_recipe(one_rank_group):
         assert DDP(plain).module is plain  # other modules: DDP as before
     assert DDP.__init__ is original  # put back when the runtime closed
 
+
+
+def test_the_documented_accelerate_loop_on_two_ranks_is_ddps(tmp_path):
+    """docs/zero-runtime.md's custom Accelerate loop on 2 processes: `prepare(model)` refused at once; the model left
+    out of prepare (the optimizer and the data prepared, accelerator.backward, accelerator.clip_grad_norm_) trains
+    to plain DDP's weights with torch's AdamW and clip."""
+    pytest.importorskip("accelerate")
+    code = textwrap.dedent("""
+        import copy
+        import torch, torch.nn as nn, torch.nn.functional as F
+        from torch.utils.data import DataLoader, TensorDataset
+        from accelerate import Accelerator
+        import offload
+
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64))
+        ref = copy.deepcopy(base)
+        data = TensorDataset(torch.randint(0, 64, (32, 8)))
+
+        def loss_of(m, ids):
+            return F.cross_entropy(m(ids).reshape(-1, 64), ids.reshape(-1))
+
+        accelerator = Accelerator(cpu=True)
+        assert accelerator.num_processes == 2
+        ddp = torch.nn.parallel.DistributedDataParallel(ref)  # the reference: plain DDP
+        ref_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.0)
+        for (ids,) in accelerator.prepare(DataLoader(data, batch_size=4)):
+            loss_of(ddp, ids).backward()
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5)
+            ref_opt.step(); ref_opt.zero_grad()
+        with offload.init(offload.Config(params="cpu", optimizer="cpu", compute_dtype="fp32",
+                                         cpu_budget="256MiB")) as rt:
+            model = rt.wrap(base)
+            try:
+                accelerator.prepare(model)
+                raise SystemExit("accelerator.prepare(model) was not refused")
+            except RuntimeError as exc:
+                assert "DistributedDataParallel over a wrapped model is refused" in str(exc), exc
+            opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+            opt, loader = accelerator.prepare(opt, DataLoader(data, batch_size=4))
+            for (ids,) in loader:
+                accelerator.backward(loss_of(model, ids))
+                accelerator.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step(); opt.zero_grad()
+            got = rt.full_state_dict(model)
+        worst = max((got[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+        print(f"WORST {accelerator.process_index} {worst:.3e}", flush=True)
+        assert worst < 1e-5, worst
+    """)
+    out = run_torchrun(code, tmp_path)
+    assert sorted(x.split()[1] for x in out.stdout.splitlines() if x.startswith("WORST ")) == ["0", "1"], out.stdout
