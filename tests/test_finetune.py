@@ -80,7 +80,8 @@ def test_default_run_shortened(tmp_path, capsys, monkeypatch):
 
     real = job.finetune
     # the CLI's own run (it imports job.finetune when called), with a look at the model before it closes
-    monkeypatch.setattr(job, "finetune", lambda cfg, progress=None, **kw: real(cfg, progress, on_trained=on_trained, **kw))
+    monkeypatch.setattr(job, "finetune",
+                        lambda cfg, progress=None, **kw: real(cfg, progress, on_trained=on_trained, **kw))
     out = tmp_path / "out"
     rc = main(["finetune", "--steps", "6", "--eval-blocks", "8", "--output", str(out),
                "--json", str(tmp_path / "r.json")])

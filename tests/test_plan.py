@@ -460,9 +460,10 @@ def test_every_preset_counts_as_the_model_built_from_it():
         if m.experts:
             config = transformers.MixtralConfig(**{k: v for k, v in MIXTRAL_8X7B.items() if k != "model_type"})
         else:
-            config = transformers.LlamaConfig(vocab_size=m.vocab, hidden_size=m.hidden, intermediate_size=m.intermediate,
-                                              num_hidden_layers=m.layers, num_attention_heads=m.heads,
-                                              num_key_value_heads=m.kv_heads, tie_word_embeddings=m.tied)
+            config = transformers.LlamaConfig(vocab_size=m.vocab, hidden_size=m.hidden,
+                                              intermediate_size=m.intermediate, num_hidden_layers=m.layers,
+                                              num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
+                                              tie_word_embeddings=m.tied)
         assert m.params == _meta_count(config), name
 
 

@@ -446,7 +446,8 @@ def _inputs(cfg: FinetuneConfig, phase=None) -> _Inputs:
     if len(tokenizer) > hf_config.vocab_size:
         raise InputError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                          f"{hf_config.vocab_size}; use the tokenizer the model was trained with")
-    _say(phase, f"tokenizing {_count_of(len(examples), 'document')}, {_chars(chars)}, into blocks of {cfg.seq_len} tokens")
+    _say(phase, f"tokenizing {_count_of(len(examples), 'document')}, {_chars(chars)}, into blocks of "
+                f"{cfg.seq_len} tokens")
     blocks = build_blocks(examples, tokenizer, cfg.seq_len, show_progress=phase is not None)
     if len(blocks) < cfg.eval_blocks + 1:
         raise DataError(f"--data {cfg.data or '(stdlib)'}: {len(blocks)} blocks of --seq-len {cfg.seq_len} tokens, "

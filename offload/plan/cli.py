@@ -106,7 +106,8 @@ def plan_from_args(args: argparse.Namespace) -> dict:
     chosen = choose(options)
     # for the placement chosen (or, when none fits, the closest): how long a sequence fits, activations where
     closest = chosen or min(options, key=lambda o: sum(o["short"].values()))
-    return {"model": dataclasses.asdict(m) | {"params": m.params, "active_params": m.active_params}, "workload": dataclasses.asdict(w),
+    model = dataclasses.asdict(m) | {"params": m.params, "active_params": m.active_params}
+    return {"model": model, "workload": dataclasses.asdict(w),
             "machine": dataclasses.asdict(mc), "capacity": dataclasses.asdict(cap), "options": options,
             "chosen": chosen, "advice": advice(m, w, mc, cap, chosen),
             "config": config_for(chosen, cap, mc.gpus_per_node) if chosen else None,
