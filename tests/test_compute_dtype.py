@@ -23,7 +23,8 @@ def _cpu_flags() -> set:
     return set(line.split(":", 1)[-1].split())
 
 
-HAS_BF16 = bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+# bf16 instructions, and oneDNN not capped below them (ONEDNN_MAX_CPU_ISA=AVX2 emulates a CPU without them)
+HAS_BF16 = bool({"avx512_bf16", "amx_bf16"} & _cpu_flags()) and "ONEDNN_MAX_CPU_ISA" not in os.environ
 
 _REPORT = """
 import json, warnings, torch, offload
