@@ -203,7 +203,7 @@ def add_finetune_parser(sub) -> None:
     p.add_argument("--output", default=d.output, help="where the fine-tuned model is written (safetensors); held "
                                                       "by this run alone while it lives")
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=int, help="optimizer steps (default 150, or what --epochs gives)")
+    length.add_argument("--steps", type=int, help="optimizer steps (default 100, or what --epochs gives)")
     length.add_argument("--epochs", type=float, help="passes over the training data (default: --steps)")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per training sequence")
     p.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per forward, per rank")

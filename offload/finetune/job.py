@@ -40,6 +40,10 @@ from .tokenizer import load_tokenizer, train_bpe
 BUILTIN_LLAMA = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
                      num_key_value_heads=4, tie_word_embeddings=False)
 BUILTIN_VOCAB = 8192
+# Steps of the default run: within 3 minutes on a 2-core AVX2-only CPU, where "auto" computes in fp32 at about 1.3 s
+# a step (benchmarks/RESULTS.md, "The first run on any machine"; 150 steps took 3:38 there, 2:21 with bf16 on
+# AVX512_BF16). The loss still falls by about 3 nats.
+DEFAULT_STEPS = 100
 
 
 @dataclasses.dataclass
@@ -50,7 +54,7 @@ class FinetuneConfig:
     tokenizer: str | None = None  # tokenizer directory; None: the model's own (or, built-in: a BPE trained here)
     data: str | None = None  # plain text or JSONL file; None: the Python standard library's sources
     output: str = "offload-finetune"  # the fine-tuned model goes here (Hugging Face safetensors + config + tokenizer)
-    steps: int | None = None  # optimizer steps; None: `epochs` if given, else 150
+    steps: int | None = None  # optimizer steps; None: `epochs` if given, else DEFAULT_STEPS (100)
     epochs: float | None = None
     seq_len: int = 256
     micro_batch: int = 4  # sequences per forward, per rank
@@ -553,7 +557,7 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
             trained = [p for p in model.parameters() if p.requires_grad]
             opt = getattr(offload, OPTIMIZERS[cfg.optim])(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
             sampler = Sampler(len(train), cfg.micro_batch, cfg.grad_accum, rt.world_size, cfg.seed)
-            steps = cfg.steps or (math.ceil(cfg.epochs * len(train) / sampler.global_batch) if cfg.epochs else 150)
+            steps = cfg.steps or (math.ceil(cfg.epochs * len(train) / sampler.global_batch) if cfg.epochs else DEFAULT_STEPS)
             warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, steps // 20)
             ds_training = rcfg.deepspeed_training or {}
             if "scheduler" in ds_training:  # the --config DeepSpeed JSON's schedule, its "auto" steps filled
