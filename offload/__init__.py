@@ -12,6 +12,7 @@ _LAZY = {
     "Runtime": ("offload.zero.runtime", "Runtime"),
     "CollectiveError": ("offload.zero.collectives.watchdog", "CollectiveError"),
     "CheckpointError": ("offload.checkpoint.files", "CheckpointError"),
+    "NotOnEveryRank": ("offload.zero.collectives.agree", "NotOnEveryRank"),
     "UpdateFailed": ("offload.zero.update.optimizer_pipeline", "UpdateFailed"),
 }
 

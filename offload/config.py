@@ -98,6 +98,10 @@ class Config:
       (None: cpu_budget / 64, between 1MiB and 64MiB).
     collective_timeout: how long a rank waits in one collective before it stops with an error naming the
       collective, the unit, and which rank is behind and where (the watchdog, offload/zero/collectives/watchdog.py).
+    agreement_timeout: how long a collective entry point called outside the training loop (model.state_dict(),
+      rt.full_state_dict(), an export, opt.full_state_dict(), rt.save_checkpoint / load_checkpoint) waits for
+      every rank to call it before it raises, naming the ranks that did not (offload/zero/collectives/agree.py):
+      a call on rank 0 alone is refused in this time instead of hanging for collective_timeout.
     swap_checksums: an XXH3-64 hash of every swap slot written, checked when it is read back (a corrupt drive
       raises SwapCorruptError instead of training on wrong numbers; costs one hash pass over the nvme traffic).
     log_every: log one line of step telemetry (logger "offload") every this many optimizer steps (0: never).
@@ -155,6 +159,7 @@ class Config:
     chunk_size: str | int | None = None
     log_every: int = 0
     collective_timeout: str | int | float = "10min"
+    agreement_timeout: str | int | float = "30s"
     swap_checksums: bool = True
     machine: str | None = None
     update_in_backward: bool = False
@@ -233,6 +238,7 @@ class Config:
                              "fp32 elements); give at least '8KiB' ('1MiB' or more for a real run), or None for the "
                              "default")
         parse_duration(self.collective_timeout, "collective_timeout")
+        parse_duration(self.agreement_timeout, "agreement_timeout")
         if not isinstance(self.log_every, int) or self.log_every < 0:
             raise ValueError(f"offload.Config.log_every: expected an int >= 0, got {self.log_every!r}")
 

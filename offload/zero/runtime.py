@@ -72,6 +72,7 @@ from .state_store import UnitStateStore, prepare_swap_dir
 from .update.step import UpdatePath
 from .step_stats import StepStats
 from .units.unit import ShardedUnit
+from .collectives.agree import Agreement
 from .collectives.watchdog import Watchdog
 from .units.wrap import refuse_unmanaged, shard_model
 
@@ -131,6 +132,7 @@ class Runtime:
         self.optimizers: list = []  # weak references to the sharded optimizers over this runtime, in creation order
         self.last_checkpoint_seconds: float | None = None
         self.watchdog: Watchdog | None = None
+        self.agreement: Agreement | None = None  # the collective entry points' meeting (collectives/agree.py)
         self.activations: ActivationOffloader | None = None  # Config.activations != "none"
         self.backward_updates = BackwardUpdates(
             config.update_in_backward, self._queue_backward_update, self.live_optimizers,
@@ -311,6 +313,9 @@ class Runtime:
                                "the CPU: initialize it with torch.distributed.init_process_group('gloo')")
         # a group the user created keeps its own timeout; the lanes' groups take collective_timeout
         self.watchdog = Watchdog(dist.get_rank(), dist.get_world_size(), timeout)
+        self.agreement = Agreement(dist.get_rank(), dist.get_world_size(),
+                                   parse_duration(self.config.agreement_timeout, "agreement_timeout"),
+                                   self.watchdog._store, self.watchdog)
         return comm.Group(dist.get_rank(), dist.get_world_size(), watchdog=self.watchdog, device=self.device)
 
     def _budget(self, field: str, ranks_sharing: int) -> int:
@@ -337,6 +342,12 @@ class Runtime:
         if not self.is_open:
             raise RuntimeError(f"offload: {what} needs an open offload.init block (this runtime has "
                                f"{'exited' if self.closed else 'not been entered'})")
+
+    def every_rank_calls(self, what: str) -> None:
+        """At a collective entry point (state dicts, exports, checkpoints): return once every rank called it,
+        or raise NotOnEveryRank within Config.agreement_timeout naming the ranks that did not (agree.py)."""
+        if self.agreement is not None:
+            self.agreement.meet(what)
 
     def quiesce(self) -> None:
         """Wait until no background work is queued and every write-behind has landed (before reading or
@@ -705,6 +716,7 @@ class Runtime:
         `add_files(dir)` puts auxiliary files (config.json, a tokenizer) in it. Collective: every rank calls it,
         between steps."""
         self._check_open("rt.save_checkpoint")
+        self.every_rank_calls("rt.save_checkpoint()")
         self.backward_updates.check_quiet("rt.save_checkpoint")
         from .checkpoint import save_checkpoint
 
@@ -716,6 +728,7 @@ class Runtime:
         model, the optimizer(s) and `lr_scheduler` exist; returns the saved `extra`. Verifies checksums and
         shapes before writing anything; loads from another world size or placement. Collective."""
         self._check_open("rt.load_checkpoint")
+        self.every_rank_calls("rt.load_checkpoint()")
         self.materialize_pending()
         from .checkpoint import load_checkpoint
 
@@ -727,7 +740,11 @@ class Runtime:
         """(qualified name, fp32 host tensor) for every parameter of `model` (default: every wrapped model),
         unit by unit: saving a large model holds one unit at a time. trainable_only: the units that train (LoRA's
         adapters, without gathering the frozen base). Collective: call on every rank."""
-        self._check_open("rt.iter_full_params")
+        return self._full_params(model, trainable_only, "rt.iter_full_params()")
+
+    def _full_params(self, model: nn.Module | None, trainable_only: bool, what: str):
+        self._check_open(what)
+        self.every_rank_calls(what)  # before anything collective (materializing may broadcast)
         self.materialize_pending()  # a model built in the block and not used yet: its parameters are meta so far
         self.backward_updates.check_quiet("rt.full_state_dict")  # values of a step that may yet clip are not the model's
         self.quiesce()  # every queued update is in the values read below
@@ -757,7 +774,7 @@ class Runtime:
         from .units.state_dict import persistent_buffers
 
         self._check_open("rt.full_state_dict")
-        out = dict(self.iter_full_params(model))
+        out = dict(self._full_params(model, False, "rt.full_state_dict()"))
         for m in [model] if model is not None else self.models:
             for name, buf in persistent_buffers(m):
                 out[name] = buf.detach().to("cpu").clone()

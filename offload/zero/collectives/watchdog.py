@@ -15,6 +15,7 @@ On NCCL the collectives are asynchronous: the group's timeout applies, and NCCL'
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -70,6 +71,18 @@ class Watchdog:
                 while self.broken is None:  # another thread is describing the same failure
                     time.sleep(0.05)
             raise CollectiveError(self.broken) from exc
+        finally:
+            with self._lock:
+                self.waiting.pop(tid, None)
+
+    @contextlib.contextmanager
+    def noted(self, group: str, collective: str, what: str):
+        """A wait that is not a collective (agree.py's meeting) shown in this rank's published position."""
+        tid = threading.get_ident()
+        with self._lock:
+            self.waiting[tid] = (group, collective, what, 0, time.time())
+        try:
+            yield
         finally:
             with self._lock:
                 self.waiting.pop(tid, None)

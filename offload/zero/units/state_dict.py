@@ -8,7 +8,8 @@ _load_from_state_dict and load hooks) with assign=True over the placeholders, wh
 in its module's place; then each touched unit's full fp32 value is gathered, overwritten with those, and this
 rank's shard written back to the master and the compute-dtype param shard (a gathered persistent unit
 re-gathers before its next use). Optimizer moments are untouched. Both are collectives (every rank calls
-them, with the same keys), and both gather whole units: a submodule's state dict costs its units' gathers.
+them, with the same keys), and both gather whole units: a submodule's state dict costs its units' gathers. A
+call on some ranks only is refused within Config.agreement_timeout (rt.every_rank_calls, collectives/agree.py).
 """
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ def wrapped_state_dict(module: nn.Module, *args, destination=None, prefix: str =
         return nn.Module.state_dict(module, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
     rt = module._offload_runtime_ref
     rt._check_open(f"{type(module).__name__}.state_dict() on a wrapped model")
+    rt.every_rank_calls(f"{type(module).__name__}.state_dict()")  # collective: refused on one rank, not hung
     rt.backward_updates.check_quiet("model.state_dict")  # values of a step that may yet clip are not the model's
     rt.quiesce()  # every queued update is in the values read below
     raw = _placeholder_state(module)
@@ -104,6 +106,7 @@ def wrapped_load_state_dict(module: nn.Module, state_dict, strict: bool = True, 
     del assign  # the runtime owns parameter storage: values are always copied into its shards
     rt = module._offload_runtime_ref
     rt._check_open(f"{type(module).__name__}.load_state_dict() on a wrapped model")
+    rt.every_rank_calls(f"{type(module).__name__}.load_state_dict()")
     rt.backward_updates.check_quiet("model.load_state_dict")  # a speculated update would shadow what is loaded
     rt.quiesce()  # nothing may be updating the shards written below
     names = {id(m): n for n, m in module.named_modules()}

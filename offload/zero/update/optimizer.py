@@ -230,6 +230,7 @@ class ShardedOptimizer:
         it: per parameter its step and each logical state (AdamW: exp_avg, exp_avg_sq, fp32) in the parameter's
         shape. Collective: every rank calls it and gets the whole. `torch.optim.AdamW(params).load_state_dict(
         opt.full_state_dict())` goes on from this run; load_state_dict here takes it back (or torch's own)."""
+        self.rt.every_rank_calls(f"{self.display}.full_state_dict()")  # collective: refused on one rank, not hung
         sd = self.state_dict()  # this rank's pieces (quiesced)
         names = [v.name for v in self.schema.logical]
         params = [p for g in self.param_groups for p in g["params"]]

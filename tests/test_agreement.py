@@ -1,0 +1,69 @@
+"""A collective entry point called on some ranks only (model.state_dict(), rt.full_state_dict(),
+opt.full_state_dict() under `if rank == 0`) is refused on the calling rank within Config.agreement_timeout,
+naming the fix, instead of hanging for collective_timeout; the other rank, in its next collective meanwhile,
+goes on, and the runtime stays usable on both (offload/zero/collectives/agree.py)."""
+import json
+import textwrap
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_a_state_dict_on_rank_0_alone_is_refused_promptly_and_the_run_goes_on(tmp_path):
+    from zero_common import run_torchrun
+
+    code = textwrap.dedent(f"""
+        import json, os, sys, time
+        import torch
+        import torch.nn.functional as F
+        sys.path.insert(0, {str(TESTS)!r})
+        import offload
+        from zero_common import SEQ, VOCAB, TinyTransformer, small_config
+
+        def step(model, opt, s):
+            ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(s))
+            F.cross_entropy(model(ids).float().reshape(-1, VOCAB), ids.reshape(-1)).backward()
+            opt.step(); opt.zero_grad()
+
+        torch.set_num_threads(1)
+        out = {{}}
+        # collective_timeout 60 s: without the meeting, rank 0's gather waits that long for rank 1
+        with offload.init(small_config(agreement_timeout="4s", collective_timeout="60s")) as rt:
+            model = TinyTransformer()
+            opt = offload.AdamW(model.parameters(), lr=1e-2)
+            step(model, opt, 0)
+            if rt.rank == 0:  # rank 1 goes straight on to its next step's gathers (collectives)
+                for name, call in (("full", lambda: rt.full_state_dict(model)), ("model", model.state_dict),
+                                   ("opt", opt.full_state_dict)):
+                    t0 = time.monotonic()
+                    try:
+                        call()
+                        out[name] = ["returned", 0.0]
+                    except offload.NotOnEveryRank as exc:
+                        out[name] = [str(exc), time.monotonic() - t0]
+            step(model, opt, 1)
+            # every rank calls it, but not the same one: refused on both, at once
+            try:
+                model.state_dict() if rt.rank == 0 else rt.full_state_dict(model)
+                out["mixed"] = "returned"
+            except offload.NotOnEveryRank as exc:
+                out["mixed"] = str(exc)
+            step(model, opt, 2)
+            full = rt.full_state_dict(model)  # a call on every rank meets and gathers
+            out["sum"] = float(sum(v.double().sum() for v in full.values()))
+        with open(os.path.join({str(tmp_path)!r}, f"rank{{rt.rank}}.json"), "w") as f:
+            json.dump(out, f)
+        """)
+    run_torchrun(code, tmp_path, timeout=300)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for name, what in (("full", "rt.full_state_dict()"), ("model", "TinyTransformer.state_dict()"),
+                       ("opt", "offload.AdamW.full_state_dict()")):
+        message, waited = r0[name]
+        assert message.startswith(f"offload: {what} was called on rank 0, and rank 1 (it is in "), message
+        assert "did not call it within agreement_timeout=4 s: call it on every rank: it gathers shards from each" \
+            in message and "\n" not in message, message
+        assert 4.0 <= waited < 30.0, (name, waited)
+    assert "the ranks called different collective entry points at once (rank 0: TinyTransformer.state_dict(), " \
+        "rank 1: rt.full_state_dict())" in r0["mixed"], r0["mixed"]
+    assert r1["mixed"] == r0["mixed"]
+    assert r0["sum"] == r1["sum"]  # the same gathered values on both ranks after the refusals
