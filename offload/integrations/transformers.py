@@ -8,6 +8,9 @@ offload runtime (parameters, gradients and AdamW states sharded over ranks, page
     trainer.save_model("out")      # consolidated Hugging Face safetensors (the fp32 master weights)
     trainer.close()                # or `with OffloadTrainer(...) as trainer:`; the runtime's swap files go
 
+Any Trainer subclass the same way: `offload_trainer(SFTTrainer)(model=..., args=SFTConfig(...), ...,
+offload_config=...)` (OffloadTrainerMixin before the subclass, bound to its own signature; `model` may be a name).
+
 What differs from Trainer, and why (as transformers' DeepSpeed integration replaces the same pieces):
   - the model is wrapped by an offload runtime: the trainer's own (opened from `offload_config`, closed by
     close()), or the one open around it (`with offload.init(cfg): model = ...; trainer = OffloadTrainer(...)`),
@@ -152,24 +155,88 @@ def _sharded_by(model):
     return next((p._offload_rt for p in model.parameters() if hasattr(p, "_offload_rt")), None)
 
 
+def _flat_arguments(sig: inspect.Signature, bound: inspect.BoundArguments) -> dict:
+    """A bound call's arguments by name, the ones a **kwargs parameter took included."""
+    out = {}
+    for key, value in bound.arguments.items():
+        if sig.parameters[key].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _set_argument(sig: inspect.Signature, bound: inspect.BoundArguments, name: str, value) -> None:
+    if name in sig.parameters:
+        bound.arguments[name] = value
+    else:
+        bound.arguments[next(k for k, p in sig.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD)][name] = value
+
+
+_LORA_FIX = ("build the PEFT model before the trainer and pass it as the model: offload.integrations.lora."
+             "load_peft_model(name_or_dir, peft_config, ...) (loads the base streaming into the runtime), or "
+             "peft.get_peft_model(model, peft_config)")
+
+
+def _refuse_peft_and_quantization(name: str, given: dict, args) -> None:
+    """A trainer subclass's own model-building arguments (TRL's) that would act on a wrapped model, refused."""
+    if given.get("peft_config") is not None:
+        raise ValueError(f"{name}: peft_config is not supported (the trainer would add the adapters to a model "
+                         f"the runtime has sharded already); {_LORA_FIX}")
+    init_kwargs = getattr(args, "model_init_kwargs", None) or {}
+    if given.get("quantization_config") is not None or init_kwargs.get("quantization_config") is not None:
+        raise ValueError(f"{name}: quantization_config is not supported: the runtime keeps fp32 master weights "
+                         "and pages them to host memory or NVMe instead of quantizing; drop it (bf16=True computes "
+                         "in bf16)")
+    if isinstance(given.get("model"), str) and init_kwargs.get("device_map") is not None:
+        raise ValueError(f"{name}: model_init_kwargs['device_map'] is not supported: the runtime places the "
+                         "model; drop it")
+
+
+def _load_model(name_or_dir: str, args):
+    """A model name or directory loaded inside the open runtime (streams into the store, hf_loading.py) with
+    `args.model_init_kwargs` where the trainer's arguments have them (TRL's SFTConfig), fp32 unless they say."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
+    kwargs.setdefault("dtype", torch.float32)
+    if isinstance(kwargs["dtype"], str) and kwargs["dtype"] != "auto":
+        kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+    kwargs.setdefault("trust_remote_code", getattr(args, "trust_remote_code", False))
+    return AutoModelForCausalLM.from_pretrained(name_or_dir, **kwargs)
+
+
 def compute_dtype(args: TrainingArguments) -> str:
     """The runtime's Config.compute_dtype for Trainer's flags."""
     return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
-class OffloadTrainer(Trainer):
-    """transformers.Trainer over an offload runtime (module docstring). Takes Trainer's arguments plus
-    `offload_config`, an offload.Config (None: the runtime open around the trainer, else Config's defaults)."""
+class OffloadTrainerMixin:
+    """The offload machinery of OffloadTrainer, before any Trainer subclass in the MRO (offload_trainer(cls)
+    makes the class). Its __init__ binds the call to the next class's own signature, so `model` and `args` are
+    found where that class takes them; the model (or a model name, loaded inside the runtime) is sharded before
+    that class's __init__ runs, which then sees a wrapped model."""
 
-    def __init__(self, model=None, args: TrainingArguments | None = None, *trainer_args,
-                 offload_config: Config | None = None, **trainer_kwargs):
+    def __init__(self, *trainer_args, offload_config: Config | None = None, **trainer_kwargs):
+        name = type(self).__name__
+        base_init = super().__init__
+        sig = inspect.signature(base_init)
+        if "model" not in sig.parameters:  # a subclass passing *args, **kwargs through: Trainer's own
+            sig = inspect.signature(Trainer.__init__.__get__(self))
+        # the base's own arguments checked before the model is sharded: a refusal then leaves it as it was
+        bound = sig.bind(*trainer_args, **trainer_kwargs)
+        given = _flat_arguments(sig, bound)
+        model, args = given.get("model"), given.get("args")
         if model is None:
-            raise ValueError("OffloadTrainer: give the model (model_init is not supported: the runtime shards the "
+            raise ValueError(f"{name}: give the model (model_init is not supported: the runtime shards the "
                              "model once, when the trainer is built)")
+        _refuse_peft_and_quantization(name, given, args)
         if args is None:
             args = TrainingArguments(output_dir="trainer_output")
+            if "args" in sig.parameters:
+                bound.arguments["args"] = args
         outer = current_runtime()
-        owner = _sharded_by(model)  # a trainer before this one on the same model (a second stage) sharded it
+        owner = None if isinstance(model, str) else _sharded_by(model)  # an earlier trainer (a second stage)
         if owner is not None and owner is not outer:
             if owner.closed:
                 raise ValueError("OffloadTrainer: the model was sharded by an offload runtime that has closed (an "
@@ -186,14 +253,12 @@ class OffloadTrainer(Trainer):
                              "offload_config, or outside it with offload_config")
         ds_training = getattr(offload_config if offload_config is not None else getattr(outer, "config", None),
                               "deepspeed_training", None) or {}
-        _refuse_unsupported(args, offload_config, trainer_kwargs, deepspeed_optimizer="optimizer" in ds_training)
-        # Trainer's own arguments checked before the model is sharded: a refusal then leaves it as it was
-        inspect.signature(Trainer.__init__).bind(self, model, args, *trainer_args, **trainer_kwargs)
+        _refuse_unsupported(args, offload_config, given, deepspeed_optimizer="optimizer" in ds_training)
         args.device  # Trainer's distributed set-up first (torchrun: Accelerate's process group), which the runtime joins
         if args.n_gpu > 1:
             raise ValueError("OffloadTrainer: one process driving several GPUs (nn.DataParallel) is not supported; "
                              "launch one process per GPU with torchrun")
-        self._ds_training = self._check_deepspeed(ds_training, args, trainer_kwargs)
+        self._ds_training = self._check_deepspeed(ds_training, args, given)
         self._owns_runtime = outer is None
         if outer is None:
             cfg = offload_config or Config()
@@ -212,18 +277,21 @@ class OffloadTrainer(Trainer):
                 raise ValueError(f"OffloadTrainer: the trainer computes on {args.device} (TrainingArguments.use_cpu="
                                  f"{args.use_cpu}) but the runtime on {self.offload_runtime.device}; make them agree "
                                  "(use_cpu=True only where there is no GPU, or CUDA_VISIBLE_DEVICES='')")
+            if isinstance(model, str):  # a name or directory: loaded inside the runtime, streaming into the store
+                model = _load_model(model, args)
+                _set_argument(sig, bound, "model", model)
             if not any(hasattr(p, "_offload_unit") for p in model.parameters()):
                 self.offload_runtime.wrap(model)  # built outside: sharded now (built inside: already its units)
             if self._owns_runtime:  # the trainer's alone: the rest of the process builds and loads as without it
                 self.offload_runtime.stop_capturing()
-            super().__init__(model, args, *trainer_args, **trainer_kwargs)
+            super().__init__(*bound.args, **bound.kwargs)
         except BaseException:
             self.close()
             raise
         # the runtime owns placement and gradient reduction, as a model sharded at load time does: Accelerate
         # prepares autocast only (no DDP wrap, which would all-reduce placeholders)
         self.is_distributed_loading_by_transformers = True
-        if args.fp16:  # Accelerate's backward and its optimizer's step go through the scaler it holds
+        if self.args.fp16:  # Accelerate's backward and its optimizer's step go through the scaler it holds
             self.accelerator.scaler = offload.GradScaler(runtime=self.offload_runtime)
 
     def _check_deepspeed(self, training: dict, args: TrainingArguments, trainer_kwargs: dict) -> dict:
@@ -358,3 +426,50 @@ class OffloadTrainer(Trainer):
             self.offload_runtime.load_checkpoint(os.path.join(checkpoint, OFFLOAD_STATE),
                                                  lr_scheduler=self.lr_scheduler)
 
+
+
+class OffloadTrainer(OffloadTrainerMixin, Trainer):
+    """transformers.Trainer over an offload runtime (module docstring). Takes Trainer's arguments plus
+    `offload_config`, an offload.Config (None: the runtime open around the trainer, else Config's defaults).
+    `model` may be a model name or directory: it is loaded inside the runtime (streaming)."""
+
+
+_MADE: dict[type, type] = {OffloadTrainer: OffloadTrainer, Trainer: OffloadTrainer}
+
+
+def offload_trainer(base: type) -> type:
+    """OffloadTrainer's machinery over any Trainer subclass (TRL's SFTTrainer, your own): a subclass of `base`
+    named Offload<base>, taking `base`'s own arguments plus `offload_config`, and a model name where `base` takes
+    one (loaded inside the runtime). `base`'s compute_loss, logging and the rest are its own; the optimizer, the
+    clipping, accumulation, saving and resuming are OffloadTrainer's. Made once per class.
+
+        from trl import SFTTrainer
+        from offload.integrations.transformers import offload_trainer
+        trainer = offload_trainer(SFTTrainer)(model="Qwen/Qwen2.5-0.5B", args=SFTConfig(...), train_dataset=ds,
+                                              offload_config=offload.Config(params="cpu", optimizer="cpu"))
+    """
+    if not (isinstance(base, type) and issubclass(base, Trainer)):
+        raise TypeError(f"offload_trainer: {base!r} is not a transformers.Trainer subclass")
+    made = _MADE.get(base)
+    if made is not None:
+        return made
+    if issubclass(base, OffloadTrainerMixin):
+        return base
+    base_sig = inspect.signature(base.__init__)
+    params = list(base_sig.parameters.values())
+    extra = inspect.Parameter("offload_config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Config)
+    at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
+    if "offload_config" not in base_sig.parameters:
+        params.insert(at, extra)
+
+    def __init__(self, *trainer_args, offload_config: Config | None = None, **trainer_kwargs):
+        OffloadTrainerMixin.__init__(self, *trainer_args, offload_config=offload_config, **trainer_kwargs)
+
+    __init__.__signature__ = base_sig.replace(parameters=params)
+    __init__.__qualname__ = f"Offload{base.__name__}.__init__"
+    made = type(f"Offload{base.__name__}", (OffloadTrainerMixin, base), {
+        "__init__": __init__, "__module__": __name__, "__qualname__": f"Offload{base.__name__}",
+        "__doc__": f"{base.__module__}.{base.__qualname__} over an offload runtime: offload_trainer({base.__name__}) "
+                   "(offload.integrations.transformers); its arguments plus offload_config."})
+    _MADE[base] = made
+    return made
