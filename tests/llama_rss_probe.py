@@ -42,7 +42,10 @@ def main():
     rss0 = psutil.Process().memory_info().rss
     reset_peak_rss()  # the peak from the baseline on
     cfg = offload.Config(**{**dict(params="nvme", optimizer="nvme", nvme_path=nvme_dir, cpu_budget=cpu_budget,
-                                   device_budget=device_budget, compute_dtype="bf16"), **more})
+                                   # the dtype this CPU computes fast: bf16 where it has bf16 instructions (the
+                                   # figures in test_zero_memory.py), fp32 where torch only emulates bf16 (there
+                                   # each of these runs took about a minute of bf16 matmuls)
+                                   device_budget=device_budget, compute_dtype="auto"), **more})
     per_step = []
     with offload.init(cfg) as rt:
         if mmap_threshold is not None:  # after the runtime set its own (offload.zero.host_memory.tune_malloc)

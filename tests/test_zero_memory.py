@@ -104,7 +104,10 @@ def test_the_llama_on_two_ranks_stays_within_each_ranks_budgets_every_step(tmp_p
                RSS_PROBE_OUT=str(out))  # a file per rank: two ranks' lines on one stdout once ran together
     probe = Path(__file__).with_name("llama_rss_probe.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(probe), str(swap), f"{cpu_budget}B", f"{device_budget}B", "6"],
+                           # bf16 everywhere: the slack above is bf16's activations (in fp32, the probe's "auto"
+                           # on a CPU without bf16, they peak 18 MiB past it: 370 MiB, measured)
+                           str(probe), str(swap), f"{cpu_budget}B", f"{device_budget}B", "6",
+                           '{"compute_dtype": "bf16"}'],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
