@@ -550,3 +550,62 @@ def test_another_model_is_refused_before_any_write(tmp_path, saved_run):
             rt.load_checkpoint(ckpt)
         assert _unchanged(rt, model, before)
         del opt
+
+
+def test_a_load_that_fails_on_one_rank_fails_on_every_rank_at_once(tmp_path):
+    """Rank 1 loads its node's copy of the checkpoint, whose manifest is corrupt (rank 0's copy is sound): its check
+    fails before the ranks' first collective of the load. Every rank raises at once naming rank 1 and its reason
+    (before, rank 0 waited collective_timeout in the verdict's all-gather for a rank that had left), and neither
+    rank's state changed."""
+    from zero_common import run_torchrun
+
+    code = textwrap.dedent(f"""
+        import json, os, shutil, sys, time
+        import torch
+        import torch.nn.functional as F
+        sys.path.insert(0, {str(TESTS)!r})
+        import offload
+        from zero_common import SEQ, VOCAB, TinyTransformer, small_config
+
+        def step(model, opt, s):
+            ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(s))
+            F.cross_entropy(model(ids).float().reshape(-1, VOCAB), ids.reshape(-1)).backward()
+            opt.step(); opt.zero_grad()
+
+        torch.set_num_threads(1)
+        tmp, out = {str(tmp_path)!r}, {{}}
+        with offload.init(small_config(agreement_timeout="10s", collective_timeout="60s")) as rt:
+            model = TinyTransformer()
+            opt = offload.AdamW(model.parameters(), lr=1e-2)
+            step(model, opt, 0)
+            rt.save_checkpoint(os.path.join(tmp, "ckpt"))
+            step(model, opt, 1)  # the live state now differs from the checkpoint's
+            before = rt.full_state_dict(model)
+            root = os.path.join(tmp, "ckpt")
+            if rt.rank == 1:  # this node's copy, its manifest corrupt
+                root = os.path.join(tmp, "node1")
+                shutil.copytree(os.path.join(tmp, "ckpt"), root)
+                with open(os.path.join(root, "step-1", "manifest.json"), "w") as f:
+                    f.write("{{")
+            t0 = time.monotonic()
+            try:
+                rt.load_checkpoint(root)
+                out["error"] = None
+            except offload.CheckpointError as exc:
+                out["error"] = str(exc)
+            out["waited"] = time.monotonic() - t0
+            after = rt.full_state_dict(model)
+            out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+            out["steps"] = rt.stats()["steps"]
+        with open(os.path.join(tmp, f"rank{{rt.rank}}.json"), "w") as f:
+            json.dump(out, f)
+        """)
+    run_torchrun(code, tmp_path, timeout=300)
+    for r in (0, 1):
+        out = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert out["error"] is not None and out["error"].startswith(
+            f"loading {tmp_path / 'ckpt' if r == 0 else tmp_path / 'node1'} failed on 1 of 2 ranks, so on every rank "
+            "(nothing was loaded): rank 1: "), out["error"]
+        assert "manifest.json: not valid JSON" in out["error"] and "the checkpoint is corrupt" in out["error"]
+        assert out["waited"] < 30.0, out  # not collective_timeout (60 s here, 10 minutes by default)
+        assert out["unchanged"] and out["steps"] == 2, out

@@ -434,33 +434,51 @@ def _old_ranks_needed(rt, manifest: dict) -> list[int]:
 
 def load_checkpoint(rt, root, lr_schedulers=()) -> dict:
     """Load the checkpoint at `root` (module docstring) into the open runtime; collective. Returns `extra`.
-    Every check (files, units, optimizers, schedulers, tensors present) runs before the first write."""
+    Every check (files, units, optimizers, schedulers, tensors present) runs before the first write, on every
+    rank, and the ranks' verdicts are agreed in one collective before any rank writes: a check failing on one rank
+    only (its node's copy of the checkpoint unreadable, its file corrupt) makes every rank raise at once, naming
+    that rank and its reason, instead of leaving the others in their next collective until collective_timeout."""
     t0 = time.perf_counter()
-    path = resolve(root)
-    manifest = read_manifest(path)
-    old_world = manifest["world_size"]
-    names = [rank_file(r, old_world) for r in range(old_world)]
-    missing = [n for n in names if n not in manifest["files"]]
-    if missing:
-        raise CheckpointError(f"{path / MANIFEST}: lists no {missing}; the checkpoint is incomplete")
-    saved = _check_units(rt, manifest, path)
-    needed = _old_ranks_needed(rt, manifest)
-    # each rank hashes only what it reads, and reads it through the descriptor it hashed; a file that fails on
-    # one rank stops every rank here, before any of them writes
-    try:
-        files, error = VerifiedFiles(path, manifest, [names[r] for r in needed]), None
-    except CheckpointError as exc:
-        files, error = None, f"rank {rt.rank}: {exc}"
-    errors = [e for e in _all_gather(rt, error) if e]
-    if errors:
-        if files is not None:
-            files.close()
-        raise CheckpointError("; ".join(errors))
+    opened: list = []  # the verified files, closed here when a rank's check failed
+
+    def check():
+        path = resolve(root)
+        manifest = read_manifest(path)
+        old_world = manifest["world_size"]
+        names = [rank_file(r, old_world) for r in range(old_world)]
+        missing = [n for n in names if n not in manifest["files"]]
+        if missing:
+            raise CheckpointError(f"{path / MANIFEST}: lists no {missing}; the checkpoint is incomplete")
+        saved = _check_units(rt, manifest, path)
+        needed = _old_ranks_needed(rt, manifest)
+        # each rank hashes only what it reads, and reads it through the descriptor it hashed
+        files = VerifiedFiles(path, manifest, [names[r] for r in needed])
+        opened.append(files)
+        handles, keys = _check_loadable(rt, path, manifest, saved, needed, files, lr_schedulers)
+        return path, manifest, saved, needed, files, handles, keys
+
+    if not rt.group.distributed:
+        loaded = check()
+    else:
+        try:
+            loaded, error = check(), None
+        except Exception as exc:  # noqa: BLE001 - every rank hears of it below
+            loaded, error = None, f"rank {rt.rank}: {exc}"
+        errors = [e for e in _all_gather(rt, error) if e]
+        if errors:
+            for files in opened:
+                files.close()
+            raise CheckpointError(f"loading {root} failed on {len(errors)} of {rt.world_size} ranks, so on every "
+                                  f"rank (nothing was loaded): " + "; ".join(errors))
+    path, manifest, saved, needed, files, handles, keys = loaded
     with files:
-        return _load_verified(rt, path, manifest, saved, needed, files, lr_schedulers, t0)
+        return _load_verified(rt, path, manifest, saved, needed, handles, keys, lr_schedulers, t0)
 
 
-def _load_verified(rt, path: Path, manifest: dict, saved: dict, needed: list, files, lr_schedulers, t0) -> dict:
+def _check_loadable(rt, path: Path, manifest: dict, saved: dict, needed: list, files, lr_schedulers):
+    """The checks against this run (optimizers, groups, schedulers) and of the files' tensors, before any write:
+    a load refused half-way through left the model part loaded (and a bad size read past a tensor's end as
+    zeros). Returns the open safetensors handles and their keys."""
     from safetensors import safe_open
 
     old_world = manifest["world_size"]
@@ -482,9 +500,14 @@ def _load_verified(rt, path: Path, manifest: dict, saved: dict, needed: list, fi
               if f"{unit.uid}/master" not in keys[r]]
     if absent:
         raise CheckpointError(f"{path}: {'; '.join(absent[:4])}; the checkpoint is corrupt")
-    # every rank checks what it will read before any rank writes: a load refused half-way through left the model
-    # part loaded (and a bad size read past a tensor's end as zeros)
-    _agree(rt, "checking the checkpoint's shards", lambda: _check_shards(rt, path, saved, handles, keys, old_world))
+    _check_shards(rt, path, saved, handles, keys, old_world)
+    return handles, keys
+
+
+def _load_verified(rt, path: Path, manifest: dict, saved: dict, needed: list, handles: dict, keys: dict,
+                   lr_schedulers, t0) -> dict:
+    old_world = manifest["world_size"]
+    optimizers = rt.live_optimizers()
     rt.forget_failed_updates()  # every state is replaced below: a run an update failed in goes on from here
     rt.backward_updates.check_quiet("rt.load_checkpoint")  # a speculated update would shadow what is loaded
     rt.quiesce()  # nothing may be updating the shards written below

@@ -142,7 +142,8 @@ class Watchdog:
                 continue
             alive = first[r] is None or pos["t"] != first[r]["t"]
             theirs = pos["entered"].get(group, 0)
-            where = ", ".join(f"{c} #{n} on the {g} group ({w or 'no unit'}) for {now - since:.1f} s"
+            where = ", ".join(f"waiting {now - since:.1f} s for every rank to call {w}" if g == "agreement" else
+                              f"{c} #{n} on the {g} group ({w or 'no unit'}) for {now - since:.1f} s"
                               for g, c, w, n, since in pos["waiting"]) or "in no collective"
             state = "alive" if alive else f"silent for {now - pos['t']:.1f} s (dead or frozen)"
             behind = (f"behind (it has entered {theirs} of the {group} group's collectives, this rank {count}) "
