@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import clip_grad_norm_ as clip_imported_before_the_block
+from torch.nn.utils import parameters_to_vector as to_vector_imported_before_the_block
 
 import offload
 
@@ -391,6 +392,47 @@ def test_clips_torch_cannot_route_are_refused_naming_rt_clip_grad_norm_():
         assert torch.nn.utils.clip_grad_norm_([p], 1.0).item() == pytest.approx(math.sqrt(48))
         assert p.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
     assert torch.nn.utils.clip_grad_norm_ is original  # put back when the runtime closed
+
+
+def test_norms_vectors_and_torchs_grad_scaler_over_a_wrapped_model_are_refused_naming_the_fix():
+    """get_total_norm over the placeholders' .grad (None: torch's AttributeError), parameters_to_vector (a meta
+    vector, silently) and torch's GradScaler stepping offload.AdamW (torch's 'No inf checks were recorded') each
+    name the fix; over plain parameters in the same block they are torch's; the patches go when the block closes."""
+    base, _ = _wrapped_pair()
+    originals = (torch.nn.utils.get_total_norm, torch.nn.utils.convert_parameters._check_param_device,
+                 torch.amp.GradScaler.step, torch.amp.GradScaler.unscale_)
+    plain = nn.Linear(4, 4)  # built outside: a module built in the block is sharded at its first use
+    with offload.init(small_config()) as rt:
+        model = rt.wrap(base)
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(compute_loss(model, _ids(0), "tiny")).backward()
+        with pytest.raises(RuntimeError, match=r"get_total_norm got None.*rt\.clip_grad_norm_\(float\('inf'\)\)"):
+            torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        n = sum(p.numel() for p in model.parameters())
+        for call in (lambda: torch.nn.utils.parameters_to_vector(model.parameters()),
+                     lambda: to_vector_imported_before_the_block(model.parameters()),
+                     lambda: torch.nn.utils.vector_to_parameters(torch.zeros(n), model.parameters())):
+            with pytest.raises(RuntimeError, match=r"parameters_to_vector.*rt\.full_state_dict\(model\)"):
+                call()
+        before = rt.full_state_dict(model)
+        for call in (lambda: scaler.unscale_(opt), lambda: scaler.step(opt)):
+            with pytest.raises(RuntimeError, match=r"GradScaler\.(unscale_|step) over an offload optimizer.*"
+                                                   r"offload\.GradScaler\(\)"):
+                call()
+        after = rt.full_state_dict(model)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        # plain parameters in the same block: torch's own
+        popt = torch.optim.SGD(plain.parameters(), lr=0.1)
+        w = plain.weight.detach().clone()
+        scaler.scale(plain(torch.ones(2, 4)).sum()).backward()
+        assert torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()]).item() > 0
+        assert torch.equal(torch.nn.utils.parameters_to_vector(plain.parameters())[:16], plain.weight.detach().view(-1))
+        scaler.step(popt)
+        scaler.update()
+        assert not torch.equal(plain.weight.detach(), w)
+    assert (torch.nn.utils.get_total_norm, torch.nn.utils.convert_parameters._check_param_device,
+            torch.amp.GradScaler.step, torch.amp.GradScaler.unscale_) == originals
 
 
 # ---- model.to() / .cuda() / .float() / .half() ----------------------------------------------------------------------

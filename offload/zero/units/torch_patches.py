@@ -28,6 +28,17 @@ placeholders having no .grad:
                                      imported before the runtime opened (`from torch.nn.utils import ...`)
   a torch optimizer's step()         a global optimizer step pre-hook (torch.optim's own registry) refuses any
                                      optimizer but offload's over wrapped parameters, naming offload.AdamW
+  torch.nn.utils.get_total_norm      (and clip_grad's _get_total_norm, which it is) given a None gradient:
+                                     refused naming rt.clip_grad_norm_ (torch's own error was an AttributeError);
+                                     a list filtered of the Nones is empty, and its 0 cannot be told from a plain
+                                     model's: README, "A wrapped model's .grad"
+  torch.nn.utils.parameters_to_vector, vector_to_parameters: their per-parameter check (convert_parameters.
+                                     _check_param_device, looked up at each call, so an import made before the
+                                     runtime opened is caught too) refuses a wrapped parameter (the vector was
+                                     meta), naming rt.full_state_dict / model.load_state_dict
+  torch.amp.GradScaler.unscale_, .step over an offload optimizer (a ShardedOptimizer, possibly inside
+                                     Accelerate's wrapper), enabled: refused naming offload.GradScaler (torch's
+                                     scaler finds no .grad to check and asserted "No inf checks were recorded")
 """
 from __future__ import annotations
 
@@ -199,6 +210,57 @@ def _refusing(name: str):
 _ORIGINAL: dict = {}
 
 
+def _get_total_norm(tensors, *args, **kwargs):
+    """torch.nn.utils.get_total_norm, refusing a None gradient with the fix instead of torch's AttributeError."""
+    listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if any(t is None for t in listed):
+        raise RuntimeError("offload: torch.nn.utils.get_total_norm got None for a gradient (a parameter without one; "
+                           "a wrapped model's parameters always have .grad None, their gradients living in the "
+                           "runtime's shards): the global norm over a wrapped model is rt.clip_grad_norm_(max_norm), "
+                           "or rt.clip_grad_norm_(float('inf')) to measure it without clipping")
+    return _ORIGINAL["get_total_norm"](listed, *args, **kwargs)
+
+
+def _check_param_device(param, old_param_device):
+    """convert_parameters._check_param_device (parameters_to_vector, vector_to_parameters), refusing a wrapped
+    model's parameter: a placeholder without values (parameters_to_vector returned a meta vector)."""
+    if _runtime_of(param) is not None:
+        raise RuntimeError("offload: torch.nn.utils.parameters_to_vector / vector_to_parameters over a wrapped "
+                           "model's parameters: they are placeholders without values (the vector would be meta, or "
+                           "the writes go nowhere). Read the values with rt.full_state_dict(model) (torch.cat of "
+                           "its values, .view(-1), is the vector), write them with model.load_state_dict(...)")
+    return _ORIGINAL["_check_param_device"](param, old_param_device)
+
+
+def _offload_optimizer(optimizer) -> bool:
+    from ..update.optimizer import ShardedOptimizer
+
+    for _ in range(8):  # Accelerate's (or another) wrapper around it
+        if isinstance(optimizer, ShardedOptimizer):
+            return True
+        optimizer = getattr(optimizer, "optimizer", None)
+        if optimizer is None:
+            return False
+    return False
+
+
+def _scaler_refusing(name: str):
+    original = getattr(torch.amp.GradScaler, name)
+
+    def method(self, optimizer, *args, **kwargs):
+        if self.is_enabled() and _offload_optimizer(optimizer):
+            raise RuntimeError(f"offload: torch.amp.GradScaler.{name} over an offload optimizer: its gradients live "
+                               "in the runtime's shards, where torch's scaler finds none to unscale or check for "
+                               "overflow (it asserts 'No inf checks were recorded'); use offload.GradScaler() "
+                               "instead, with the same calls (scale, unscale_, step, update): it unscales inside "
+                               "the fused update and skips a step that overflows on any rank")
+        return original(self, optimizer, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__wrapped__ = original
+    return method
+
+
 def _refuse_foreign_optimizer(optimizer, args, kwargs) -> None:
     """Global step pre-hook: a torch optimizer over placeholders would step nothing (their .grad stays None)."""
     from ..update.optimizer import ShardedOptimizer  # (the update package imports the units)
@@ -243,6 +305,15 @@ class ForeignCodeGuards:
                 mod.clip_grad_norm_, mod.clip_grad_value_ = _clip_grad_norm_, value
             utils.clip_grads_with_norm_ = clip_grad._clip_grads_with_norm_ = with_norm
             cls._step_hook = register_optimizer_step_pre_hook(_refuse_foreign_optimizer)
+            from torch.nn.utils import convert_parameters
+
+            _ORIGINAL.update(get_total_norm=clip_grad._get_total_norm,
+                             _check_param_device=convert_parameters._check_param_device,
+                             scaler_unscale_=torch.amp.GradScaler.unscale_, scaler_step=torch.amp.GradScaler.step)
+            utils.get_total_norm = clip_grad._get_total_norm = _get_total_norm
+            convert_parameters._check_param_device = _check_param_device
+            torch.amp.GradScaler.unscale_ = _scaler_refusing("unscale_")
+            torch.amp.GradScaler.step = _scaler_refusing("step")
         cls._live += 1
         self._removed = False
 
@@ -261,3 +332,9 @@ class ForeignCodeGuards:
             utils.clip_grads_with_norm_ = clip_grad._clip_grads_with_norm_ = _ORIGINAL["clip_grads_with_norm_"]
             cls._step_hook.remove()
             cls._step_hook = None
+            from torch.nn.utils import convert_parameters
+
+            utils.get_total_norm = clip_grad._get_total_norm = _ORIGINAL["get_total_norm"]
+            convert_parameters._check_param_device = _ORIGINAL["_check_param_device"]
+            torch.amp.GradScaler.unscale_, torch.amp.GradScaler.step = (_ORIGINAL["scaler_unscale_"],
+                                                                        _ORIGINAL["scaler_step"])
