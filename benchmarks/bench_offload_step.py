@@ -404,8 +404,15 @@ def run_offload(s: Settings, pipeline: bool, update_in_backward: bool = False, f
 
     setup_threads(s)
     _, world = rank_and_world()
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")  # ours, so the per-rank stats can be gathered after the block
+    if world > 1 and not dist.is_initialized():  # ours, so the per-rank stats can be gathered after the block
+        device = compute_device()
+        if device.type == "cuda":  # (the runtime refuses gloo for a GPU's collectives)
+            import torch
+
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path=s.nvme_dir, cpu_budget=s.cpu_budget,
                          device_budget=s.device_budget, compute_dtype="bf16", pipeline=pipeline, seed=s.seed,
                          update_in_backward=update_in_backward, optimizer_states=family,
@@ -865,7 +872,9 @@ def parse_args(argv=None):
     ap.add_argument("--nvme-path", default=None, help="swap directory (default: a temp dir under /tmp, removed)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads and OMP_NUM_THREADS per process")
     ap.add_argument("--json", default=None, help="write settings, environment, every run and the summary here")
-    ap.add_argument("--world-size", type=int, default=1, choices=(1, 2))
+    ap.add_argument("--world-size", type=int, default=1, choices=(1, 2, 4, 8),
+                    help="ranks of the distributed contenders (on a GPU machine one GPU each, NCCL: the multi-GPU "
+                         "check runs the offload contender at 2 and 8)")
     ap.add_argument("--trace", default=None, help="offload contender: Chrome trace of the last timed step")
     ap.add_argument("--trace-contender", default="offload", help="whose step --trace records")
     ap.add_argument("--dim", type=int, default=640)
