@@ -170,7 +170,8 @@ def _set_argument(sig: inspect.Signature, bound: inspect.BoundArguments, name: s
     if name in sig.parameters:
         bound.arguments[name] = value
     else:
-        bound.arguments[next(k for k, p in sig.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD)][name] = value
+        var_keyword = next(k for k, p in sig.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD)
+        bound.arguments[var_keyword][name] = value
 
 
 _LORA_FIX = ("build the PEFT model before the trainer and pass it as the model: offload.integrations.lora."
