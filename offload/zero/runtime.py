@@ -133,6 +133,7 @@ class Runtime:
         self.last_checkpoint_seconds: float | None = None
         self.watchdog: Watchdog | None = None
         self.agreement: Agreement | None = None  # the collective entry points' meeting (collectives/agree.py)
+        self._generate_sync = None  # generate() in step over the ranks (integrations/generate_sync.py)
         self.activations: ActivationOffloader | None = None  # Config.activations != "none"
         self.backward_updates = BackwardUpdates(
             config.update_in_backward, self._queue_backward_update, self.live_optimizers,
@@ -237,6 +238,7 @@ class Runtime:
         if "transformers" in sys.modules:  # from_pretrained in the block streams into the store (not imported else)
             importlib.import_module("offload.integrations.hf_loading")
         self.is_open = True
+        self._sync_generate()
         _ACTIVE.append(self)
 
     def close(self, failed: bool = False) -> None:
@@ -383,6 +385,15 @@ class Runtime:
     # ---- wrapping ---------------------------------------------------------------------------
     def _note_module(self) -> None:
         self._pending = True
+        if self._generate_sync is None:  # (transformers imported inside the block: its model is being built)
+            self._sync_generate()
+
+    def _sync_generate(self) -> None:
+        """With several ranks, generate() of a model of this runtime runs every rank in step (synced_gpus:
+        integrations/generate_sync.py), once transformers is loaded."""
+        if self._generate_sync is None and self.is_open and self.group.distributed and "transformers" in sys.modules:
+            self._generate_sync = importlib.import_module("offload.integrations.generate_sync").SyncedGenerate()
+            self._hooks.append(self._generate_sync)
 
     def stop_capturing(self) -> None:
         """From now on modules are built as plain torch ones, and this runtime is not offload's current one
@@ -448,6 +459,7 @@ class Runtime:
                                    "the first wrap, before its first forward or offload.AdamW(model.parameters())")
             return model
         shard_model(self, model, weights)
+        self._sync_generate()
         return model
 
     def attach_activation_offload(self, model: nn.Module) -> None:
