@@ -259,6 +259,6 @@ else
 fi
 merge
 
-echo "== multi_gpu_check: extension rc $RC_EXT, 2-rank tests rc $RC_2, 8-rank tests rc $RC_8, $(( $(date +%s) - START )) s;" \
-  "results in $RESULTS; NCCL logs in $WORK/nccl"
+echo "== multi_gpu_check: extension rc $RC_EXT, 2-rank tests rc $RC_2, 8-rank tests rc $RC_8," \
+  "$(( $(date +%s) - START )) s; results in $RESULTS; NCCL logs in $WORK/nccl"
 [ "$RC_EXT" = 0 ] && [ "$RC_2" = 0 ] && [ "$RC_8" = 0 ]

@@ -67,3 +67,36 @@ def test_a_state_dict_on_rank_0_alone_is_refused_promptly_and_the_run_goes_on(tm
         "rank 1: rt.full_state_dict())" in r0["mixed"], r0["mixed"]
     assert r1["mixed"] == r0["mixed"]
     assert r0["sum"] == r1["sum"]  # the same gathered values on both ranks after the refusals
+
+
+def test_the_ranks_leave_save_pretrained_together_so_the_next_entry_point_meets(tmp_path):
+    """save_pretrained: rank 0 writes after the last gather (here a tokenizer slow to save: 6 s, twice the agreement
+    timeout); the other rank went straight on to the next entry point, whose meeting refused it while rank 0 was
+    still writing. Every rank now leaves once rank 0 has written."""
+    from zero_common import run_torchrun
+
+    code = textwrap.dedent(f"""
+        import json, os, sys, time
+        import torch
+        sys.path.insert(0, {str(TESTS)!r})
+        import offload
+        from offload.finetune.hf_model_dir import save_pretrained
+        from zero_common import make_llama, small_config
+
+        class SlowTokenizer:
+            def save_pretrained(self, path):
+                time.sleep(6.0)  # a slow disk under the last file
+                open(os.path.join(path, "tokenizer.json"), "w").write("{{}}")
+
+        torch.set_num_threads(1)
+        with offload.init(small_config(compute_dtype="fp32", agreement_timeout="3s", collective_timeout="60s")) as rt:
+            torch.manual_seed(0)
+            model = rt.wrap(make_llama(tie=False))
+            save_pretrained(rt, model, os.path.join({str(tmp_path)!r}, "out"), SlowTokenizer())
+            full = rt.full_state_dict(model)  # the next entry point: every rank meets it
+        with open(os.path.join({str(tmp_path)!r}, f"rank{{rt.rank}}.json"), "w") as f:
+            json.dump({{"keys": len(full)}}, f)
+        """)
+    run_torchrun(code, tmp_path, timeout=300)
+    assert (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "config.json").exists()
+    assert json.loads((tmp_path / "rank0.json").read_text()) == json.loads((tmp_path / "rank1.json").read_text())

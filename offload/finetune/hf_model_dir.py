@@ -13,6 +13,7 @@ temporary name and renamed into place, so a reader never sees a half-written fil
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -196,6 +197,7 @@ def save_pretrained(rt, model: nn.Module, out_dir: str | os.PathLike, tokenizer=
     if rt.rank != 0:
         for _ in tensors():  # the other ranks take part in the gathers only
             pass
+        _written(rt, out_dir, None)
         return Path(out_dir)
 
     def add_files(tmp: Path) -> None:
@@ -210,4 +212,39 @@ def save_pretrained(rt, model: nn.Module, out_dir: str | os.PathLike, tokenizer=
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
 
-    return write_hf_weights(out_dir, tensors(), max_shard_bytes, add_files)
+    gathering = {"failed": False}
+
+    def values():
+        try:
+            yield from tensors()
+        except BaseException:
+            gathering["failed"] = True  # (every rank's gathers fail alike, or the call was refused: no sync)
+            raise
+
+    feed = values()
+    try:
+        written = write_hf_weights(out_dir, feed, max_shard_bytes, add_files)
+    except Exception as exc:
+        if not gathering["failed"]:  # the writing failed: the others hear of it once the gathers are over
+            with contextlib.suppress(Exception):
+                for _ in feed:  # the rest of the gathers, which the other ranks are in
+                    pass
+                _written(rt, out_dir, exc)
+        raise
+    _written(rt, out_dir, None)
+    return written
+
+
+def _written(rt, out_dir, error) -> None:
+    """Every rank leaves save_pretrained once rank 0 has written (or failed to: then every rank raises). Without it
+    the others went on to the next collective entry point while rank 0 still wrote its last file (seconds to
+    minutes for a 2 GiB shard), and that entry point's meeting (Config.agreement_timeout) refused the call."""
+    if rt.world_size <= 1:
+        return
+    from ..zero.collectives import comm
+
+    flag = torch.tensor([0.0 if error is None else 1.0])
+    comm.all_reduce_host_(rt.group, flag, "max", what=f"save_pretrained({out_dir}) written")
+    if flag.item() and error is None:
+        raise RuntimeError(f"offload: save_pretrained({out_dir}) failed on rank 0 (its error is in rank 0's log); "
+                           "nothing complete was written")

@@ -16,6 +16,7 @@ a full Hugging Face directory.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -87,17 +88,26 @@ def save_adapter(rt, model: nn.Module, out_dir: str | os.PathLike) -> Path:
     adapter_model.safetensors), gathering only the units that train. Collective: every rank calls it; rank 0
     writes, into a temporary directory first, then moves each file over its old one (never a half-written file)."""
     names = {name for name, p in model.named_parameters() if p.requires_grad}
+    from offload.finetune.hf_model_dir import _written
+
     trained = {n: v for n, v in rt.iter_full_params(model, trainable_only=True) if n in names}
     out = Path(out_dir)
     if rt.rank != 0:
+        _written(rt, out, None)  # every rank leaves once rank 0 has written (the next entry point's meeting)
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), state_dict=trained)  # PEFT picks the adapters' keys and names them its way
-    for f in tmp.iterdir():
-        os.replace(f, out / f.name)
-    tmp.rmdir()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".partial-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(str(tmp), state_dict=trained)  # PEFT picks the adapters' keys and names them its way
+        for f in tmp.iterdir():
+            os.replace(f, out / f.name)
+        tmp.rmdir()
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            _written(rt, out, exc)  # the others raise too
+        raise
+    _written(rt, out, None)
     return out
 
 
