@@ -100,3 +100,45 @@ def test_the_ranks_leave_save_pretrained_together_so_the_next_entry_point_meets(
     run_torchrun(code, tmp_path, timeout=300)
     assert (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "config.json").exists()
     assert json.loads((tmp_path / "rank0.json").read_text()) == json.loads((tmp_path / "rank1.json").read_text())
+
+
+def test_meetings_in_one_store_skip_an_abandoned_one_and_leave_few_keys():
+    """Two ranks' meetings (threads here, over torch's in-memory store): three calls on both meet; a call on rank 0
+    alone is refused within its timeout; the next call on both meets (rank 1 skips the abandoned meeting); each
+    decided meeting's predecessor's keys are deleted."""
+    import threading
+
+    import torch.distributed as dist
+
+    from offload.zero.collectives.agree import Agreement, NotOnEveryRank
+
+    store = dist.HashStore()
+    ranks = [Agreement(r, 2, 5.0, store) for r in range(2)]
+    for a in ranks:
+        a._base = "test/"  # (each runtime takes its own key space; these two stand for one runtime's two ranks)
+    outcomes = []
+
+    def call(r, what):
+        try:
+            ranks[r].meet(what)
+            outcomes.append((r, what, "met"))
+        except NotOnEveryRank as exc:
+            outcomes.append((r, what, str(exc)))
+
+    def both(what):
+        threads = [threading.Thread(target=call, args=(r, what)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+
+    for what in ("a()", "b()", "c()"):
+        both(what)
+    assert sorted(outcomes) == sorted((r, w, "met") for r in range(2) for w in ("a()", "b()", "c()"))
+    assert store.num_keys() == 4  # the last meeting's verdict, count and the ranks' calls
+    outcomes.clear()
+    call(0, "solo()")
+    assert outcomes[0][2].startswith("offload: solo() was called on rank 0, and rank 1 did not call it within "
+                                     "agreement_timeout=5 s: call it on every rank"), outcomes
+    both("d()")
+    assert sorted(outcomes[1:]) == [(0, "d()", "met"), (1, "d()", "met")]

@@ -66,7 +66,10 @@ class Agreement:
     def _verdict(self, key: str, arrived: int, deadline: float) -> str:
         store, verdict = self._store, f"{key}/verdict"
         if arrived == self.world_size:
-            return self._str(store.compare_set(verdict, "", "go"))
+            decided = self._str(store.compare_set(verdict, "", "go"))
+            if decided == "go":
+                self._forget(int(key.rsplit("/", 1)[1]) - 1)
+            return decided
         pause = 0.001
         while time.monotonic() < deadline:
             if store.check([verdict]):
@@ -75,6 +78,17 @@ class Agreement:
             pause = min(pause * 2, 0.05)
         # the first to give up decides, unless the last rank came first
         return self._str(store.compare_set(verdict, "", f"abandoned by rank {self.rank}"))
+
+    def _forget(self, n: int) -> None:
+        """Meeting n's keys go (by the rank that decided meeting n + 1: every rank came to it, so every rank is done
+        with n): a run calling state dicts every step does not pile keys up in the store."""
+        if n < 0:
+            return
+        for name in ["verdict", "arrived"] + [f"rank{r}" for r in range(self.world_size)]:
+            try:
+                self._store.delete_key(f"{self._base}{n}/{name}")
+            except Exception:  # noqa: BLE001 - a store without deletes keeps them (a few bytes a meeting)
+                return
 
     def _refusal(self, what: str, key: str, verdict: str) -> str:
         store = self._store
