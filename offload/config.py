@@ -101,7 +101,9 @@ class Config:
     agreement_timeout: how long a collective entry point called outside the training loop (model.state_dict(),
       rt.full_state_dict(), an export, opt.full_state_dict(), rt.save_checkpoint / load_checkpoint) waits for
       every rank to call it before it raises, naming the ranks that did not (offload/zero/collectives/agree.py):
-      a call on rank 0 alone is refused in this time instead of hanging for collective_timeout.
+      a call on rank 0 alone is refused in this time instead of hanging for collective_timeout. 2min by default:
+      longer than the ranks' skew at a call they all make (one rank's host update on a large model can run tens of
+      seconds behind another's), a fifth of the collective timeout.
     swap_checksums: an XXH3-64 hash of every swap slot written, checked when it is read back (a corrupt drive
       raises SwapCorruptError instead of training on wrong numbers; costs one hash pass over the nvme traffic).
     log_every: log one line of step telemetry (logger "offload") every this many optimizer steps (0: never).
@@ -159,7 +161,7 @@ class Config:
     chunk_size: str | int | None = None
     log_every: int = 0
     collective_timeout: str | int | float = "10min"
-    agreement_timeout: str | int | float = "30s"
+    agreement_timeout: str | int | float = "2min"
     swap_checksums: bool = True
     machine: str | None = None
     update_in_backward: bool = False
