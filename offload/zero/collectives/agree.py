@@ -5,8 +5,8 @@ that never come, and a peer's own next collective could pair with it instead.
 
 So each entry point first meets the other ranks here, within `Config.agreement_timeout` (2 min by default: longer
 than the ranks' skew at a call they all make, tens of seconds of host work on a large model; a fifth of the collective
-timeout). A rank that waits longer raises `NotOnEveryRank` naming the ranks that did not come and where they are (the watchdog's published
-positions), and the fix; nothing was issued on any communicator, so the runtime goes on usable.
+timeout). A rank that waits longer raises `NotOnEveryRank` naming the ranks that did not come and where they are
+(the watchdog's published positions), and the fix; nothing was issued on any communicator, so the runtime goes on usable.
 
 Why the process group's key-value store and not a collective (a barrier or `monitored_barrier` on a gloo group
 with a short timeout): a collective that timed out leaves its group's sequence out of step (the late rank's
