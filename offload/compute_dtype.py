@@ -11,8 +11,8 @@ those instructions torch emulates bf16, and a matmul takes 20-70x fp32's time (a
 capped at AVX2: 55-74x), which is what made the first fine-tune on such a machine take hours.
 
 The CPU's figure is measured, not read from /proc/cpuinfo: one small matmul per dtype on one core, best of a
-few runs, interleaved (a few ms, about 60 where bf16 is emulated), once per process. A measurement also sees what flags do
-not: a torch build without oneDNN's bf16 kernels, or `ONEDNN_MAX_CPU_ISA=AVX2` (how the tests and benches emulate
+few runs, interleaved (a few ms, about 60 where bf16 is emulated), once per process. A measurement also sees what
+flags do not: a torch build without oneDNN's bf16 kernels, or `ONEDNN_MAX_CPU_ISA=AVX2` (how the tests and benches emulate
 an AVX2-only CPU on an AVX-512 one). The two cases are 10-200x apart, so the threshold below is not a close call.
 """
 from __future__ import annotations
@@ -59,7 +59,8 @@ def fast_compute_dtype(device: torch.device) -> tuple[str, str]:
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
             return "bf16", f"{torch.cuda.get_device_name(device)} computes bf16 natively"
-        return "fp32", f"{torch.cuda.get_device_name(device)} has no bf16 (fp16 needs a loss scaler: choose it yourself)"
+        return "fp32", (f"{torch.cuda.get_device_name(device)} has no bf16 (fp16 needs a loss scaler: "
+                        "choose it yourself)")
     if device.type != "cpu":
         return "fp32", f"no figure for {device.type}: fp32, as plain PyTorch"
     slowdown = cpu_matmul_slowdown(torch.bfloat16)
