@@ -13,7 +13,8 @@ capped at AVX2: 55-74x), which is what made the first fine-tune on such a machin
 The CPU's figure is measured, not read from /proc/cpuinfo: one small matmul per dtype on one core, best of a
 few runs, interleaved (a few ms, about 60 where bf16 is emulated), once per process. A measurement also sees what
 flags do not: a torch build without oneDNN's bf16 kernels, or `ONEDNN_MAX_CPU_ISA=AVX2` (how the tests and benches
-emulate an AVX2-only CPU on an AVX-512 one). The two cases are 10-200x apart, so the threshold below is not a close call.
+emulate an AVX2-only CPU on an AVX-512 one). The two cases are 10-200x apart, so the threshold below is not a close
+call.
 """
 from __future__ import annotations
 

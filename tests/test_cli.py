@@ -84,7 +84,8 @@ def test_missing_compiler_falls_back_instead_of_crashing(tmp_path):
     assert lines[1] and lines[1] != "None"
     # the build was attempted, so the user was told, and told it ended: why, and that the fallback runs
     assert re.search(r"offload: building the C\+\+ extension \(first use only; \d+ sources, about \d+-\d+ min on "
-                     rf"\d+ cores at load [\d.]+\); cached in {re.escape(str(tmp_path / 'build'))}", out.stderr), out.stderr
+                     rf"\d+ cores at load [\d.]+\); cached in {re.escape(str(tmp_path / 'build'))}",
+                     out.stderr), out.stderr
     failed = [line for line in out.stderr.splitlines() if "building the C++ extension failed after" in line]
     assert len(failed) == 1 and "plain-torch fallback" in failed[0], out.stderr
     assert re.search(r"failed after \d+ s: \S.{10,}; every kernel", failed[0]), failed[0]  # the cause, in that line
