@@ -222,7 +222,7 @@ def materialize_unit(root: nn.Module, params: list, seed: int, device: torch.dev
     their init runs; the caller replaces them with placeholders right after. lora_layers: `lora_layers(root)`,
     hf_inits: `hf_inits(root)`, computed once per model by the caller (rules 4 and 1).
     """
-    hf = hf_inits(root) if hf_inits is None else hf_inits
+    hf = _hf_inits_of(root) if hf_inits is None else hf_inits  # (the argument shadows the module's hf_inits)
     real: dict[int, torch.Tensor] = {}
     owners: dict[int, nn.Module] = {}  # first module holding each parameter initializes it
     modules: list[nn.Module] = []
@@ -317,6 +317,9 @@ def _post_order(root: nn.Module):
     for child in root.children():
         yield from _post_order(child)
     yield root
+
+
+_hf_inits_of = hf_inits  # for materialize_unit, whose keyword of that name holds its result
 
 
 def _init_module(module: nn.Module, hf_init) -> None:
