@@ -77,16 +77,33 @@ def _stop_on_signals(pending: list):
     (`cmd &`, nohup) starts with SIGINT ignored, Python then leaves it so, and a `kill -INT` did nothing (the
     run trained to its end). The signal is also kept in `pending`: an exception raised where Python swallows it
     (a finalizer or __del__ running at that moment prints "Exception ignored" and goes on) must not let the run
-    train to its end either, so the step callback raises it again. The previous handlers, or None off the main
-    thread (where Python cannot install one)."""
+    train to its end either, so the step callback raises it again; and Python's "Exception ignored ... Traceback"
+    report of it is not printed (sys.unraisablehook, for this run: the user saw a traceback for a clean stop). The
+    previous handlers (with the previous unraisable hook under None), or None off the main thread (where Python
+    cannot install one)."""
     def raise_terminated(signum, frame):
         pending[0] = signum
         raise Terminated(signum)
 
+    def quiet_terminated(unraisable):  # raised again at the next step (pending): nothing to report
+        if not isinstance(unraisable.exc_value, Terminated):
+            previous_hook(unraisable)
+
     try:
-        return {sig: signal.signal(sig, raise_terminated) for sig in _STOP_SIGNALS}
+        handlers = {sig: signal.signal(sig, raise_terminated) for sig in _STOP_SIGNALS}
     except ValueError:  # not the main thread
         return None
+    previous_hook, sys.unraisablehook = sys.unraisablehook, quiet_terminated
+    return {**handlers, None: previous_hook}
+
+
+def _restore_signals(previous: dict | None) -> None:
+    """Undo _stop_on_signals: the handlers and the unraisable hook it replaced."""
+    for sig, handler in (previous or {}).items():
+        if sig is None:
+            sys.unraisablehook = handler
+        else:
+            signal.signal(sig, handler)
 
 
 def run_finetune(args: argparse.Namespace) -> int:
@@ -134,8 +151,7 @@ def run_finetune(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         return 128 + signum
     finally:
-        for sig, handler in (previous or {}).items():
-            signal.signal(sig, handler)
+        _restore_signals(previous)
     if not rank0:
         return 0
     if args.json:
