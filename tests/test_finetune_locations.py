@@ -131,6 +131,7 @@ def test_the_swap_check_and_the_store_agree(tmp_path, tiny_model, text_file, mon
     for free, fits in ((int(bound / 0.9) + 4096, True), (int(bound / 0.95), False)):  # 90% of it: above, below
         monkeypatch.setattr(shutil, "disk_usage", lambda p, free=free: real(p)._replace(free=free))
         args = ["--model", str(tiny_model), "--data", str(text_file), "--steps", "1", "--seq-len", "64",
+                "--compute-dtype", "bf16",  # the bound above is bf16's ("auto" computes in fp32 without bf16)
                 "--cpu-budget", "8MiB", "--eval-blocks", "4", "--nvme-path", str(swap), "--output",
                 str(tmp_path / f"out-{fits}")]
         if fits:
@@ -173,7 +174,7 @@ def test_runtime_refusals_name_the_flags(tmp_path, tiny_model, text_file, capsys
     """--cpu-budget 1MiB raised a MemoryError naming offload.Config.cpu_budget and advising params and
     optimizer "nvme" when both were; budgets above the machine died inside torch's allocator."""
     base = ["--model", str(tiny_model), "--data", str(text_file), "--seq-len", "64", "--steps", "1",
-            "--output", str(tmp_path / "out")]
+            "--compute-dtype", "bf16", "--output", str(tmp_path / "out")]  # (1MiB holds fp32's states: "auto" may be)
     err = _fails(capsys, [*base, "--cpu-budget", "1MiB"], "--cpu-budget: with --params nvme and --optimizer nvme",
                  "raise --cpu-budget")
     assert "offload.Config" not in err and "set --params" not in err and "Traceback" not in err
