@@ -138,8 +138,11 @@ def family_cases(world, clip):
 # flat shard, the in-memory optimizer at each parameter, so the moments round differently (each within 6.3% of
 # its value, test_adam8bit_kernel.py) and the runs drift apart by that much, not by a runtime bug's
 # orders of magnitude; where the blocks coincide the two are equal bit for bit (test_optimizer_families.py).
-# Measured on this grid: loss 1.1e-2, parameters 7.3e-2 (fp16 on 2 ranks; 6.5e-2 in bf16), norms 3.3e-2 at worst.
-QUANTIZED_TOL = {"loss": 3e-2, "param": 1e-1, "norm": 6e-2}
+# Measured on this grid: parameters 7.3e-2 (fp16 on 2 ranks; 6.5e-2 in bf16), norms 3.3e-2 at worst; the loss
+# 2.9e-2 in the bf16 2-rank speculation case on an AVX-512 CPU and 3.3e-2 with torch's bf16 emulated (AVX2 cap),
+# against a loss that fell 4x by step 10 (an absolute 1.8e-3). A runtime bug (a lost or stale update) moves the
+# loss by tens of percent; the synchronous and pipelined runs of every case still agree bit for bit.
+QUANTIZED_TOL = {"loss": 5e-2, "param": 1e-1, "norm": 6e-2}
 
 
 def delay_cases(world):
