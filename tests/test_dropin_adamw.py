@@ -34,7 +34,7 @@ def test_the_defaults_are_torchs_adamws():
     theirs = inspect.signature(torch.optim.AdamW).parameters
     for name in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
         assert ours[name].default == theirs[name].default, name
-    assert ours["weight_decay"].default == 0.01  # (DeepSpeedCPUAdam's is 0: README, "Coming from DeepSpeed")
+    assert ours["weight_decay"].default == 0.01  # (DeepSpeedCPUAdam's is 0: docs/guide/optimizers.md)
 
 
 def test_the_readme_lora_call_works_after_import_offload_alone():

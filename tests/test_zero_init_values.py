@@ -1,7 +1,7 @@
 """Initial values of a model under offload.init: built inside the block, each unit is initialized on its
 own from Config.seed (so no rank ever holds the whole model), which gives other values than an eager
 build after torch.manual_seed; built outside and passed to rt.wrap, the model keeps plain torch's values.
-The README's "Or put the runtime under your own loop" says so."""
+docs/guide/your-own-loop.md, "Building the model inside the block, or wrapping one", says so."""
 import os
 import sys
 
@@ -51,8 +51,9 @@ def test_built_inside_depends_on_config_seed_not_torch_seed():
     first = _built_inside(seed=3)
     assert _same(_built_inside(seed=3, torch_seed=99), first)  # torch's global RNG plays no part
     assert not _same(_built_inside(seed=4), first)
-    # other values than the eager build with the same seed (deliberate, documented in the README): each unit
-    # draws from its own seed (Config.seed + unit index), so only the root unit's first draws can coincide
+    # other values than the eager build with the same seed (deliberate, documented in
+    # docs/guide/your-own-loop.md): each unit draws from its own seed (Config.seed + unit index), so only the
+    # root unit's first draws can coincide
     eager = _eager(3)
     assert not torch.equal(first["layers.1.mlp.0.weight"], eager["layers.1.mlp.0.weight"])
     assert not _same(first, eager)
