@@ -1,8 +1,9 @@
 """What a wrapped model's modules do differently, so plain PyTorch code keeps working on it.
 
-Each module of a wrapped model gets a class of its own: `OffloadModule` before its class in the MRO, as
-FSDP2's fully_shard does (one class per original class, made once, with the original's name, so code that
-reads `type(model).__name__` - Hugging Face's `architectures` in config.json - sees what it saw before).
+Each module of a wrapped model gets, for the model's life (that model only: rt.wrap, patch_model below), a class
+of its own: `OffloadModule` before its class in the MRO, as FSDP2's fully_shard does (one class per original
+class, made once, with the original's name, so code that reads `type(model).__name__` - Hugging Face's
+`architectures` in config.json - sees what it saw before).
 On instances only where torch looks there first (the parameter placeholders' refused gradient hooks, wrap.py;
 the zero_grad of torch.compile's wrapper, route_compiled_zero_grad below):
   _apply          model.to() / .cuda() / .float() reach only buffers: the runtime places and casts parameters; a
@@ -16,9 +17,10 @@ the zero_grad of torch.compile's wrapper, route_compiled_zero_grad below):
                   placeholder here): the runtime's compute device and dtype, so `inputs.to(model.device)` works
   deepcopy/pickle refused, naming the fix: the values live in the runtime's shards, not in the module
 
-Globally, while at least one runtime is open (ForeignCodeGuards: installed by Runtime.open, removed by its close,
-counted over runtimes), the torch calls that would otherwise do nothing to a wrapped model in silence, its
-placeholders having no .grad:
+Process-wide, while at least one runtime is open (ForeignCodeGuards: installed by Runtime.open, removed by its close,
+counted over runtimes; the originals are put back when the last one closes), the torch calls that would otherwise
+do nothing to a wrapped model in silence, its placeholders having no .grad (each hands anything that is not a
+wrapped model's to the original). docs/environment.md ("What offload patches") lists every patch offload makes:
   torch.nn.utils.clip_grad_norm_     (also torch.nn.utils.clip_grad's) over a wrapped model's parameters: routed
                                      to rt.clip_grad_norm_, the same norm and coefficient (Accelerate's
                                      clip_grad_norm_ calls it); over part of them, or mixed with plain parameters
