@@ -623,7 +623,7 @@ class Runtime:
         for p in params:
             p = getattr(p, "_offload_placeholder", p)
             unit = getattr(p, "_offload_unit", None)
-            if unit is None or getattr(p, "_offload_rt", None) is not self:
+            if unit is None or getattr(p, "_offload_runtime", None) is not self:
                 continue
             by_unit.setdefault(id(unit), (unit, set()))[1].add(p._offload_slot)
         if by_unit:

@@ -80,9 +80,9 @@ class ConstructionCapture:
     on_apply), and torch.nn.init's public in-place functions (INIT_FUNCTIONS). For how long: from __enter__
     (Runtime.open) to stop() (rt.stop_capturing(), Runtime.close), the originals put back then; paused(), while
     the runtime builds modules of its own, puts them back for that time. register_parameter makes every parameter
-    registered meanwhile a placeholder (except a compiler-built module's, or one marked _offload_keep); __init__
-    notes each module built; the others call the original for a module or tensor that is not a placeholder. The
-    placeholders record the writes made on them, for materialize_unit to replay (init_record.py)."""
+    registered meanwhile a placeholder (except a compiler-built module's); __init__ notes each module built; the
+    others call the original for a module or tensor that is not a placeholder. The placeholders record the writes
+    made on them, for materialize_unit to replay (init_record.py)."""
 
     def __init__(self, on_module=None, on_load=None, on_apply=None):
         self.modules: list[weakref.ref] = []
@@ -98,8 +98,7 @@ class ConstructionCapture:
         orig_init = nn.Module.__init__
 
         def register_parameter(module, name, param):
-            if (param is not None and param.device.type != "meta" and not getattr(param, "_offload_keep", False)
-                    and not _compiler_built(module)):
+            if param is not None and param.device.type != "meta" and not _compiler_built(module):
                 meta = Placeholder(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
                 if _may_leave_unwritten(module):
                     # no initializer known to write every parameter of this module: keep the value (rule 3)
@@ -122,7 +121,7 @@ class ConstructionCapture:
             # first use would re-initialize): shard the model first, then load through the runtime.
             if capture.on_load is not None and is_meta_model(module):
                 capture.on_load(module)
-                if getattr(module, "_offload_runtime_ref", None) is not None:
+                if getattr(module, "_offload_runtime", None) is not None:
                     return module.load_state_dict(state_dict, strict=strict, assign=assign)
             return orig_load(module, state_dict, strict=strict, assign=assign)
 
@@ -132,7 +131,7 @@ class ConstructionCapture:
             # the same for reading: a model built in the block and not used yet has only placeholders
             if capture.on_load is not None and is_meta_model(module):
                 capture.on_load(module)
-                if getattr(module, "_offload_runtime_ref", None) is not None:
+                if getattr(module, "_offload_runtime", None) is not None:
                     return module.state_dict(*args, **kwargs)
             return orig_state_dict(module, *args, **kwargs)
 
