@@ -5,13 +5,14 @@ By default the package installs as pure Python and `offload._C` is compiled by n
 with the same sources and flags.
 """
 import os
+import sys
 
 from setuptools import setup
 
-if os.environ.get("OFFLOAD_BUILD_EXT") == "1":
-    import sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from offload import env  # noqa: E402 - the checkout's (no torch import): every OFFLOAD_* variable is read there
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if env.BUILD_EXT.on():
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
     from offload._build_spec import build_spec

@@ -9,6 +9,8 @@ import os
 import platform
 from pathlib import Path
 
+from . import env
+
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
 
@@ -45,7 +47,7 @@ def liburing_found(include: list[str], lib: list[str]) -> bool:
 
 
 def build_spec(csrc: Path | None = None) -> BuildSpec:
-    csrc = Path(os.environ.get("OFFLOAD_CSRC", csrc or CSRC))
+    csrc = Path(env.CSRC.get() or csrc or CSRC)
     if not (csrc / "module.cpp").exists():
         raise FileNotFoundError(
             f"offload: C++ sources not found at {csrc} (expected module.cpp); "
@@ -65,7 +67,7 @@ def build_spec(csrc: Path | None = None) -> BuildSpec:
               "-pthread"]
     ldflags = ["-pthread"]
     features = {"x86_64": platform.machine() in ("x86_64", "AMD64"), "liburing": False}
-    if os.environ.get("OFFLOAD_NO_URING") != "1" and liburing_found(include_dirs(), library_dirs()):
+    if not env.NO_URING.on() and liburing_found(include_dirs(), library_dirs()):
         features["liburing"] = True
         cflags.append("-DOFFLOAD_HAVE_LIBURING=1")
         ldflags.append("-luring")

@@ -1,16 +1,10 @@
 """Loads the C++ extension `offload._C`: prebuilt (setup.py with OFFLOAD_BUILD_EXT=1) or compiled by
 ninja on first use and cached. Without a compiler the callers fall back to plain torch, warned once.
 
-Environment:
-  OFFLOAD_BUILD_DIR    where the JIT build is cached (default ~/.cache/offload/ext/<torch version>)
-  OFFLOAD_DISABLE_EXT  "1": never load the extension (tests the plain-torch fallback)
-  OFFLOAD_NO_URING     "1": build without io_uring even when liburing is installed
-  OFFLOAD_NUM_THREADS  kernel threads at load time (default: usable cores)
-  OFFLOAD_BUILD_VERBOSE "1": print the compiler's commands and output (default: one line per object file)
-  OFFLOAD_ISA          SIMD path at load time: avx512 | avx2 | scalar | auto (the widest the CPU has);
-                       unset: the faster of AVX-512 and AVX2 for the AdamW kernel, timed once at load (a
-                       few ms). Some CPUs (AMD Zen 4) run AVX-512 at half the AVX2 rate here; every path
-                       gives bitwise the same results, so the choice changes only the speed.
+Environment (the table is offload/env.py's): OFFLOAD_BUILD_DIR, OFFLOAD_BUILD_VERBOSE and OFFLOAD_DISABLE_EXT
+at the first use; OFFLOAD_NUM_THREADS and OFFLOAD_ISA applied when it loads. With OFFLOAD_ISA unset the faster
+of AVX-512 and AVX2 for the AdamW kernel is timed once at load (a few ms): some CPUs (AMD Zen 4) run AVX-512 at
+half the AVX2 rate here; every path gives bitwise the same results, so the choice changes only the speed.
 """
 from __future__ import annotations
 
@@ -24,6 +18,8 @@ import time
 import warnings
 from pathlib import Path
 
+from . import env
+
 _lock = threading.Lock()
 _module = None
 _error: str | None = None
@@ -32,9 +28,8 @@ _warned = False
 
 
 def build_dir() -> Path:
-    env = os.environ.get("OFFLOAD_BUILD_DIR")
-    if env:
-        return Path(env)
+    if env.BUILD_DIR.get():
+        return Path(env.BUILD_DIR.get())
     import torch
 
     tag = torch.__version__.replace("+", "_")
@@ -132,7 +127,7 @@ def _first_error(exc: BaseException) -> str:
 
 
 def _load():
-    if os.environ.get("OFFLOAD_DISABLE_EXT") == "1":
+    if env.DISABLE_EXT.on():
         raise RuntimeError("disabled by OFFLOAD_DISABLE_EXT=1")
     try:  # ahead-of-time build
         return importlib.import_module("offload._C")
@@ -145,7 +140,7 @@ def _load():
     spec = build_spec()
     path = build_dir()
     path.mkdir(parents=True, exist_ok=True)
-    verbose = os.environ.get("OFFLOAD_BUILD_VERBOSE") == "1"
+    verbose = env.BUILD_VERBOSE.on()
     key = _build_key(spec)
     with _build_lock(path):
         # A first build takes minutes with nothing on screen: say what it does, or a new user sees a hang.
@@ -212,7 +207,7 @@ def _needs_build(spec, path: Path, key: str) -> bool:
 
 def _apply_env_settings(mod):
     # A bad value is the user's setting, not a missing compiler: raise, naming the variable.
-    threads = os.environ.get("OFFLOAD_NUM_THREADS")
+    threads = env.NUM_THREADS.get()
     if threads:
         if not threads.isdigit():
             raise _SettingError(f"OFFLOAD_NUM_THREADS must be a whole number >= 0, got {threads!r}")
@@ -220,7 +215,7 @@ def _apply_env_settings(mod):
             mod.set_num_threads(int(threads))
         except (ValueError, TypeError) as exc:
             raise _SettingError(f"OFFLOAD_NUM_THREADS={threads}: {exc}") from None
-    isa = os.environ.get("OFFLOAD_ISA")
+    isa = env.ISA.get()
     if isa:
         try:
             mod.set_isa(isa)

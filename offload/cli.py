@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from . import __version__
+from . import __version__, env
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def debugging() -> bool:
     """OFFLOAD_DEBUG=1: errors raise with their traceback instead of printing one line."""
-    return os.environ.get("OFFLOAD_DEBUG", "") not in ("", "0")
+    return env.DEBUG.on()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -142,6 +142,11 @@ class Config:
       fp32 moments, 8 bytes per parameter besides the master), "adamw-bf16" (offload.AdamW with
       moments_dtype=torch.bfloat16, 4), "adamw8bit" (offload.AdamW8bit, about 2) or "lion" (offload.Lion, 4). An optimizer that stores less than this is accepted (the placement was
       generous); one that stores more is refused, naming this setting.
+    compute_through_device_tier: a test mode for CPU-only machines, off by default (on a GPU it changes nothing).
+      The gathers and the device-side gradient accumulation take working copies of their shards in the device
+      tier (on a CPU, a region of host memory), as a GPU run's do, instead of reading the home copy in place:
+      the GPU's data path (device working copies of cpu- and nvme-homed shards, their write-back) runs and is
+      checked on a CPU. Slower, results bitwise the same (tests/test_zero_parity.py).
     """
 
     params: str = "auto"
@@ -169,6 +174,7 @@ class Config:
     activations: str = "none"
     activations_min_size: str | int = "1MiB"
     optimizer_states: str = "adamw"
+    compute_through_device_tier: bool = False
     # Keys of an imported DeepSpeed config that have no effect here (filled by from_deepspeed).
     deepspeed_ignored: tuple = dataclasses.field(default=(), compare=False, repr=False)
     # An imported DeepSpeed config's training sections (optimizer, scheduler, gradient_clipping, batch sizes), which
@@ -232,6 +238,9 @@ class Config:
         if self.activations == "nvme" and not self.nvme_path:
             raise ValueError("offload.Config.nvme_path: required because activations='nvme'; give a directory")
         parse_size(self.activations_min_size, "activations_min_size")
+        if not isinstance(self.compute_through_device_tier, bool):
+            raise ValueError("offload.Config.compute_through_device_tier: expected True or False, got "
+                             f"{self.compute_through_device_tier!r}")
         if not isinstance(self.pipeline, bool):
             raise ValueError(f"offload.Config.pipeline: expected True or False, got {self.pipeline!r}")
         if self.chunk_size is not None and parse_size(self.chunk_size, "chunk_size") < 8192:

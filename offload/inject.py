@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import os
 import time
 
+from . import env
 from .telemetry import Queue
 
 __all__ = ["delay", "pause", "delays", "Site", "out_of_memory_at", "allocation"]
@@ -33,7 +33,7 @@ class Site(enum.Enum):
 
 
 def _from_env() -> dict[Queue, float]:
-    spec = os.environ.get("OFFLOAD_INJECT_DELAY", "").strip()
+    spec = env.INJECT_DELAY.get()
     out: dict[Queue, float] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, _, seconds = item.partition("=")
@@ -72,7 +72,7 @@ def delay(queue: Queue, seconds: float):
 
 
 def _sites_from_env() -> set[Site]:
-    spec = os.environ.get("OFFLOAD_INJECT_OOM", "").strip()
+    spec = env.INJECT_OOM.get()
     try:
         return {Site(name.strip()) for name in spec.split(",") if name.strip()}
     except ValueError:

@@ -50,7 +50,9 @@ BF16_TOL = 1e-4  # zero_common / test_zero_parity's bf16 bound, against a refere
 def record_figure(name: str, **values) -> None:
     line = {"figure": name, **values}
     print(f"[gpu figure] {json.dumps(line, default=str)}", flush=True)
-    path = os.environ.get("OFFLOAD_GPU_FIGURES")
+    from offload import env
+
+    path = env.GPU_FIGURES.get()
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(line, default=str) + "\n")

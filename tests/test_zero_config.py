@@ -47,6 +47,7 @@ def test_defaults_and_dtypes():
     (dict(chunk_size="4KiB"), "chunk_size"),  # below the smallest chunk: it was raised to 8 KiB silently
     (dict(unit_classes=("Block",), unit_min_bytes="1MiB"), "unit_min_bytes"),
     (dict(unit_classes=(3,)), "unit_classes"),
+    (dict(compute_through_device_tier="1"), "compute_through_device_tier"),  # (it was an environment variable)
 ])
 def test_invalid_fields_are_named(fields, field):
     with pytest.raises(ValueError, match=field):

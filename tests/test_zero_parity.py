@@ -30,7 +30,6 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero_common import Case, step_flow, inblock_values_check, run_case, transformers_available  # noqa: E402
 
-from offload.zero.state_store import DEVICE_TIER_COMPUTE_ENV  # noqa: E402
 
 TIERS = ("device", "cpu", "nvme")
 
@@ -211,11 +210,12 @@ def test_parity_world1(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", grid(1), ids=lambda c: c.name)
-def test_parity_world1_with_compute_leases_in_the_device_tier(case, tmp_path, monkeypatch):
+def test_parity_world1_with_compute_leases_in_the_device_tier(case, tmp_path):
     """The same cases with the gathers' and the device accumulation's leases paging through the device tier as on
-    a GPU (OFFLOAD_DEVICE_TIER_COMPUTE; a CPU run otherwise lends them the home copy): the store's device working
-    copies of cpu- and nvme-homed shards, which only a GPU run makes, run here, with every queue slowed in turn."""
-    monkeypatch.setenv(DEVICE_TIER_COMPUTE_ENV, "1")
+    a GPU (Config.compute_through_device_tier; a CPU run otherwise lends them the home copy): the store's device
+    working copies of cpu- and nvme-homed shards, which only a GPU run makes, run here, with every queue slowed in
+    turn."""
+    case = dataclasses.replace(case, device_tier=True)
     result = run_case(case, str(tmp_path))
     check(result, case)
     if case.params != "device":
@@ -230,10 +230,10 @@ def first_failure(stderr: str) -> str:
     return head + "\n...\n" + stderr[-2000:]
 
 
-def run_ranks(tmp: Path, cases: list, world: int, **env_extra) -> dict:
+def run_ranks(tmp: Path, cases: list, world: int) -> dict:
     """Every case in one torchrun-launched gloo group of `world` ranks (tests/zero_worker.py): {name: result}."""
     (tmp / "cases.json").write_text(json.dumps([dataclasses.asdict(c) for c in cases]))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent), **env_extra)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
            str(Path(__file__).with_name("zero_worker.py")), str(tmp / "cases.json"), str(tmp / "out.json"), str(tmp)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -254,13 +254,14 @@ def test_parity_world2(case, world2_results):
 def device_tier_cases_world2():
     """Two ranks with compute leases in the device tier (as the one-rank grid above): the tiers, accumulation, and
     every queue slowed in turn."""
-    return [Case(world=2, params=p, optimizer=o, accum=4) for p, o in (("cpu", "cpu"), ("nvme", "nvme"))] + \
+    cases = [Case(world=2, params=p, optimizer=o, accum=4) for p, o in (("cpu", "cpu"), ("nvme", "nvme"))] + \
         [Case(world=2, params="cpu", optimizer="cpu", grads="device")] + delay_cases(2)
+    return [dataclasses.replace(c, device_tier=True) for c in cases]
 
 
 @pytest.fixture(scope="module")
 def world2_device_tier_results(tmp_path_factory):
-    return run_ranks(tmp_path_factory.mktemp("w2dev"), device_tier_cases_world2(), 2, **{DEVICE_TIER_COMPUTE_ENV: "1"})
+    return run_ranks(tmp_path_factory.mktemp("w2dev"), device_tier_cases_world2(), 2)
 
 
 @pytest.mark.parametrize("case", device_tier_cases_world2(), ids=lambda c: c.name)

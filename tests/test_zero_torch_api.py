@@ -93,6 +93,17 @@ def test_two_forwards_then_two_backwards_accumulate_as_torch():
     assert _worst(got, ref) < 1e-5
 
 
+def test_one_back_reference_to_the_runtime_on_modules_and_parameters():
+    """`_offload_runtime`, on every module of a wrapped model and on every parameter (docs/environment.md): the
+    one name; the two others it had (`_offload_rt`, `_offload_runtime_ref`) are gone."""
+    with offload.init(_cfg()) as rt:
+        model = rt.wrap(TinyTransformer())
+        for obj in [*model.modules(), *model.parameters()]:
+            assert obj._offload_runtime is rt, type(obj)
+            assert not hasattr(obj, "_offload_rt") and not hasattr(obj, "_offload_runtime_ref"), type(obj)
+        assert not hasattr(nn.Linear(2, 2), "_offload_runtime")  # a module built outside no runtime owns
+
+
 def test_submodule_zero_grad_clears_only_its_parameters():
     torch.manual_seed(0)
     base = TinyTransformer()

@@ -164,6 +164,8 @@ class Case:
     # again later: steps are skipped, speculative updates voided, and clipping fires at others
     scaler_init: float = 2.0 ** 20
     scaler_growth_interval: int = 2
+    # Config.compute_through_device_tier: a CPU run's gathers page through the device tier as a GPU run's do
+    device_tier: bool = False
 
     @property
     def name(self) -> str:
@@ -177,7 +179,8 @@ class Case:
                 f"{'-update_in_backward' if self.update_in_backward else ''}"
                 f"{'-reduce_' + self.reduce_dtype if self.reduce_dtype != 'fp32' else ''}"
                 f"{'-' + self.family if self.family != 'adamw' else ''}"
-                f"{'-slow_' + self.delay.replace('=', '') if self.delay else ''}")
+                f"{'-slow_' + self.delay.replace('=', '') if self.delay else ''}"
+                f"{'-device_tier' if self.device_tier else ''}")
 
 
 def max_norm(case: Case, s: int) -> float:
@@ -364,7 +367,8 @@ def offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str,
                          nvme_path=nvme_dir if "nvme" in (case.params, case.optimizer, case.grads) else None,
                          device_budget="256MiB", cpu_budget=case.cpu_budget, pipeline=pipeline,
                          update_in_backward=case.update_in_backward, reduce_dtype=case.reduce_dtype,
-                         optimizer_states=case.family, chunk_size=case.chunk_size)
+                         optimizer_states=case.family, chunk_size=case.chunk_size,
+                         compute_through_device_tier=case.device_tier)
     losses, snaps, norms = [], {}, []
     mine = slice(rank * MICRO, (rank + 1) * MICRO)
     with offload.init(cfg) as rt:

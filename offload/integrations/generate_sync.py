@@ -28,7 +28,7 @@ def _runtime_of(model):
     not used yet (meta parameters, wrapped at its first forward) the current one."""
     meta = False
     for p in model.parameters():
-        rt = getattr(p, "_offload_rt", None)
+        rt = getattr(p, "_offload_runtime", None)
         if rt is not None:
             return rt
         meta = meta or p.is_meta

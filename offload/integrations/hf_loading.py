@@ -2,8 +2,14 @@
 (any PreTrainedModel class) builds the model as placeholders and streams DIR's safetensors into the store unit by
 unit, so no rank ever holds the whole model (host memory while loading: about the cpu budget plus a few units),
 as `rt.wrap(model, weights=...)` does for `offload finetune`. Outside a runtime from_pretrained is transformers'
-own. Installed when this module is imported: the runtime imports it when it opens if transformers is loaded, and
-the Trainer integration imports it. Arguments that would change where or how weights load are refused by name.
+own. Arguments that would change where or how weights load are refused by name.
+
+What is patched, where and for how long: `transformers.PreTrainedModel.from_pretrained` (the classmethod every
+model class inherits), replaced process-wide when this module is first imported (by Runtime.open when transformers
+is loaded, or by importing offload.integrations.transformers), and never put back: the replacement asks
+offload.zero.runtime.current() at each call and, with no runtime open, calls transformers' own with the same
+arguments. A model class that defines its own from_pretrained is not affected. docs/environment.md ("What offload
+patches") lists every patch offload makes.
 """
 from __future__ import annotations
 

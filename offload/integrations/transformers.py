@@ -152,7 +152,7 @@ def _close_runtime(rt) -> None:
 
 def _sharded_by(model):
     """The runtime whose units hold the model's parameters, or None (not sharded yet)."""
-    return next((p._offload_rt for p in model.parameters() if hasattr(p, "_offload_rt")), None)
+    return next((p._offload_runtime for p in model.parameters() if hasattr(p, "_offload_runtime")), None)
 
 
 def _flat_arguments(sig: inspect.Signature, bound: inspect.BoundArguments) -> dict:

@@ -21,10 +21,9 @@ allocated then and freed later goes back to it (or to the OS once uninstalled).
 """
 from __future__ import annotations
 
-import os
 import threading
 
-from .. import _ext
+from .. import _ext, env
 from .sizes import parse_size
 
 MIN_BYTES = 128 << 10  # smaller requests stay with glibc (its frugal mmap threshold: no fragmentation above it)
@@ -37,7 +36,7 @@ _holders = 0
 def headroom_bytes() -> int:
     """OFFLOAD_HOST_POOL_HEADROOM ("128MiB" by default): more keeps more freed blocks for reuse (fewer fresh
     mappings, whose pages fault in again), less keeps resident memory nearer the step's own peak."""
-    value = os.environ.get("OFFLOAD_HOST_POOL_HEADROOM", DEFAULT_HEADROOM)
+    value = env.HOST_POOL_HEADROOM.get() or DEFAULT_HEADROOM
     try:
         return parse_size(value)
     except ValueError as e:

@@ -25,6 +25,8 @@ import platform
 
 import torch
 
+from .. import env
+
 __all__ = ["online_nodes", "pci_numa_node", "gpu_node", "arena_node", "prefer", "nodes_of"]
 
 _SYSFS = "/sys"
@@ -91,7 +93,7 @@ def gpu_node(device: torch.device) -> int | None:
 def arena_node(device: torch.device) -> int | None:
     """The node the cpu tier's arena prefers: OFFLOAD_NUMA_NODE if a number; none if "off"; "auto": the GPU's
     node where the machine has several (with one node there is nothing to choose)."""
-    value = os.environ.get("OFFLOAD_NUMA_NODE", "auto").strip().lower()
+    value = env.NUMA_NODE.get().lower()
     if value == "off":
         return None
     if value != "auto":

@@ -14,11 +14,12 @@ instead of 8.1 ms here).
 """
 from __future__ import annotations
 
-import os
 import resource
 import sys
 
 import torch
+
+from .. import env
 
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
@@ -46,7 +47,7 @@ def malloc_mode(device: torch.device) -> str:
     only transients: keep RSS tight) and "pool" on a CPU (the "device tier" is host memory: activations,
     gathered units and gradients are all host transients); "pool", "frugal", "fast", or "off" (leave glibc
     alone)."""
-    mode = os.environ.get("OFFLOAD_MALLOC_TUNE", "auto").strip().lower()
+    mode = env.MALLOC_TUNE.get().lower()
     if mode == "auto":
         return "frugal" if device.type == "cuda" else "pool"
     if mode in ("0", "off"):

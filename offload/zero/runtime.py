@@ -191,7 +191,8 @@ class Runtime:
                 self.config = cfg = dataclasses.replace(cfg, compute_dtype="fp32")
                 self.compute_dtype = torch.float32
                 self.compute_dtype_reason = "fp32: another rank's CPU multiplies bf16 slowly"
-        self.states = UnitStateStore(self.device, self.budgets, cfg.nvme_path, self.group.rank, cfg.swap_checksums)
+        self.states = UnitStateStore(self.device, self.budgets, cfg.nvme_path, self.group.rank, cfg.swap_checksums,
+                                     cfg.compute_through_device_tier)
         # the store rounded the budgets to pages (the same on every rank): plan against what it enforces
         self.budgets = {t: self.states.capacity(t) for t in ("device", "cpu")} | {"nvme": self.budgets["nvme"]}
         # each lane issues its collectives on a group of its own (created in the same order on every rank)
@@ -622,7 +623,7 @@ class Runtime:
         for p in params:
             p = getattr(p, "_offload_placeholder", p)
             unit = getattr(p, "_offload_unit", None)
-            if unit is None or getattr(p, "_offload_rt", None) is not self:
+            if unit is None or getattr(p, "_offload_runtime", None) is not self:
                 continue
             by_unit.setdefault(id(unit), (unit, set()))[1].add(p._offload_slot)
         if by_unit:

@@ -36,7 +36,6 @@ from .units.shards import ShardKey, ShardSpec
 ALLOC_TIMEOUT_S = 120.0  # a buffer that cannot be had in this long is a planning error: raise, never hang
 RUN_DIR_PREFIX = "offload-"  # a run directory is nvme_path/offload-<pid>-rank<r>-<random>
 SWAP_LOCK = "offload swap"  # what a run directory's lock says it is for (only such directories are ever removed)
-DEVICE_TIER_COMPUTE_ENV = "OFFLOAD_DEVICE_TIER_COMPUTE"  # "1": a CPU run's compute leases page as a GPU's do
 
 
 class Use(enum.Enum):
@@ -113,7 +112,7 @@ class HostCopyLease:
 
 class UnitStateStore:
     def __init__(self, device: torch.device, budgets: dict, nvme_path: str | None, rank: int = 0,
-                 checksums: bool = True):
+                 checksums: bool = True, compute_through_device_tier: bool = False):
         self.device = torch.device(device)
         self.run_dir: Path | None = None
         self._run_lock: DirLock | None = None
@@ -142,9 +141,9 @@ class UnitStateStore:
         self._registered: set[ShardKey] = set()
         self._resident: dict[ShardKey, Lease] = {}
         # Compute leases take working copies in the device tier: on a GPU always. On a CPU run the compute device
-        # reads host memory, so they lend the home (cpu) copy, unless OFFLOAD_DEVICE_TIER_COMPUTE=1 (tests): then
-        # they page through the device tier (host memory there) as on a GPU, and CPU CI runs the GPU's moves.
-        self.compute_in_device_tier = self.device.type != "cpu" or os.environ.get(DEVICE_TIER_COMPUTE_ENV) == "1"
+        # reads host memory, so they lend the home (cpu) copy, unless Config.compute_through_device_tier (tests):
+        # then they page through the device tier (host memory there) as on a GPU, and CPU CI runs the GPU's moves.
+        self.compute_in_device_tier = self.device.type != "cpu" or compute_through_device_tier
 
     # ---- budgets ----------------------------------------------------------------------------
     def capacity(self, tier: str) -> int:

@@ -8,7 +8,8 @@ custom model's `module.weight.data.normal_(0, 0.02)`, `p.data[pad].zero_()`, `p.
 nothing. Each placeholder the capture makes is a `Placeholder` (an nn.Parameter subclass, turned back into a
 plain nn.Parameter when its unit takes it, wrap._adopt), whose __torch_function__ sees every torch call on it:
   - an in-place call (a method or function named `..._`, `__setitem__`, `p.data = x`), and any torch.nn.init
-    function (patched while the block is open, so their own inner calls are not recorded twice), on the
+    function (replaced in torch.nn.init, for the process, while the block is open: materialize.ConstructionCapture
+    installs recording_init for each of INIT_FUNCTIONS; so their own inner calls are not recorded twice), on the
     placeholder or on a view of it is recorded on the placeholder with the views' path, to run in that order
     on the real tensor; one also reading another placeholder is recorded as refused (raised, naming rt.wrap,
     when a model outside Hugging Face's is materialized: its values do not exist yet);

@@ -4,7 +4,9 @@ Choice: while the block is open, `nn.Module.register_parameter` is patched so ev
 registers is replaced by a meta tensor of the same shape, dtype and requires_grad (buffers stay real:
 they are small and often computed in __init__, e.g. rotary frequencies). Construction therefore costs at
 most one real parameter at a time. Models are also recorded as they are created (`nn.Module.__init__`),
-so the runtime can find the outermost ones later.
+so the runtime can find the outermost ones later. The patches are on the classes, so for the whole process
+(every thread, every module built meanwhile), from Runtime.open to rt.stop_capturing() or the runtime's close;
+ConstructionCapture lists them, and docs/environment.md ("What offload patches") lists every patch offload makes.
 
 When the model is first used (its first forward, `offload.AdamW(model.parameters())`, or `rt.wrap`),
 units are materialized one at a time: real tensors for the unit's parameters, each starting as it would in an
@@ -72,10 +74,15 @@ def _compiler_built(module: nn.Module) -> bool:
 class ConstructionCapture:
     """Context that turns parameter registration into meta placeholders and records created modules.
 
-    While it is open (the block; paused while the runtime builds its own modules) it patches, on the classes:
-    nn.Module's register_parameter, __init__, load_state_dict, state_dict and _apply (a model built here and not
-    used yet: .to()/.cuda()/.float() reach its buffers, on_apply), and torch.nn.init's public in-place functions;
-    the placeholders it makes record the writes made on them, for materialize_unit to replay (init_record.py)."""
+    What it patches, process-wide (on the classes and the torch.nn.init module, so every thread and every module
+    built meanwhile, not only the user's model): nn.Module.register_parameter, __init__, load_state_dict,
+    state_dict and _apply (a model built here and not used yet: .to()/.cuda()/.float() reach its buffers,
+    on_apply), and torch.nn.init's public in-place functions (INIT_FUNCTIONS). For how long: from __enter__
+    (Runtime.open) to stop() (rt.stop_capturing(), Runtime.close), the originals put back then; paused(), while
+    the runtime builds modules of its own, puts them back for that time. register_parameter makes every parameter
+    registered meanwhile a placeholder (except a compiler-built module's); __init__ notes each module built; the
+    others call the original for a module or tensor that is not a placeholder. The placeholders record the writes
+    made on them, for materialize_unit to replay (init_record.py)."""
 
     def __init__(self, on_module=None, on_load=None, on_apply=None):
         self.modules: list[weakref.ref] = []
@@ -91,8 +98,7 @@ class ConstructionCapture:
         orig_init = nn.Module.__init__
 
         def register_parameter(module, name, param):
-            if (param is not None and param.device.type != "meta" and not getattr(param, "_offload_keep", False)
-                    and not _compiler_built(module)):
+            if param is not None and param.device.type != "meta" and not _compiler_built(module):
                 meta = Placeholder(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
                 if _may_leave_unwritten(module):
                     # no initializer known to write every parameter of this module: keep the value (rule 3)
@@ -115,7 +121,7 @@ class ConstructionCapture:
             # first use would re-initialize): shard the model first, then load through the runtime.
             if capture.on_load is not None and is_meta_model(module):
                 capture.on_load(module)
-                if getattr(module, "_offload_runtime_ref", None) is not None:
+                if getattr(module, "_offload_runtime", None) is not None:
                     return module.load_state_dict(state_dict, strict=strict, assign=assign)
             return orig_load(module, state_dict, strict=strict, assign=assign)
 
@@ -125,7 +131,7 @@ class ConstructionCapture:
             # the same for reading: a model built in the block and not used yet has only placeholders
             if capture.on_load is not None and is_meta_model(module):
                 capture.on_load(module)
-                if getattr(module, "_offload_runtime_ref", None) is not None:
+                if getattr(module, "_offload_runtime", None) is not None:
                     return module.state_dict(*args, **kwargs)
             return orig_state_dict(module, *args, **kwargs)
 

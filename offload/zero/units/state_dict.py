@@ -75,7 +75,7 @@ def write_full(rt, unit, full: torch.Tensor) -> None:
 def wrapped_state_dict(module: nn.Module, *args, destination=None, prefix: str = "", keep_vars: bool = False):
     if _RAW[0]:
         return nn.Module.state_dict(module, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-    rt = module._offload_runtime_ref
+    rt = module._offload_runtime
     rt._check_open(f"{type(module).__name__}.state_dict() on a wrapped model")
     rt.every_rank_calls(f"{type(module).__name__}.state_dict()")  # collective: refused on one rank, not hung
     rt.backward_updates.check_quiet("model.state_dict")  # values of a step that may yet clip are not the model's
@@ -104,7 +104,7 @@ def wrapped_load_state_dict(module: nn.Module, state_dict, strict: bool = True, 
     its load pre- and post-hooks are what they are without the runtime, run with assign=True over the parameter
     placeholders: each loaded tensor is only put in its module's place, and taken from there into the shards."""
     del assign  # the runtime owns parameter storage: values are always copied into its shards
-    rt = module._offload_runtime_ref
+    rt = module._offload_runtime
     rt._check_open(f"{type(module).__name__}.load_state_dict() on a wrapped model")
     rt.every_rank_calls(f"{type(module).__name__}.load_state_dict()")
     rt.backward_updates.check_quiet("model.load_state_dict")  # a speculated update would shadow what is loaded

@@ -1,8 +1,9 @@
 """What a wrapped model's modules do differently, so plain PyTorch code keeps working on it.
 
-Each module of a wrapped model gets a class of its own: `OffloadModule` before its class in the MRO, as
-FSDP2's fully_shard does (one class per original class, made once, with the original's name, so code that
-reads `type(model).__name__` - Hugging Face's `architectures` in config.json - sees what it saw before).
+Each module of a wrapped model gets, for the model's life (that model only: rt.wrap, patch_model below), a class
+of its own: `OffloadModule` before its class in the MRO, as FSDP2's fully_shard does (one class per original
+class, made once, with the original's name, so code that reads `type(model).__name__` - Hugging Face's
+`architectures` in config.json - sees what it saw before).
 On instances only where torch looks there first (the parameter placeholders' refused gradient hooks, wrap.py;
 the zero_grad of torch.compile's wrapper, route_compiled_zero_grad below):
   _apply          model.to() / .cuda() / .float() reach only buffers: the runtime places and casts parameters; a
@@ -16,9 +17,10 @@ the zero_grad of torch.compile's wrapper, route_compiled_zero_grad below):
                   placeholder here): the runtime's compute device and dtype, so `inputs.to(model.device)` works
   deepcopy/pickle refused, naming the fix: the values live in the runtime's shards, not in the module
 
-Globally, while at least one runtime is open (ForeignCodeGuards: installed by Runtime.open, removed by its close,
-counted over runtimes), the torch calls that would otherwise do nothing to a wrapped model in silence, its
-placeholders having no .grad:
+Process-wide, while at least one runtime is open (ForeignCodeGuards: installed by Runtime.open, removed by its close,
+counted over runtimes; the originals are put back when the last one closes), the torch calls that would otherwise
+do nothing to a wrapped model in silence, its placeholders having no .grad (each hands anything that is not a
+wrapped model's to the original). docs/environment.md ("What offload patches") lists every patch offload makes:
   torch.nn.utils.clip_grad_norm_     (also torch.nn.utils.clip_grad's) over a wrapped model's parameters: routed
                                      to rt.clip_grad_norm_, the same norm and coefficient (Accelerate's
                                      clip_grad_norm_ calls it); over part of them, or mixed with plain parameters
@@ -52,19 +54,21 @@ from .state_dict import wrapped_load_state_dict, wrapped_state_dict
 
 
 class OffloadModule:
-    """Mixin of every module of a wrapped model; `_offload_runtime_ref` is the runtime that owns it."""
+    """Mixin of every module of a wrapped model. `_offload_runtime` is the runtime that owns it: the one
+    back-reference offload sets, on each module of a wrapped model (patch_model) and on each of its parameters
+    (wrap.py); docs/environment.md lists every attribute offload sets on objects it does not own."""
 
-    _offload_runtime_ref = None
+    _offload_runtime = None
 
     def _apply(self, fn, recurse: bool = True):
         """The runtime places and casts parameters (Config.compute_dtype, the compute device), so
         .to()/.cuda()/.float() reach only the buffers; parameters stay placeholders."""
-        rt = self._offload_runtime_ref
+        rt = self._offload_runtime
         return placed_apply(self, fn, recurse, rt.device, rt.compute_dtype)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the runtime's gradients of this module's parameters."""
-        self._offload_runtime_ref.zero_grad_params(self.parameters(), set_to_none)
+        self._offload_runtime.zero_grad_params(self.parameters(), set_to_none)
 
     state_dict = wrapped_state_dict
     load_state_dict = wrapped_load_state_dict
@@ -138,9 +142,9 @@ def offload_class(cls: type) -> type:
     if made is None:
         body = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
         if isinstance(getattr(cls, "device", None), property):
-            body["device"] = property(lambda self: self._offload_runtime_ref.device)
+            body["device"] = property(lambda self: self._offload_runtime.device)
         if isinstance(getattr(cls, "dtype", None), property):
-            body["dtype"] = property(lambda self: self._offload_runtime_ref.compute_dtype)
+            body["dtype"] = property(lambda self: self._offload_runtime.compute_dtype)
         made = type(cls.__name__, (OffloadModule, cls), body)
         _CLASSES[cls] = made
     return made
@@ -149,7 +153,7 @@ def offload_class(cls: type) -> type:
 def patch_model(model: nn.Module, runtime) -> None:
     for m in model.modules():
         m.__class__ = offload_class(type(m))
-        m._offload_runtime_ref = runtime
+        m._offload_runtime = runtime
 
 
 def route_compiled_zero_grad(compiled: nn.Module) -> None:
@@ -157,7 +161,7 @@ def route_compiled_zero_grad(compiled: nn.Module) -> None:
     placeholders and clears nothing of the runtime's gradients, which then sum over the steps. Routed to the
     wrapped model's zero_grad (an instance attribute, found before the class's method); anything else: no-op."""
     inner = getattr(compiled, "_orig_mod", None)
-    if inner is not None and getattr(inner, "_offload_runtime_ref", None) is not None:
+    if inner is not None and getattr(inner, "_offload_runtime", None) is not None:
         compiled.__dict__["zero_grad"] = inner.zero_grad
 
 
@@ -166,7 +170,7 @@ def route_compiled_zero_grad(compiled: nn.Module) -> None:
 def _runtime_of(p):
     """The runtime owning `p` (a wrapped model's placeholder, or a gathered unit's view), else None."""
     p = getattr(p, "_offload_placeholder", p)
-    return getattr(p, "_offload_rt", None)
+    return getattr(p, "_offload_runtime", None)
 
 
 _FIX_CLIP = "call rt.clip_grad_norm_(max_norm) (the global norm over every shard and rank)"

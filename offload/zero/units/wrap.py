@@ -115,7 +115,6 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
     refuse = torch.compiler.disable(lambda module, _: refuse_unmanaged(module),
                                     reason="offload: the check of unmanaged parameters runs eagerly")
     rt._hooks.append(model.register_forward_pre_hook(refuse, prepend=True))
-    model._offload_runtime = rt
     rt.models.append(model)
     rt.attach_activation_offload(model)
     return model
@@ -156,7 +155,7 @@ def _adopt(rt, unit: ShardedUnit, spec, ordinal: dict) -> None:
         p.__class__ = Sharded  # writes into it and reads of its values are refused from now on (init_record.py)
         p._offload_unit = unit
         p._offload_slot = slot.index
-        p._offload_rt = rt
+        p._offload_runtime = rt  # the one back-reference, as on the modules (torch_patches.patch_model)
         p.register_hook = p.register_post_accumulate_grad_hook = _hook_refused(slot.fqn)
         unit.placeholders.append(p)
         unit.views[slot.index]._offload_placeholder = p  # model.parameters() while gathered (later views: unit)

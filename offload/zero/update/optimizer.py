@@ -95,7 +95,7 @@ class ShardedOptimizer:
                         "model inside `with offload.init(...)` before creating the optimizer, and pass only "
                         "its parameters"
                     )
-                runtimes.add(p._offload_rt)
+                runtimes.add(p._offload_runtime)
         if len(runtimes) > 1:
             raise ValueError(f"{name}: parameters from several offload runtimes")
         self.rt = runtimes.pop()
