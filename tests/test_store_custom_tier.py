@@ -7,7 +7,9 @@ import sys
 import pytest
 import torch
 
-from offload.store import LeaseMode, Residency, StoreConfig, SwapCorruptError, SwapSpaceError, TieredStore
+from offload.store import (LeaseMode, Residency, StoreConfig, SwapCorruptError, SwapSpaceError, TieredStore,
+                           register_storage_tier)
+from offload.store.nvme_tier import NvmeTier
 from offload.store.swap_file import page_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -152,3 +154,21 @@ def test_bad_tier_names_are_named(tmp_path):
         st.register("f", 10, home="file2").result()
         with pytest.raises(ValueError, match=r"home tier \(file2\) or a faster one"):
             st.fetch("f", "file2")
+
+
+def test_a_second_nvme_path_is_one_registration(tmp_path):
+    """The nvme tier itself on another directory, under another name: its own swap files, budget and links."""
+    register_storage_tier("nvme2", NvmeTier.on_path("nvme2"))
+    with TieredStore(StoreConfig(device_budget="8MiB", cpu_budget="8MiB", nvme_budget="1MiB",
+                                 nvme_path=str(tmp_path / "a"),
+                                 tiers={"nvme2": {"path": str(tmp_path / "b"), "budget": "256KiB"}})) as st:
+        x, y = rand(50_000, torch.float32, 1), rand(50_000, torch.float32, 2)
+        st.register("x", 50_000, home="nvme", init=x).result()
+        st.register("y", 50_000, home="nvme2", init=y).result()
+        with pytest.raises(SwapSpaceError, match=r"nvme2 budget .* raise StoreConfig.tiers\['nvme2'\]\['budget'\]"):
+            st.register("z", 50_000, home="nvme2").result()
+        assert same(st.fetch("x", "device").result(), x) and same(st.fetch("y", "device").result(), y)
+        s = st.stats()
+        assert s["moved"]["nvme->cpu"] == s["moved"]["nvme2->cpu"] == 200_000
+        assert s["nvme"]["bytes_in_use"] == s["nvme2"]["bytes_in_use"] == page_bytes(200_000)
+        assert sorted(os.path.dirname(p) for p in st.swap_paths()) == [str(tmp_path / "a"), str(tmp_path / "b")]

@@ -1,6 +1,10 @@
 """The nvme tier: shards' bytes in preallocated swap files, one per tier class (swap_file.py), read and written
 by the async O_DIRECT engine (aio.py), within the nvme budget (budget.py's rule). A StorageTier
-(storage_tier.py); the store builds it when StoreConfig.nvme_path is set.
+(storage_tier.py); the store builds it when StoreConfig.nvme_path is set. A second drive is one more of them
+under another name:
+
+    register_storage_tier("nvme2", NvmeTier.on_path("nvme2"))
+    StoreConfig(nvme_path="/nvme0/run", tiers={"nvme2": {"path": "/nvme1/run", "budget": "500GiB"}})
 """
 from __future__ import annotations
 
@@ -40,17 +44,21 @@ class _Read:
 
 
 class NvmeTier(StorageTier):
-    name = "nvme"
-    read_link = Link.NVME_TO_CPU
-    write_link = Link.CPU_TO_NVME
-
-    def __init__(self, config):
+    def __init__(self, config, name: str = "nvme", path: str | None = None, budget: int | str | None = None):
+        """The tier of StoreConfig.nvme_path and nvme_budget, or (`name` other than "nvme") of `path` and
+        `budget` ("auto": the nvme rule on that drive), with the store's aio settings."""
+        self.name = name
+        if name == "nvme":
+            self.read_link, self.write_link = Link.NVME_TO_CPU, Link.CPU_TO_NVME
+            path, budget = config.nvme_path, config.nvme_budget
+        else:
+            self.read_link, self.write_link = self.links_of(name)
         self.rank = config.rank
-        self._capacity = resolve_budget(config.nvme_budget, "nvme", nvme_path=config.nvme_path)
+        self._capacity = resolve_budget(budget, "nvme", nvme_path=path)
         self._used = 0
         self.files: dict[str, SwapFile] = {}
         self.engine: AioEngine | None = None
-        self.dir = SwapDir(config.nvme_path)
+        self.dir = SwapDir(path)
         try:
             self.engine = AioEngine(config.aio_block_size, config.aio_queue_depth, config.aio_workers,
                                     config.aio_backend)
@@ -64,6 +72,21 @@ class NvmeTier(StorageTier):
             raise ValueError(f"StoreConfig.tiers['nvme']: the nvme tier takes no settings ({sorted(settings)}); "
                              "give nvme_path, nvme_budget and aio_* in StoreConfig")
         return cls(config)
+
+    @classmethod
+    def on_path(cls, name: str):
+        """A factory for register_storage_tier: an nvme tier `name` on its own drive, settings {"path": the swap
+        directory, "budget": a size or "auto"}."""
+        def build(config, settings: dict) -> "NvmeTier":
+            if "path" not in settings or set(settings) - {"path", "budget"}:
+                raise ValueError(f"StoreConfig.tiers[{name!r}]: give 'path' (the swap directory) and optionally "
+                                 f"'budget' (a size or 'auto'), not {sorted(settings)}")
+            return cls(config, name, settings["path"], settings.get("budget", "auto"))
+        return build
+
+    @property
+    def _setting(self) -> str:
+        return "nvme_budget" if self.name == "nvme" else f"StoreConfig.tiers[{self.name!r}]['budget']"
 
     @property
     def capacity(self) -> int:
@@ -87,8 +110,9 @@ class NvmeTier(StorageTier):
         if self._used + slot_bytes > self._capacity:
             raise SwapSpaceError(
                 28,  # ENOSPC
-                f"shard {shard!r} needs {slot_bytes} bytes of swap but the nvme budget of "
-                f"{format_bytes(self._capacity)} has {self._capacity - self._used} bytes left; raise nvme_budget",
+                f"shard {shard!r} needs {slot_bytes} bytes of swap but the {self.name} budget of "
+                f"{format_bytes(self._capacity)} has {self._capacity - self._used} bytes left; "
+                f"raise {self._setting}",
             )
         # the budget bounds the disk the files take, not only the live slots: freed space that no slot fits in
         # still takes its blocks
@@ -96,10 +120,10 @@ class NvmeTier(StorageTier):
         if files + grow > self._capacity:
             raise SwapSpaceError(
                 28,  # ENOSPC
-                f"shard {shard!r} needs {slot_bytes} bytes of swap; the nvme budget of "
+                f"shard {shard!r} needs {slot_bytes} bytes of swap; the {self.name} budget of "
                 f"{format_bytes(self._capacity)} holds the live shards' {format_bytes(self._used)}, but the swap "
                 f"files take {format_bytes(files)} and this slot would grow them by {format_bytes(grow)} (freed "
-                "slots too small or scattered to hold it); raise nvme_budget",
+                f"slots too small or scattered to hold it); raise {self._setting}",
             )
         slot = NvmeSlot(swap, swap.reserve(nbytes), nbytes)
         self._used += slot_bytes
@@ -141,4 +165,4 @@ class NvmeTier(StorageTier):
             raise first
 
 
-register_storage_tier(NvmeTier.name, NvmeTier.build)
+register_storage_tier("nvme", NvmeTier.build)

@@ -78,7 +78,7 @@ from .arena import ArenaBusyError, ArenaFullError, PinnedArena
 from .budget import DeviceTier, resolve_budget
 from .lease import Lease, LeaseMode, resolved
 from .links import Link, LinkMeter
-from .nvme_tier import NvmeTier
+from . import nvme_tier  # noqa: F401  (registers the "nvme" storage tier)
 from .residency import TRANSITIONS, Residency, Tier
 from .sizes import format_bytes
 from .storage_tier import StorageTier, build_storage_tier
@@ -197,7 +197,7 @@ class TieredStore:
             dev_cap = resolve_budget(cfg.device_budget, "device",
                                      device=self.device if self.device.type == "cuda" else None) // page * page
             self._nvme_budget = resolve_budget(cfg.nvme_budget, "nvme", nvme_path=cfg.nvme_path)  # checked always
-            wanted = ({NvmeTier.name: {}} if cfg.nvme_path is not None else {}) | dict(cfg.tiers)
+            wanted = ({Tier.NVME.value: {}} if cfg.nvme_path is not None else {}) | dict(cfg.tiers)
             for tier_name, settings in wanted.items():
                 tier = self._storage[tier_name] = build_storage_tier(tier_name, cfg, settings)
                 self._links.add(tier.read_link)
@@ -554,11 +554,11 @@ class TieredStore:
 
     @property
     def _engine(self):  # the nvme tier's engine and swap files (tests reach them to inject faults)
-        return self._storage[NvmeTier.name].engine
+        return self._storage[Tier.NVME.value].engine
 
     @property
     def _swap(self) -> dict:
-        return self._storage[NvmeTier.name].files if NvmeTier.name in self._storage else {}
+        return self._storage[Tier.NVME.value].files if Tier.NVME.value in self._storage else {}
 
     def close(self, cancel: bool = False) -> None:
         """Waits for running moves (cancelling queued ones when `cancel`), joins the workers, frees the
