@@ -8,6 +8,9 @@ Knows nothing about modules or optimizers.
     PinnedArena                arena.py         (one page-locked allocation, exact sub-allocation)
     parse_size, format_bytes   sizes.py         ("60GiB")
     resolve_budget, ...        budget.py        ("auto" budgets, the swap rule, budgets vs the machine)
+    StorageTier, register_storage_tier
+                               storage_tier.py  (what a home tier below cpu does, and the registry: docs/tiers.md)
+    NvmeTier                   nvme_tier.py     (the nvme tier: swap files through the aio engine)
     SwapDir, SwapFile          swap_file.py     (preallocated swap files)
     AioEngine                  aio.py           (async O_DIRECT engine)
 """
@@ -18,6 +21,7 @@ from .lease import Lease, LeaseMode
 from .links import Link
 from .residency import Residency, Tier
 from .sizes import format_bytes, parse_size
+from .storage_tier import StorageTier, register_storage_tier
 from .swap_file import SwapSpaceError
 from .tiered_store import ShardInfo, StoreConfig, StoreError, SwapCorruptError, TieredStore
 
@@ -25,5 +29,5 @@ __all__ = [
     "TieredStore", "StoreConfig", "StoreError", "SwapCorruptError", "ShardInfo", "Residency", "Tier",
     "PinnedArena", "ArenaBlock", "ArenaFullError", "ArenaBusyError", "SwapSpaceError", "Lease", "LeaseMode", "Link",
     "parse_size", "format_bytes", "resolve_budget", "AUTO_FRACTION", "nvme_budget_bytes", "host_memory",
-    "check_fits_machine", "ranks_on_this_node",
+    "check_fits_machine", "ranks_on_this_node", "StorageTier", "register_storage_tier",
 ]

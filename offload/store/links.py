@@ -2,16 +2,19 @@
 
 Busy time is the union of the intervals in which at least one move was in flight on the link, so
 bytes / busy seconds is the bandwidth the link achieved while it was in use (many moves overlap).
+The four links of the memory tiers and the nvme tier are `Link`s; a storage tier registered beside them
+(storage_tier.py) brings its two as `TierLink`s, which the meter counts the same way (LinkMeter.add).
 """
 from __future__ import annotations
 
 import enum
 import threading
 import time
+from dataclasses import dataclass
 
 from .. import telemetry
 
-__all__ = ["Link", "LinkMeter"]
+__all__ = ["Link", "TierLink", "LinkMeter"]
 
 
 class Link(enum.Enum):
@@ -26,15 +29,31 @@ class Link(enum.Enum):
                 Link.CPU_TO_NVME: telemetry.Lane.NVME_WRITE}.get(self, telemetry.Lane.COPY)
 
 
+@dataclass(frozen=True)
+class TierLink:
+    """A link of a registered storage tier ("file2->cpu"): named and drawn like a Link."""
+
+    value: str
+    lane: telemetry.Lane
+
+
 class LinkMeter:
     def __init__(self):
         self._lock = threading.Lock()
-        self.bytes = {link: 0 for link in Link}
-        self.busy_s = {link: 0.0 for link in Link}
-        self._in_flight = {link: 0 for link in Link}
-        self._since = {link: 0.0 for link in Link}
+        self.bytes: dict = {}
+        self.busy_s: dict = {}
+        self._in_flight: dict = {}
+        self._since: dict = {}
+        for link in Link:
+            self.add(link)
 
-    def begin(self, link: Link) -> float:
+    def add(self, link: Link | TierLink) -> None:
+        """Count `link` from now on (a storage tier's, when the store builds the tier)."""
+        with self._lock:
+            if link not in self.bytes:
+                self.bytes[link], self.busy_s[link], self._in_flight[link], self._since[link] = 0, 0.0, 0, 0.0
+
+    def begin(self, link: Link | TierLink) -> float:
         """A move starts on `link`; returns its start time for end()."""
         now = time.perf_counter()
         with self._lock:
@@ -43,7 +62,7 @@ class LinkMeter:
             self._in_flight[link] += 1
         return now
 
-    def end(self, link: Link, started: float, nbytes: int, what: object = None, ok: bool = True) -> None:
+    def end(self, link: Link | TierLink, started: float, nbytes: int, what: object = None, ok: bool = True) -> None:
         """The move begun at `started` is over (`ok`: it moved `nbytes`)."""
         now = time.perf_counter()
         with self._lock:
@@ -61,4 +80,4 @@ class LinkMeter:
         with self._lock:
             return {link.value: (self.bytes[link], self.busy_s[link] + (now - self._since[link]
                                                                        if self._in_flight[link] else 0.0))
-                    for link in Link}
+                    for link in self.bytes}

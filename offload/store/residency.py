@@ -11,8 +11,9 @@ __all__ = ["Residency", "Tier", "TRANSITIONS"]
 
 
 class Tier(str, enum.Enum):
-    """Memory tiers, fastest first. On a machine without a GPU the device tier is a budgeted region
-    of host memory and the compute device is torch.device("cpu")."""
+    """Memory tiers, fastest first; NVME is also the level of every storage tier (storage_tier.py). On a machine
+    without a GPU the device tier is a budgeted region of host memory and the compute device is
+    torch.device("cpu")."""
 
     DEVICE = "device"
     CPU = "cpu"
@@ -29,7 +30,8 @@ class Residency(enum.Enum):
     The *working copy* is the one fetch() returned; the *home copy* (the shard's home tier: swap-file
     slot, home cpu buffer or home device buffer) holds the bytes of the last writeback.
 
-    NVME       home nvme, nothing fetched: the bytes are only in the swap-file slot.
+    NVME       home in a storage tier (nvme, or one registered: storage_tier.py), nothing fetched: the bytes
+               are only in its slot (below, "swap-file slot" and "nvme" stand for any storage tier's).
     (fetch(read=False) goes straight to CPU or DEVICE: a working copy whose bytes are undefined until the
     caller has written them, made without reading anything.)
     READING    swap-file slot -> cpu staging buffer in flight; the staging buffer holds nothing valid yet.

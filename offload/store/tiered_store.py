@@ -15,10 +15,12 @@
 Shard names are strings or small frozen records (any hashable; str() of it appears in messages).
 
 Every shard has a home tier that always holds a copy (the *home copy*: a swap-file slot, a cpu buffer
-in the pinned arena, or a device buffer). fetch(name, tier) makes a *working copy* in a faster tier and
-returns it; writeback copies the working copy to the home copy; release frees the working copy
-(release(name, writeback=True) does both). fetch to the home tier returns the home copy itself. A
-shard has at most one working copy: fetching it to another tier moves the working copy there.
+in the pinned arena, or a device buffer; or a slot of another storage tier named in StoreConfig.tiers, which
+the state machine treats as it does nvme: storage_tier.py, docs/tiers.md). fetch(name, tier) makes a
+*working copy* in a faster tier and returns it; writeback copies the working copy to the home copy;
+release frees the working copy (release(name, writeback=True) does both). fetch to the home tier returns
+the home copy itself. A shard has at most one working copy: fetching it to another tier moves the working
+copy there.
 
 Guarantees
 - Moves of one shard run in the order they were asked for; moves of different shards run in
@@ -57,7 +59,7 @@ import concurrent.futures as cf
 import contextlib
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -76,9 +78,11 @@ from .arena import ArenaBusyError, ArenaFullError, PinnedArena
 from .budget import DeviceTier, resolve_budget
 from .lease import Lease, LeaseMode, resolved
 from .links import Link, LinkMeter
+from . import nvme_tier  # noqa: F401  (registers the "nvme" storage tier)
 from .residency import TRANSITIONS, Residency, Tier
 from .sizes import format_bytes
-from .swap_file import SLOT_ALIGN, SwapDir, SwapFile, SwapSpaceError, page_bytes
+from .storage_tier import StorageTier, build_storage_tier
+from .swap_file import SLOT_ALIGN, page_bytes
 
 __all__ = ["TieredStore", "StoreConfig", "StoreError", "ShardInfo"]
 
@@ -119,6 +123,8 @@ class StoreConfig:
     aio_workers: int = 2
     aio_backend: str = "auto"
     checksums: bool = True  # an XXH3-64 of every swap slot, taken at write, verified at read (SwapCorruptError)
+    # storage tiers beside nvme, by registered name: {name: its settings} (storage_tier.py, docs/tiers.md)
+    tiers: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,7 @@ class ShardInfo:
     tier_class: str
     nbytes: int
     residency: Residency
+    home_name: str = ""  # the home tier's name: home.value, or a storage tier's ("nvme", or one registered)
 
 
 @dataclass(eq=False)
@@ -137,14 +144,14 @@ class _Shard:
     name: object
     numel: int
     dtype: torch.dtype
-    home: Tier
+    home: Tier  # its level: a shard homed in a storage tier (nvme or one registered) is Tier.NVME
     tier_class: str
     nbytes: int
     residency: Residency
     home_block: object = None  # home cpu (arena block) or home device (device block)
-    swap: SwapFile | None = None  # home nvme: the file and the slot offset in it
-    slot: int = 0
-    cpu_block: object = None  # home nvme: staging buffer holding the working copy at CPU
+    storage: StorageTier | None = None  # home in a storage tier: the tier, and its slot there
+    slot: object = None
+    cpu_block: object = None  # home in a storage tier: staging buffer holding the working copy at CPU
     dev_block: object = None  # working copy on the device (home cpu / nvme)
     target: Tier | None = None  # where the working copy will be once queued moves ran (None: home only)
     last: cf.Future | None = None  # the last move queued for this shard
@@ -178,9 +185,7 @@ class TieredStore:
         self._inflight: set[cf.Future] = set()
         self._links = LinkMeter()
         self._home_bytes = {"cpu": 0, "dev": 0}  # budget held for good by home buffers (4096-rounded)
-        self._swap: dict[str, SwapFile] = {}
-        self._swapdir: SwapDir | None = None
-        self._engine = None
+        self._storage: dict[str, StorageTier] = {}  # the storage tiers by name (nvme when nvme_path is set)
         self._arena: PinnedArena | None = None
         self.staging_slot = 0  # bytes every short-lived cpu buffer takes (0: its own size, first fit)
         self._dev: DeviceTier | None = None
@@ -191,13 +196,12 @@ class TieredStore:
             cpu_cap = resolve_budget(cfg.cpu_budget, "cpu") // page * page
             dev_cap = resolve_budget(cfg.device_budget, "device",
                                      device=self.device if self.device.type == "cuda" else None) // page * page
-            self.nvme_capacity = resolve_budget(cfg.nvme_budget, "nvme", nvme_path=cfg.nvme_path)
-            self._nvme_used = 0
-            if cfg.nvme_path is not None:
-                self._swapdir = SwapDir(cfg.nvme_path)
-                from .aio import AioEngine
-
-                self._engine = AioEngine(cfg.aio_block_size, cfg.aio_queue_depth, cfg.aio_workers, cfg.aio_backend)
+            self._nvme_budget = resolve_budget(cfg.nvme_budget, "nvme", nvme_path=cfg.nvme_path)  # checked always
+            wanted = ({Tier.NVME.value: {}} if cfg.nvme_path is not None else {}) | dict(cfg.tiers)
+            for tier_name, settings in wanted.items():
+                tier = self._storage[tier_name] = build_storage_tier(tier_name, cfg, settings)
+                self._links.add(tier.read_link)
+                self._links.add(tier.write_link)
             with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
                 # registered from this GPU's context (not the calling thread's current device's)
                 node = numa.arena_node(self.device) if cfg.numa_node == "auto" else cfg.numa_node
@@ -227,12 +231,12 @@ class TieredStore:
         timeout: float | None = None,
         zero: bool = True,
     ) -> cf.Future:
-        """Adds shard `name` of `numel` elements, its home copy in tier `home` ("device", "cpu" or "nvme";
-        nvme shards go to the swap file of `tier_class`). Contents: `init` (cast like .to() if its dtype
-        differs) or zeros (zero=False: undefined, for a caller whose OVERWRITE lease comes next). The future
-        resolves once the home copy holds them."""
+        """Adds shard `name` of `numel` elements, its home copy in tier `home` ("device", "cpu", "nvme" or a
+        storage tier named in StoreConfig.tiers; nvme shards go to the swap file of `tier_class`). Contents:
+        `init` (cast like .to() if its dtype differs) or zeros (zero=False: undefined, for a caller whose
+        OVERWRITE lease comes next). The future resolves once the home copy holds them."""
         self._check_open()
-        home = Tier(home)
+        home, storage = self._home_of(home)
         if name is None or name == "" or getattr(type(name), "__hash__", None) is None:
             raise ValueError(f"name must be a non-empty string or a hashable record, got {name!r}")
         if name in self._shards:
@@ -245,41 +249,19 @@ class TieredStore:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         timeout = self.config.alloc_timeout if timeout is None else timeout
         s = _Shard(name, numel, dtype, home, tier_class, nbytes, R.NVME if home is Tier.NVME else R(home.value))
-        if home is Tier.NVME:
-            swap = self._swap_file(tier_class)
-            slot_bytes = page_bytes(nbytes)
-            if init is None and zero and swap.free_bytes_in_file:  # a freed slot holds another shard's bytes (a
-                init = torch.zeros(numel, dtype=dtype)  # fresh one reads as zeros): write the zeros promised
+        if storage is not None:
+            if init is None and zero and not storage.fresh_slot_reads_zero(tier_class):  # (it may hold another
+                init = torch.zeros(numel, dtype=dtype)  # shard's bytes): write the zeros promised
             # The initial bytes go out through a staging buffer, taken first so that a refusal leaves
-            # no swap slot behind: the shard starts as a working copy at CPU and its first move writes
+            # no slot behind: the shard starts as a working copy at CPU and its first move writes
             # it home and drops it.
             stg = self._alloc(s, ["cpu"], timeout)["cpu"] if init is not None else None
             try:
                 if stg is not None:
                     _host_copy(_view(stg, s), init.detach().cpu() if init.device.type != "cpu" else init.detach())
                 with self._lock:
-                    if self._nvme_used + slot_bytes > self.nvme_capacity:
-                        raise SwapSpaceError(
-                            28,  # ENOSPC
-                            f"shard {name!r} needs {slot_bytes} bytes of swap but the nvme budget of "
-                            f"{format_bytes(self.nvme_capacity)} has {self.nvme_capacity - self._nvme_used} bytes "
-                            "left; raise nvme_budget",
-                        )
-                    # the budget bounds the disk the files take, not only the live slots: freed space that no
-                    # slot fits in still takes its blocks
-                    files, grow = sum(f.size for f in self._swap.values()), swap.growth(nbytes)
-                    if files + grow > self.nvme_capacity:
-                        raise SwapSpaceError(
-                            28,  # ENOSPC
-                            f"shard {name!r} needs {slot_bytes} bytes of swap; the nvme budget of "
-                            f"{format_bytes(self.nvme_capacity)} holds the live shards' "
-                            f"{format_bytes(self._nvme_used)}, but the swap files take {format_bytes(files)} and this "
-                            f"slot would grow them by {format_bytes(grow)} (freed slots too small or scattered to "
-                            "hold it); raise nvme_budget",
-                        )
-                    s.slot = swap.reserve(nbytes)
-                    s.swap = swap
-                    self._nvme_used += slot_bytes
+                    s.slot = storage.reserve(name, nbytes, tier_class)
+                    s.storage = storage
             except BaseException:
                 if stg is not None:
                     stg.free()
@@ -344,11 +326,10 @@ class TieredStore:
         read=False: a working copy made without reading anything into it (the caller overwrites it all).
         resident=True: the working copy will be held for long (placed as a home copy is, not in a slot)."""
         s = self._get(name)
-        tier = Tier(tier)
+        tier = self._home_of(tier, check=False)[0]
         if tier is Tier.NVME or tier.rank > s.home.rank:
-            raise ValueError(
-                f"fetch({name!r}, {tier.value!r}): can only fetch to the home tier ({s.home.value}) or a faster one"
-            )
+            raise ValueError(f"fetch({name!r}, {str(getattr(tier, 'value', tier))!r}): can only fetch to the home "
+                             f"tier ({self._home_name(s)}) or a faster one")
         timeout = self.config.alloc_timeout if timeout is None else timeout
         plan = s.target
         need = []
@@ -458,8 +439,8 @@ class TieredStore:
         No move of either may be in flight: `spare` is at rest (no working copy), `name` at rest or holding a
         working copy already read (a waited lease: its release writes into the new slot)."""
         a, b = self._get(name), self._get(spare)
-        if a is b or a.home is not Tier.NVME or b.home is not Tier.NVME:
-            raise ValueError(f"exchange_slots({name!r}, {spare!r}): two distinct nvme-homed shards")
+        if a is b or a.home is not Tier.NVME or b.storage is not a.storage:
+            raise ValueError(f"exchange_slots({name!r}, {spare!r}): two distinct shards homed in one storage tier")
         if (a.nbytes, a.tier_class) != (b.nbytes, b.tier_class):
             raise ValueError(f"exchange_slots({name!r}, {spare!r}): {a.nbytes} B of {a.tier_class!r} against "
                              f"{b.nbytes} B of {b.tier_class!r}: the slots must be alike")
@@ -468,7 +449,6 @@ class TieredStore:
             if busy or a.residency not in (R.NVME, R.CPU) or b.residency is not R.NVME:
                 raise StoreError(f"exchange_slots({name!r}, {spare!r}): a move is in flight or {spare!r} has a "
                                  f"working copy ({a.residency.name}, {b.residency.name}, busy: {busy})")
-            a.swap, b.swap = b.swap, a.swap
             a.slot, b.slot = b.slot, a.slot
             a.digest, b.digest = b.digest, a.digest
             a.torn, b.torn = b.torn, a.torn
@@ -478,14 +458,14 @@ class TieredStore:
         its bytes); None for another home. The slot holds the shard's value only while no working copy
         differs from it: the caller keeps the store quiet (no lease that writes, no write-behind pending)."""
         s = self._get(name)
-        return (s.swap.file.fd, s.slot) if s.home is Tier.NVME and s.swap is not None else None
+        return s.storage.location(s.slot) if s.storage is not None else None
 
     def residency(self, name) -> Residency:
         return self._get(name).residency
 
     def info(self, name) -> ShardInfo:
         s = self._get(name)
-        return ShardInfo(s.name, s.numel, s.dtype, s.home, s.tier_class, s.nbytes, s.residency)
+        return ShardInfo(s.name, s.numel, s.dtype, s.home, s.tier_class, s.nbytes, s.residency, self._home_name(s))
 
     def names(self) -> list:
         return list(self._shards)
@@ -506,13 +486,16 @@ class TieredStore:
         links = self._links.snapshot()
         with self._lock:
             inflight = len(self._inflight)
-            nvme_used = self._nvme_used
+            storage = {"nvme": {"capacity": self._nvme_budget, "bytes_in_use": 0, "peak_bytes": 0}}  # (no nvme_path)
+            for tier_name, tier in self._storage.items():
+                used = tier.bytes_in_use
+                storage[tier_name] = {"capacity": tier.capacity, "bytes_in_use": used, "peak_bytes": used}
         a, d = self._arena, self._dev
         return {
             "device": {"capacity": d.capacity, "bytes_in_use": d.bytes_in_use, "peak_bytes": d.peak_bytes},
             "cpu": {"capacity": a.capacity, "bytes_in_use": a.bytes_in_use, "peak_bytes": a.peak_bytes,
                     "locked": a.locked, "lock_kind": a.lock_kind},
-            "nvme": {"capacity": self.nvme_capacity, "bytes_in_use": nvme_used, "peak_bytes": nvme_used},
+            **storage,
             "moved": {link: nbytes for link, (nbytes, _) in links.items()},
             "busy_s": {link: busy for link, (_, busy) in links.items()},
             "shards": len(self._shards),
@@ -567,7 +550,15 @@ class TieredStore:
         return self._closed
 
     def swap_paths(self) -> list[str]:
-        return [f.path for f in self._swap.values()]
+        return [p for tier in self._storage.values() for p in tier.paths()]
+
+    @property
+    def _engine(self):  # the nvme tier's engine and swap files (tests reach them to inject faults)
+        return self._storage[Tier.NVME.value].engine
+
+    @property
+    def _swap(self) -> dict:
+        return self._storage[Tier.NVME.value].files if Tier.NVME.value in self._storage else {}
 
     def close(self, cancel: bool = False) -> None:
         """Waits for running moves (cancelling queued ones when `cancel`), joins the workers, frees the
@@ -604,14 +595,29 @@ class TieredStore:
             raise KeyError(f"no shard named {name!r} is registered")
         return s
 
-    def _swap_file(self, tier_class: str) -> SwapFile:
-        if self._swapdir is None:
-            raise StoreError("shards with home 'nvme' need StoreConfig.nvme_path (the swap directory)")
-        with self._lock:
-            f = self._swap.get(tier_class)
-            if f is None:
-                f = self._swap[tier_class] = SwapFile(self._engine, self._swapdir, tier_class, self.config.rank)
-            return f
+    def _home_of(self, home, check: bool = True) -> tuple[Tier, StorageTier | None]:
+        """(level, storage tier or None) of a home name: "device" and "cpu" are the memory tiers, any other a
+        storage tier of this store (`check`: one that is built; else any name below cpu is Tier.NVME)."""
+        if isinstance(home, Tier) and home is not Tier.NVME:
+            return home, None
+        name = home.value if isinstance(home, Tier) else str(home)
+        if name in (Tier.DEVICE.value, Tier.CPU.value):
+            return Tier(name), None
+        storage = self._storage.get(name)
+        if storage is None and check:
+            if name == Tier.NVME.value:
+                raise StoreError("shards with home 'nvme' need StoreConfig.nvme_path (the swap directory)")
+            raise ValueError(f"home {name!r}: not a tier of this store (device, cpu"
+                             f"{''.join(', ' + n for n in self._storage)}); storage tiers are named in "
+                             "StoreConfig.tiers (docs/tiers.md)")
+        if storage is None and name != Tier.NVME.value:
+            raise ValueError(f"{name!r} is not a tier of this store (device, cpu"
+                             f"{''.join(', ' + n for n in self._storage)})")
+        return Tier.NVME, storage
+
+    @staticmethod
+    def _home_name(s: _Shard) -> str:
+        return s.storage.name if s.storage is not None else s.home.value
 
     def _writeback_needs(self, s: _Shard) -> list[str]:
         # A device working copy of an nvme shard goes home through a cpu staging buffer.
@@ -818,40 +824,38 @@ class TieredStore:
     def _read(self, s: _Shard, blk):
         if blk.reserved == 0:
             return
+        storage = s.storage
         if s.torn is not None:
-            raise StoreError(f"shard {s.name!r}: its last write to {s.swap.path} at offset {s.slot} failed ({s.torn}): "
+            raise StoreError(f"shard {s.name!r}: its last write to {storage.where(s.slot)} failed ({s.torn}): "
                              "the slot holds no complete copy, so it is not read. Free space or check the drive, and "
                              "resume from a checkpoint")
-        started = self._links.begin(Link.NVME_TO_CPU)
+        started = self._links.begin(storage.read_link)
         ok = False
         try:
-            h = self._engine.read(s.swap.file, s.slot, blk.padded())
+            h = storage.read(s.slot, blk.padded())
             yield h  # resumed once the read is over: the buffer is valid only then
-            try:
-                h.wait()  # already over; raises the read's error here, where the caller undoes its state
-            except OSError:
-                s.swap.check_intact(s.slot + blk.reserved)  # a file cut short says so (clearer than ENODATA)
-                raise
+            h.wait()  # already over; raises the read's error here, where the caller undoes its state
             if s.digest is not None and _digest(blk.padded()) != s.digest:
                 raise SwapCorruptError(
-                    f"shard {s.name!r}: {blk.reserved} bytes read back from {s.swap.path} at offset {s.slot} differ "
+                    f"shard {s.name!r}: {blk.reserved} bytes read back from {storage.where(s.slot)} differ "
                     f"from what was written (XXH3-64 {_digest(blk.padded()):016x}, written {s.digest:016x}): the "
                     "drive or the file is corrupt; nothing was used. Check the drive (dmesg, smartctl) and resume "
                     "from a checkpoint")
             inject.pause(Queue.NVME_READ)  # in the worker: a slow disk, not a slow caller
             ok = True
         finally:
-            self._links.end(Link.NVME_TO_CPU, started, s.nbytes, s.name, ok)
+            self._links.end(storage.read_link, started, s.nbytes, s.name, ok)
 
     def _write(self, s: _Shard, blk):
         if blk.reserved == 0:
             return
-        started = self._links.begin(Link.CPU_TO_NVME)
+        storage = s.storage
+        started = self._links.begin(storage.write_link)
         ok = False
         try:
             digest = _digest(blk.padded()) if self.config.checksums else None  # the bytes as they go out
             try:
-                h = self._engine.write(s.swap.file, s.slot, blk.padded())
+                h = storage.write(s.slot, blk.padded())
                 yield h  # resumed once the write is over: the buffer may be reused or freed only then
                 h.wait()  # already over; raises the write's error here
             except BaseException as e:  # the slot may hold part of it: not the last good bytes, nor these
@@ -861,7 +865,7 @@ class TieredStore:
             inject.pause(Queue.NVME_WRITE)  # in the worker: a slow disk, not a slow caller
             ok = True
         finally:
-            self._links.end(Link.CPU_TO_NVME, started, s.nbytes, s.name, ok)
+            self._links.end(storage.write_link, started, s.nbytes, s.name, ok)
 
     def _nvme_to_cpu(self, s: _Shard, new: dict):
         blk = new.get("cpu")
@@ -1023,16 +1027,15 @@ class TieredStore:
                 s.home_block.free()
                 self._home_bytes["cpu" if s.home is Tier.CPU else "dev"] -= page_bytes(s.nbytes)
                 s.home_block = None
-            if s.swap is not None:
-                s.swap.free(s.slot, s.nbytes)
-                self._nvme_used -= page_bytes(s.nbytes)
-                s.swap = None
+            if s.storage is not None:
+                s.storage.free(s.slot)
+                s.storage, s.slot = None, None
             if self._shards.get(s.name) is s:
                 del self._shards[s.name]
 
     def _parts(self) -> tuple:
         """What _release frees, in its order (held by the finalizer: never the store itself)."""
-        return (self._pool, self._swap, self._engine, self._swapdir, self._arena, self._dev)
+        return (self._pool, self._storage, self._arena, self._dev)
 
     def _teardown(self) -> None:
         """Frees everything the store holds, waiting for its threads; each step runs even if an earlier one
@@ -1045,15 +1048,13 @@ class TieredStore:
 
 
 def _release(parts: tuple, wait: bool) -> None:
-    """Free a store's parts (TieredStore._parts): join (when `wait`) its move threads, remove its swap files,
-    close the engine (its workers), the swap directory, the pinned arena and the device tier. Every step runs;
+    """Free a store's parts (TieredStore._parts): join (when `wait`) its move threads, close its storage tiers
+    (the nvme tier: its swap files, engine and directory), the pinned arena and the device tier. Every step runs;
     the first failure is raised at the end."""
-    pool, swap, engine, swapdir, arena, dev = parts
+    pool, storage, arena, dev = parts
     steps = [
         lambda: pool and pool.shutdown(wait=wait),
-        *[(lambda f=f: f.close(remove=True)) for f in list(swap.values())],
-        lambda: engine and engine.close(),
-        lambda: swapdir and swapdir.close(),
+        *[(lambda t=t: t.close()) for t in list(storage.values())],
         lambda: arena and arena.close(),
         lambda: dev and dev.close(),
     ]
@@ -1063,6 +1064,6 @@ def _release(parts: tuple, wait: bool) -> None:
             step()
         except BaseException as e:  # keep cleaning up; report the first failure
             first = first or e
-    swap.clear()
+    storage.clear()
     if first is not None:
         raise first
