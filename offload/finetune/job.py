@@ -291,6 +291,16 @@ def lora_targetable(model) -> list[str]:
     return [f"{n} ({k})" for n, k in sorted(found.items())]
 
 
+def checkpointing_on(model) -> None:
+    """A Hugging Face model's activation checkpointing, non-reentrant (the kind the runtime's hooks follow)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
+
+
 def _save(rt, model, cfg: FinetuneConfig, out: Path, tokenizer) -> Path:
     """The fine-tuned model (a full fine-tune) or its adapters (--lora-r), with the tokenizer, into `out`."""
     if not cfg.lora_r:
@@ -548,12 +558,7 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                             f"{cfg.seed}) and sharding them over {where}")
                 rt.wrap(model)
             if cfg.grad_checkpointing:
-                kwargs = {"use_reentrant": False}
-                if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-                    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-                else:
-                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-                model.config.use_cache = False
+                checkpointing_on(model)
             trained = [p for p in model.parameters() if p.requires_grad]
             opt = getattr(offload, OPTIMIZERS[cfg.optim])(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
             sampler = Sampler(len(train), cfg.micro_batch, cfg.grad_accum, rt.world_size, cfg.seed)
