@@ -363,9 +363,9 @@ def run_offload(s: ScaleSettings) -> dict:
     t0 = time.perf_counter()
     with offload.init(cfg) as rt:
         model = LlamaForCausalLM(llama_config(s))  # placeholders: each unit is made on the GPU when sharded
-        checkpointing_on(model)
-        model.train()
         rt.wrap(model)
+        checkpointing_on(model)  # (after the wrap, as `offload finetune` does)
+        model.train()
         optimizer = offload.AdamW8bit if s.family == "adamw8bit" else offload.AdamW
         opt = optimizer(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
         n_params = sum(p.numel() for p in model.parameters())
@@ -452,8 +452,10 @@ def plan_prediction(s: ScaleSettings, host: dict, pcie_Bps: float, placement: tu
 
     path = os.path.join(work, f"config-{'tiny' if s.tiny else s.model}.json")
     llama_config(s).to_json_file(path)
+    # the machine's stated RAM (a VM's MemTotal can start lower and grow as it is used)
+    ram = host_ram_bytes() if s.tiny else 128 * GiB
     argv = ["plan", "--model", path, "--gpus", "1", "--gpu", "cpu" if s.tiny else "h200", "--cpu-mem",
-            f"{host_ram_bytes() >> 20}MiB", "--micro-batch", str(s.batch), "--seq-len", str(s.seq), "--grad-accum",
+            f"{ram >> 20}MiB", "--micro-batch", str(s.batch), "--seq-len", str(s.seq), "--grad-accum",
             str(s.accum), "--optimizer-states", s.family, "--pcie", f"{pcie_Bps / 1e9:g}GB/s",
             "--adam-params-per-s", f"{host['adam_params_per_s']:.4g}"]
     parser = argparse.ArgumentParser()
@@ -461,7 +463,7 @@ def plan_prediction(s: ScaleSettings, host: dict, pcie_Bps: float, placement: tu
     plan = plan_from_args(parser.parse_args(argv))
     m, w, mc = model_from(path), Workload(**plan["workload"]), Machine(**plan["machine"])
     place = Placement(*placement)
-    cap = capacity(1, host_ram_bytes(), None)
+    cap = capacity(1, ram, None)
     room = cap.cpu_per_node - sum(tier_bytes(m, w, 1, place)["cpu"].values())
     p = predict(m, w, place, mc, resident_bytes=max(0.0, room))
     chosen = plan["chosen"]
@@ -498,7 +500,8 @@ def bound(row: dict, s: ScaleSettings, host: dict, nvme: dict | None, rows: dict
         compute, source = same["compute_only_s"], f"{same['run']}: forward + backward measured"
     elif any_torch:
         rate = 8.0 * any_torch["n_params"] * any_torch["tokens_per_step"] / any_torch["compute_only_s"]
-        compute, source = flops / rate, f"{any_torch['run']}'s achieved rate ({rate / 1e12:.0f} TFLOP/s) x this run's FLOPs"
+        compute = flops / rate
+        source = f"{any_torch['run']}'s achieved rate ({rate / 1e12:.0f} TFLOP/s) x this run's FLOPs"
     else:
         compute, source = flops / (args.peak_tflops * 1e12), f"FLOPs at {args.peak_tflops:g} TFLOP/s"
     on_host = row["contender"] != "torch"
@@ -564,8 +567,9 @@ def print_row(row: dict) -> None:
           f"build {row['build_s']:.1f} s, {row['optimizer']}", flush=True)
     split = row.get("split") or {}
     if "wall_s" in split:
+        links = split["links"].items()
         print(f"   split: {emu.fmt_split(split)} | links "
-              + ", ".join(f"{k} {bso.fmt_bytes(v['bytes'])} busy {v['busy_s']:.3f}s" for k, v in split["links"].items()))
+              + ", ".join(f"{k} {bso.fmt_bytes(v['bytes'])} busy {v['busy_s']:.3f}s" for k, v in links))
     elif split:
         print("   split: " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
     print(f"   bound {b['bound_s']:.3f} s ({b['binds']}; " + ", ".join(f"{k} {v:.3f}" for k, v in b["terms_s"].items())
@@ -651,7 +655,13 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="gpu-scale-")
     root = args.nvme_path or work
     left = lambda: args.budget_s - (time.time() - started)  # noqa: E731
-    doc = {"command": [sys.executable] + sys.argv, "machine": bso.machine_info(), "flops_note": FLOPS_NOTE,
+    import psutil
+
+    vm = psutil.virtual_memory()  # at the start: offload's budgets are checked against the host's memory
+    print(f"# host memory: {bso.fmt_bytes(vm.total)} total, {bso.fmt_bytes(vm.available)} available", flush=True)
+    doc = {"command": [sys.executable] + sys.argv, "machine": {**bso.machine_info(), "host_memory_total": vm.total,
+                                                               "host_memory_available": vm.available},
+           "flops_note": FLOPS_NOTE,
            "peak_tflops": args.peak_tflops, "pcie_GBps": args.pcie_GBps, "budget_s": args.budget_s,
            "tiny": args.tiny, "order": names, "probes": {}, "runs": {}, "skipped": {}}
 

@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -98,3 +99,30 @@ def test_tiny_runs_end_to_end_through_the_shell_script(tmp_path):
     assert rows["offload-3b-16k"]["plan"]["placement"] == "params=device, optimizer=cpu, grads=device"
     assert rows["fsdp2-3b-16k"]["plan"] is None
     assert "3b_16k_offload_over_fsdp2 (>= 1.5)" in doc["targets"]
+
+
+def test_a_run_past_its_limit_is_killed_with_everything_it_started(tmp_path):
+    import bench_offload_step as bso
+
+    script = tmp_path / "hang.py"
+    pidfile = tmp_path / "grandchild.pid"
+    script.write_text("import subprocess, sys, time\n"
+                      f"p = subprocess.Popen(['sleep', '300'])\nopen({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+                      "print('started', flush=True)\ntime.sleep(300)\n")
+    s = gpu_scale.ScaleSettings(nvme_dir=str(tmp_path / "run"), threads=1)
+    res = bso.spawn("hang", s, script=str(script), timeout_s=3)
+    assert res["error"] == "timed out after 3 s" and res["child_wall_s"] < 60
+    assert "started" in "\n".join(res["output_tail"])
+    grandchild = int(pidfile.read_text())
+
+    def alive(pid: int) -> bool:  # (a zombie waiting for its reaper is gone too)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive(grandchild) and time.monotonic() < deadline:  # the sleep the child started went with it
+        time.sleep(0.1)
+    assert not alive(grandchild)

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -160,6 +161,11 @@ class FinetuneResult:
     skipped_steps: int = 0  # --compute-dtype fp16: steps skipped because their gradients overflowed
     compute_dtype: str = "fp32"  # what the run computed in ("auto" resolved)
     compute_dtype_why: str = ""  # why: "as set", or what "auto" measured
+    # per rank, medians over the timed steps (rt.stats()["last_step"]["throughput"]; None where not measured)
+    model_tflops: float | None = None  # 6 x params x tokens / s (attention not counted)
+    mfu: float | None = None  # of the device's peak dense bf16 (None: a CPU or a GPU the table does not know)
+    peak_tflops: float | None = None
+    device_peak_bytes: int | None = None  # the device allocator's peak (None on a CPU)
 
 
 # --optim: the offload optimizer of each family (offload.optim.schema), as `offload plan --optimizer-states` names them
@@ -595,6 +601,7 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                             f"follows) and makes the optimizer states: slower than the steps after it")
             losses, step_s, checkpoints = [], [], []
             split: dict[str, float] = {}
+            rates: list[dict] = []  # each timed step's throughput (rt.stats()["last_step"]["throughput"])
             for step in range(start, steps):
                 t0 = time.perf_counter()
                 tokens = int((train.labels[sampler.step_indices(step)] != IGNORE).sum())
@@ -622,6 +629,8 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                     split["compute"] = split.get("compute", 0.0) + last.get("compute_s", 0.0)
                     for queue, s in last.get("wait_s", {}).items():
                         split[f"wait {queue}"] = split.get(f"wait {queue}", 0.0) + s
+                    if (last.get("throughput") or {}).get("model_tflops"):
+                        rates.append(last["throughput"])
                 if progress is not None:
                     progress(step + 1, steps, loss, last)
                 if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < steps:
@@ -661,4 +670,12 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
         params_tier=stats["params_tier"], optimizer_tier=stats["optimizer_tier"], world_size=world,
         ignored_weights=inputs.ignored, checkpoints=checkpoints, trainable_params=sum(p.numel() for p in trained),
         merged=merged, skipped_steps=stats["loss_scale"]["skipped_steps"],
-        compute_dtype=stats["compute_dtype"]["dtype"], compute_dtype_why=stats["compute_dtype"]["why"])
+        compute_dtype=stats["compute_dtype"]["dtype"], compute_dtype_why=stats["compute_dtype"]["why"],
+        model_tflops=_median([r["model_tflops"] for r in rates]),
+        mfu=_median([r["mfu"] for r in rates if r["mfu"] is not None]),
+        peak_tflops=rates[-1]["peak_tflops"] if rates else None,
+        device_peak_bytes=(stats["last_step"] or {}).get("device_peak_bytes"))
+
+
+def _median(values: list) -> float | None:
+    return statistics.median(values) if values else None

@@ -85,8 +85,9 @@ class StepStats:
         cpu = s["occupancy"]["cpu"]
         device = "" if s["device_peak_bytes"] is None else f" | device peak {format_bytes(s['device_peak_bytes'])}"
         return (f"offload step {s['step']}: {s['wall_s']:.3f}s = compute {s['compute_s']:.3f}s + waits [{waits}] | "
-                f"{throughput_text(s['throughput'])}{links} | cpu tier {format_bytes(cpu['bytes_in_use'])}/{format_bytes(cpu['capacity'])} "
-                f"(peak {format_bytes(cpu['peak_bytes'])}){device} | peak RSS {format_bytes(s['peak_rss_bytes'])} | {time.strftime('%H:%M:%S')}")
+                f"{throughput_text(s['throughput'])}{links} | cpu tier {format_bytes(cpu['bytes_in_use'])}/"
+                f"{format_bytes(cpu['capacity'])} (peak {format_bytes(cpu['peak_bytes'])}){device} | "
+                f"peak RSS {format_bytes(s['peak_rss_bytes'])} | {time.strftime('%H:%M:%S')}")
 
 
 def throughput_text(t: dict) -> str:
