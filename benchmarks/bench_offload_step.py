@@ -701,6 +701,9 @@ def spawn(name: str, s: Settings, log_tail: int = 60, script: str | None = None,
                 timed_out = True
                 os.killpg(child.pid, signal.SIGKILL)
                 out, err = child.communicate()
+            except BaseException:  # this process stopped (Ctrl-C, a SIGTERM made an exception): the child too
+                os.killpg(child.pid, signal.SIGKILL)
+                raise
         proc = subprocess.CompletedProcess(cmd, child.returncode, out, err)
     finally:
         shutil.rmtree(s.nvme_dir, ignore_errors=True)  # DeepSpeed leaves its swap files behind

@@ -45,6 +45,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -630,6 +631,8 @@ def main(argv=None) -> int:
         child_main(args.child, args.settings)
         return 0
     started = time.time()
+    # a SIGTERM (gpu_scale.sh's timeout) unwinds like Ctrl-C, so the run in flight (its own process group) goes too
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     seq = args.seq or (64 if args.tiny else 4096)
     batch = args.micro_batch or (2 if args.tiny else 4)
     names = [n.strip() for n in args.runs.split(",") if n.strip()]

@@ -101,28 +101,54 @@ def test_tiny_runs_end_to_end_through_the_shell_script(tmp_path):
     assert "3b_16k_offload_over_fsdp2 (>= 1.5)" in doc["targets"]
 
 
-def test_a_run_past_its_limit_is_killed_with_everything_it_started(tmp_path):
-    import bench_offload_step as bso
-
-    script = tmp_path / "hang.py"
-    pidfile = tmp_path / "grandchild.pid"
+def _hang_script(tmp_path):
+    """A child that starts a grandchild (its pid written to a file), says "started" and hangs."""
+    script, pidfile = tmp_path / "hang.py", tmp_path / "grandchild.pid"
     script.write_text("import subprocess, sys, time\n"
                       f"p = subprocess.Popen(['sleep', '300'])\nopen({str(pidfile)!r}, 'w').write(str(p.pid))\n"
                       "print('started', flush=True)\ntime.sleep(300)\n")
-    s = gpu_scale.ScaleSettings(nvme_dir=str(tmp_path / "run"), threads=1)
-    res = bso.spawn("hang", s, script=str(script), timeout_s=3)
-    assert res["error"] == "timed out after 3 s" and res["child_wall_s"] < 60
-    assert "started" in "\n".join(res["output_tail"])
-    grandchild = int(pidfile.read_text())
+    return script, pidfile
 
-    def alive(pid: int) -> bool:  # (a zombie waiting for its reaper is gone too)
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    """The process exits (a zombie waiting for its reaper counts as gone) within `within_s`."""
+    def alive() -> bool:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 return f.read().rsplit(")", 1)[1].split()[0] != "Z"
         except OSError:
             return False
 
-    deadline = time.monotonic() + 10
-    while alive(grandchild) and time.monotonic() < deadline:  # the sleep the child started went with it
+    deadline = time.monotonic() + within_s
+    while alive() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not alive(grandchild)
+    return not alive()
+
+
+def test_a_run_past_its_limit_is_killed_with_everything_it_started(tmp_path):
+    import bench_offload_step as bso
+
+    script, pidfile = _hang_script(tmp_path)
+    s = gpu_scale.ScaleSettings(nvme_dir=str(tmp_path / "run"), threads=1)
+    res = bso.spawn("hang", s, script=str(script), timeout_s=3)
+    assert res["error"] == "timed out after 3 s" and res["child_wall_s"] < 60
+    assert "started" in "\n".join(res["output_tail"])
+    assert _gone(int(pidfile.read_text()))  # the sleep the child started went with it (one process group)
+
+
+def test_a_stopped_parent_takes_its_run_along(tmp_path):
+    """gpu_scale.sh's outer timeout sends SIGTERM to gpu_scale.py: the run in flight, in a process group of its own,
+    must not outlive it (on a GPU machine it would hold the GPU)."""
+    script, pidfile = _hang_script(tmp_path)
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import signal, sys; sys.path.insert(0, sys.argv[1]); import gpu_scale, bench_offload_step as bso\n"
+        "signal.signal(signal.SIGTERM, lambda n, f: sys.exit(128 + n))\n"
+        "bso.spawn('hang', gpu_scale.ScaleSettings(nvme_dir=sys.argv[3], threads=1), script=sys.argv[2])"),
+        os.path.join(ROOT, "benchmarks"), str(script), str(tmp_path / "run")])
+    deadline = time.monotonic() + 120
+    while not pidfile.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    grandchild = int(pidfile.read_text())
+    parent.terminate()
+    assert parent.wait(timeout=60) == 128 + 15
+    assert _gone(grandchild)
