@@ -532,7 +532,8 @@ def summarize(name: str, res: dict, s: ScaleSettings, host: dict, nvme: dict | N
     row.update({k: res.get(k) for k in ("n_params", "step_s", "losses", "optimizer", "build_s", "peak_gpu_bytes",
                                         "peak_rss_bytes", "pcie_bytes_per_step", "pcie_bytes_source",
                                         "compute_only_s", "tiers", "throughput", "nvme_read_bytes_per_step",
-                                        "nvme_written_bytes_per_step", "build_op_s")})
+                                        "nvme_written_bytes_per_step", "build_op_s", "last_steps", "budgets",
+                                        "phases", "ds_config")})
     row["disk_bytes_per_step"] = res.get("disk_bytes_per_step", 0.0)
     if s.contender == "torch":
         row["pcie_bytes_per_step"], row["pcie_bytes_source"] = 0.0, "none: everything in GPU memory"
