@@ -257,15 +257,19 @@ def _per_step_slept(step):
 
 
 def _split(stats: list[dict]) -> dict:
-    """Medians of rt.stats()["last_step"] over steps: wall, compute, waits per queue, lanes' busy time."""
+    """Medians of rt.stats()["last_step"] over steps: wall, compute, waits per queue, lanes' busy time, and each
+    link's bytes and busy seconds."""
     import numpy as np
 
     med = lambda xs: float(np.median(xs)) if xs else 0.0  # noqa: E731
     queues = sorted({q for st in stats for q in st["wait_s"]})
     lanes = sorted({q for st in stats for q in st["lane_busy_s"]})
+    links = sorted({q for st in stats for q in st.get("links", {})})
     return {"wall_s": med([st["wall_s"] for st in stats]), "compute_s": med([st["compute_s"] for st in stats]),
             "wait_s": {q: med([st["wait_s"].get(q, 0.0) for st in stats]) for q in queues},
             "lane_busy_s": {q: med([st["lane_busy_s"].get(q, 0.0) for st in stats]) for q in lanes},
+            "links": {q: {k: med([st.get("links", {}).get(q, {}).get(k, 0) for st in stats])
+                          for k in ("bytes", "busy_s")} for q in links},
             "steps": len(stats)}
 
 

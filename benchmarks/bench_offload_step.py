@@ -80,6 +80,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -672,10 +673,11 @@ def free_port() -> int:
 
 
 def spawn(name: str, s: Settings, log_tail: int = 60, script: str | None = None,
-          distributed: tuple = DISTRIBUTED) -> dict:
+          distributed: tuple = DISTRIBUTED, timeout_s: float | None = None) -> dict:
     """Runs one child; its JSON result (or {"error": ...} with the tail of its output). `script`: the bench
     whose `--child NAME --settings JSON` runs it (default: this one); `distributed`: the children run under
-    torchrun when s.world_size > 1."""
+    torchrun when s.world_size > 1; `timeout_s`: the child and every process it started are killed after this
+    long (a hang or a stuck build costs only its own run: {"error": "timed out after N s"})."""
     env = dict(os.environ, OMP_NUM_THREADS=str(s.threads), PYTHONUNBUFFERED="1")
     env.setdefault("DS_ACCELERATOR", "cpu")
     script = os.path.abspath(script or __file__)
@@ -689,8 +691,20 @@ def spawn(name: str, s: Settings, log_tail: int = 60, script: str | None = None,
                    MASTER_PORT=str(free_port()))
     os.makedirs(s.nvme_dir, exist_ok=True)
     t0 = time.perf_counter()
+    timed_out = False
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) as child:  # its own group: a timeout ends all of it
+            try:
+                out, err = child.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                os.killpg(child.pid, signal.SIGKILL)
+                out, err = child.communicate()
+            except BaseException:  # this process stopped (Ctrl-C, a SIGTERM made an exception): the child too
+                os.killpg(child.pid, signal.SIGKILL)
+                raise
+        proc = subprocess.CompletedProcess(cmd, child.returncode, out, err)
     finally:
         shutil.rmtree(s.nvme_dir, ignore_errors=True)  # DeepSpeed leaves its swap files behind
     wall = time.perf_counter() - t0
@@ -705,7 +719,8 @@ def spawn(name: str, s: Settings, log_tail: int = 60, script: str | None = None,
         tail = (proc.stdout + "\n" + proc.stderr).strip().splitlines()[-log_tail:]
         print(f"!! {name} failed (exit {proc.returncode}); last lines of its output:\n  " + "\n  ".join(tail),
               file=sys.stderr, flush=True)
-        return {"contender": name, "error": f"exit {proc.returncode}", "output_tail": tail, "child_wall_s": wall}
+        error = f"timed out after {timeout_s:.0f} s" if timed_out else f"exit {proc.returncode}"
+        return {"contender": name, "error": error, "output_tail": tail, "child_wall_s": wall}
     result["child_wall_s"] = wall
     return result
 

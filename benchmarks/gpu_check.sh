@@ -21,11 +21,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if compgen -G ".whl/*.whl" > /dev/null; then  # DeepSpeed and its dependencies (benchmarks/deepspeed_wheels.sh)
-  SITE="$(mktemp -d -t gpu-check-site-XXXXXX)"
-  "${PYTHON:-python}" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:$SITE"  # ahead of the image's site-packages: only DeepSpeed's own set
-fi
+. benchmarks/wheels_env.sh  # DeepSpeed and its dependencies from .whl/, when carried along
 export PYTHONUNBUFFERED=1
 export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"  # the parity tests compare runs bit for bit
 PY="${PYTHON:-python}"

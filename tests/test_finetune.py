@@ -100,6 +100,9 @@ def test_default_run_shortened(tmp_path, capsys, monkeypatch):
     assert (r["params_tier"], r["optimizer_tier"]) == ("nvme", "nvme")
     assert r["bytes_moved"]["nvme read"] > 6 * r["n_params"] * 2  # every step pages the params in
     assert "held-out loss" in text and "peak host RSS" in text and "nvme read" in text
+    # the figures the peers publish, per rank from rt.stats(): in the bar each step and in the summary
+    assert re.search(r"TFLOPS=\d", said.err) and "model TFLOPS per rank (6 x params x tokens / s" in text
+    assert r["model_tflops"] > 0 and r["mfu"] is None  # (a CPU: no known peak)
     from offload.compute_dtype import fast_compute_dtype
 
     assert r["compute_dtype"] == fast_compute_dtype(torch.device("cpu"))[0]  # the default: "auto"

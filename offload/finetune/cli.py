@@ -46,6 +46,10 @@ def _progress_bar(enabled: bool, tokens_per_step: int):
             post["tok/s"] = f"{tokens_per_step / wall:.0f}"
             # MB/s: a slow step's paging (hundreds of MB over tens of seconds) showed as "GB/s=R 0.00 W 0.00"
             post["nvme MB/s"] = f"R {rates['R'] / wall / 1e6:.0f} W {rates['W'] / wall / 1e6:.0f}"
+        t = last.get("throughput") or {}
+        if t.get("model_tflops"):  # per GPU: 6 x params x tokens / s (rt.stats()); MFU where the peak is known
+            post["TFLOPS"] = f"{t['model_tflops']:.3g}" + (f" (MFU {100 * t['mfu']:.0f}%)" if t.get("mfu") is not None
+                                                           else "")
         bar.set_postfix(post, refresh=False)
         bar.update(1)
         if step == total:
@@ -175,7 +179,13 @@ def run_finetune(args: argparse.Namespace) -> int:
     if r.step_split:
         parts = [f"{k} {v:.3f} s" for k, v in sorted(r.step_split.items(), key=lambda kv: -kv[1]) if v >= 5e-4]
         print("  per step      " + ", ".join(parts))
-    print(f"peak host RSS   {format_bytes(r.peak_rss_bytes)}")
+    if r.model_tflops is not None:
+        mfu = (f", MFU {100 * r.mfu:.1f}% of the device's {r.peak_tflops:g} TFLOPS peak bf16" if r.mfu is not None
+               else " (MFU: the device's peak is not known)")
+        print(f"throughput      {r.model_tflops:.3g} model TFLOPS per rank (6 x params x tokens / s, attention not "
+              f"counted){mfu}")
+    print(f"peak host RSS   {format_bytes(r.peak_rss_bytes)}"
+          + (f"; peak device memory {format_bytes(r.device_peak_bytes)}" if r.device_peak_bytes is not None else ""))
     moved = {k: v for k, v in r.bytes_moved.items() if v and (r.world_size > 1 or k not in ("all-gather", "reduce-scatter"))}
     print("bytes moved" + (" (rank 0)" if r.world_size > 1 else "") + ":  " +
           ", ".join(f"{k} {format_bytes(v)}" for k, v in moved.items()))

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -160,6 +161,11 @@ class FinetuneResult:
     skipped_steps: int = 0  # --compute-dtype fp16: steps skipped because their gradients overflowed
     compute_dtype: str = "fp32"  # what the run computed in ("auto" resolved)
     compute_dtype_why: str = ""  # why: "as set", or what "auto" measured
+    # per rank, medians over the timed steps (rt.stats()["last_step"]["throughput"]; None where not measured)
+    model_tflops: float | None = None  # 6 x params x tokens / s (attention not counted)
+    mfu: float | None = None  # of the device's peak dense bf16 (None: a CPU or a GPU the table does not know)
+    peak_tflops: float | None = None
+    device_peak_bytes: int | None = None  # the device allocator's peak (None on a CPU)
 
 
 # --optim: the offload optimizer of each family (offload.optim.schema), as `offload plan --optimizer-states` names them
@@ -289,6 +295,16 @@ def lora_targetable(model) -> list[str]:
         if name and isinstance(module, tuple(kinds)):
             found.setdefault(name.rsplit(".", 1)[-1], type(module).__name__)
     return [f"{n} ({k})" for n, k in sorted(found.items())]
+
+
+def checkpointing_on(model) -> None:
+    """A Hugging Face model's activation checkpointing, non-reentrant (the kind the runtime's hooks follow)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
 
 
 def _save(rt, model, cfg: FinetuneConfig, out: Path, tokenizer) -> Path:
@@ -548,12 +564,7 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                             f"{cfg.seed}) and sharding them over {where}")
                 rt.wrap(model)
             if cfg.grad_checkpointing:
-                kwargs = {"use_reentrant": False}
-                if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-                    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-                else:
-                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-                model.config.use_cache = False
+                checkpointing_on(model)
             trained = [p for p in model.parameters() if p.requires_grad]
             opt = getattr(offload, OPTIMIZERS[cfg.optim])(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
             sampler = Sampler(len(train), cfg.micro_batch, cfg.grad_accum, rt.world_size, cfg.seed)
@@ -590,6 +601,7 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                             f"follows) and makes the optimizer states: slower than the steps after it")
             losses, step_s, checkpoints = [], [], []
             split: dict[str, float] = {}
+            rates: list[dict] = []  # each timed step's throughput (rt.stats()["last_step"]["throughput"])
             for step in range(start, steps):
                 t0 = time.perf_counter()
                 tokens = int((train.labels[sampler.step_indices(step)] != IGNORE).sum())
@@ -617,6 +629,8 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                     split["compute"] = split.get("compute", 0.0) + last.get("compute_s", 0.0)
                     for queue, s in last.get("wait_s", {}).items():
                         split[f"wait {queue}"] = split.get(f"wait {queue}", 0.0) + s
+                    if (last.get("throughput") or {}).get("model_tflops"):
+                        rates.append(last["throughput"])
                 if progress is not None:
                     progress(step + 1, steps, loss, last)
                 if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < steps:
@@ -656,4 +670,12 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
         params_tier=stats["params_tier"], optimizer_tier=stats["optimizer_tier"], world_size=world,
         ignored_weights=inputs.ignored, checkpoints=checkpoints, trainable_params=sum(p.numel() for p in trained),
         merged=merged, skipped_steps=stats["loss_scale"]["skipped_steps"],
-        compute_dtype=stats["compute_dtype"]["dtype"], compute_dtype_why=stats["compute_dtype"]["why"])
+        compute_dtype=stats["compute_dtype"]["dtype"], compute_dtype_why=stats["compute_dtype"]["why"],
+        model_tflops=_median([r["model_tflops"] for r in rates]),
+        mfu=_median([r["mfu"] for r in rates if r["mfu"] is not None]),
+        peak_tflops=rates[-1]["peak_tflops"] if rates else None,
+        device_peak_bytes=(stats["last_step"] or {}).get("device_peak_bytes"))
+
+
+def _median(values: list) -> float | None:
+    return statistics.median(values) if values else None

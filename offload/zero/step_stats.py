@@ -4,7 +4,9 @@ A step is the time from one opt.step() to the next. Its wall time splits into th
 per queue (telemetry.Queue) and compute (the rest); each lane reports its busy time; each link the bytes it
 moved and the bandwidth it achieved while busy; each tier its occupancy; the compute device's allocator its peak
 so far (`device_peak_bytes`, device.peak_allocated: on a GPU max_memory_allocated, whose statistics the runtime
-never resets: a user's own peak measurement stays theirs).
+never resets: a user's own peak measurement stays theirs), and the process's peak resident set so far
+(`peak_rss_bytes`); `throughput`: the window's tokens, tokens/s, model TFLOPS and MFU (offload/throughput.py:
+6 x params x tokens / s, attention not counted), from the training forwards of the wrapped models (`tokens`).
 Background work of a step (the optimizer's write-behind) lands in the next step's window: in steady state the
 sums are per step.
 """
@@ -15,6 +17,8 @@ import time
 
 from ..device import peak_allocated
 from ..store import format_bytes
+from ..throughput import TokenCounter, figures
+from .host_memory import peak_rss_bytes
 
 log = logging.getLogger("offload")
 
@@ -28,6 +32,7 @@ class StepStats:
         self.log_every = log_every
         self.steps = 0
         self.last: dict | None = None
+        self.tokens = TokenCounter()  # the wrapped models' training forwards (units/wrap.py watches each)
         self._mark = self._snapshot()
 
     def _snapshot(self):
@@ -50,6 +55,7 @@ class StepStats:
             if b:
                 links[link] = {"bytes": b, "busy_s": round(s, 6), "GBps": round(b / s / 1e9, 3) if s > 0 else None}
         tiers = self.states.stats()
+        tokens, flops = self.tokens.take()
         self.steps += 0 if skipped else 1
         self.last = {
             "step": self.steps,
@@ -62,6 +68,8 @@ class StepStats:
             "allgather_bytes": comm[0] - comm0[0],
             "reduce_scatter_bytes": comm[1] - comm0[1],
             "device_peak_bytes": peak_allocated(self.device),
+            "peak_rss_bytes": peak_rss_bytes(),
+            "throughput": figures(tokens, flops, d.at, self.device),
             "occupancy": {t: {"bytes_in_use": tiers[t]["bytes_in_use"], "peak_bytes": tiers[t]["peak_bytes"],
                               "capacity": tiers[t]["capacity"]} for t in ("device", "cpu")},
         }
@@ -77,5 +85,14 @@ class StepStats:
         cpu = s["occupancy"]["cpu"]
         device = "" if s["device_peak_bytes"] is None else f" | device peak {format_bytes(s['device_peak_bytes'])}"
         return (f"offload step {s['step']}: {s['wall_s']:.3f}s = compute {s['compute_s']:.3f}s + waits [{waits}] | "
-                f"{links} | cpu tier {format_bytes(cpu['bytes_in_use'])}/{format_bytes(cpu['capacity'])} "
-                f"(peak {format_bytes(cpu['peak_bytes'])}){device} | {time.strftime('%H:%M:%S')}")
+                f"{throughput_text(s['throughput'])}{links} | cpu tier {format_bytes(cpu['bytes_in_use'])}/"
+                f"{format_bytes(cpu['capacity'])} (peak {format_bytes(cpu['peak_bytes'])}){device} | "
+                f"peak RSS {format_bytes(s['peak_rss_bytes'])} | {time.strftime('%H:%M:%S')}")
+
+
+def throughput_text(t: dict) -> str:
+    """"2048 tok/s, 41.2 TFLOPS (MFU 4.2%) | ", or "" when the window counted no tokens."""
+    if not t.get("tokens_per_s"):
+        return ""
+    mfu = f" (MFU {100 * t['mfu']:.1f}%)" if t.get("mfu") is not None else ""
+    return f"{t['tokens_per_s']:.0f} tok/s, {t['model_tflops']:.3g} TFLOPS{mfu} | "

@@ -115,6 +115,7 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
     refuse = torch.compiler.disable(lambda module, _: refuse_unmanaged(module),
                                     reason="offload: the check of unmanaged parameters runs eagerly")
     rt._hooks.append(model.register_forward_pre_hook(refuse, prepend=True))
+    rt._hooks.append(rt.step_stats.tokens.watch(model, sum(size.layout.numel for size in new)))  # tokens/s, TFLOPS
     rt.models.append(model)
     rt.attach_activation_offload(model)
     return model
