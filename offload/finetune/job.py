@@ -331,9 +331,11 @@ def _files_size(directory: Path, files) -> str:
     return format_bytes(sum((Path(directory) / f).stat().st_size for f in files))
 
 
-def _loss_sum(model, batch: TokenBlocks, device) -> torch.Tensor:
-    logits = model(input_ids=batch.inputs.to(device)).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), batch.labels.to(device).flatten(), ignore_index=IGNORE,
+def _loss_sum(model, batch: TokenBlocks, device, router_loss: list | None = None) -> torch.Tensor:
+    out = model(input_ids=batch.inputs.to(device))
+    if router_loss is not None and getattr(out, "aux_loss", None) is not None:  # an MoE whose config asks for it
+        router_loss.append(out.aux_loss * model.config.router_aux_loss_coef)  # (as the model adds it to its loss)
+    return F.cross_entropy(out.logits.float().flatten(0, 1), batch.labels.to(device).flatten(), ignore_index=IGNORE,
                            reduction="sum")
 
 
@@ -599,8 +601,10 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                     # the reduce averages over ranks: world_size / tokens makes the gradient the global token mean;
                     # every backward but the step's last says so (Config.update_in_backward waits for the last)
                     with _batch_fits(cfg), (rt.accumulating() if micro < cfg.grad_accum - 1 else contextlib.nullcontext()):
-                        loss_sum = _loss_sum(model, batch, rt.device)
-                        scaler.scale(loss_sum * (rt.world_size / max(1, tokens))).backward()
+                        router = []  # the load-balancing loss, averaged over micro-batches and (by the reduce) ranks
+                        loss_sum = _loss_sum(model, batch, rt.device, router)
+                        scaler.scale(loss_sum * (rt.world_size / max(1, tokens)) + sum(router) / cfg.grad_accum
+                                     ).backward()
                     local += loss_sum.detach().cpu()
                 scaler.unscale_(opt)
                 if cfg.max_grad_norm > 0:  # 0: no clipping (HF Trainer's and DeepSpeed's meaning)
