@@ -156,8 +156,9 @@ class HFModelDir:
             shape = layout.shapes[hit]
             if shape != tuple(p.shape):
                 sources = layout.sources[hit]
-                where = (f"{hit} in {self.entries[hit][0]}" if sources == [hit] else
-                         f"{hit} (built from {sources[0]}{f' and {len(sources) - 1} more' if len(sources) > 1 else ''})")
+                more = f" and {len(sources) - 1} more" if len(sources) > 1 else ""
+                where = (f"{hit} in {self.entries[hit][0]}" if sources == [hit]
+                         else f"{hit} (built from {sources[0]}{more})")
                 got = list(shape) if all(isinstance(d, int) for d in shape) else shape[0]
                 errors.append(f"{where} has shape {got} but the config gives {list(p.shape)}")
         for name, buf in persistent_buffers(model):  # loaded too (load_buffers): not ignored
