@@ -154,3 +154,29 @@ def test_offload_finetune_trains_a_per_expert_checkpoint_and_its_output_loads_in
     trained = loaded.state_dict()
     assert not torch.equal(trained["model.layers.0.mlp.experts.gate_up_proj"],
                            base["model.layers.0.mlp.experts.gate_up_proj"])  # the experts trained
+
+
+def test_a_per_expert_checkpoint_streams_in_within_the_budget_plus_a_few_units(tmp_path):
+    """Building a layer's fused experts reads that layer's per-expert tensors only: RSS grows by at most the cpu
+    budget + 3 units (fp32) + 32 MiB while a 24-layer Qwen2-MoE of ~330 MB fp32 loads (the probe and the bound of
+    test_finetune.py's dense test_streaming_load_peak_rss)."""
+    save_moe(tmp_path / "big", "qwen2_moe", vocab_size=1024, hidden_size=256, moe_intermediate_size=512,
+             shared_expert_intermediate_size=256, num_hidden_layers=24, num_experts=8, head_dim=64,
+             num_attention_heads=4, num_key_value_heads=2)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "big" / "model.safetensors"), framework="pt") as f:  # expert 0's gate comes first
+        expected = f.get_tensor("model.layers.0.mlp.experts.0.gate_proj.weight")[0, :4].tolist()
+    (tmp_path / "swap").mkdir()
+    budget = 32 << 20
+    proc = subprocess.run([sys.executable, str(TESTS / "finetune_rss_probe.py"), str(tmp_path / "big"),
+                           str(tmp_path / "swap"), f"{budget}B", "model.layers.0.mlp.experts.gate_up_proj"],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OFFLOAD_MALLOC_TUNE="frugal"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["first"] == expected  # the values are the files', fused
+    model_bytes = r["params"] * 4
+    bound = budget + 3 * r["largest_unit_fp32"] + (32 << 20)
+    assert bound < model_bytes / 1.8  # the bound is meaningful: holding the model whole would break it
+    assert r["peak"] - r["rss0"] <= bound, r

@@ -34,6 +34,7 @@ from .corpus import STDLIB_CHARS, DataError, read_data_file, stdlib_corpus, stdl
 from ..errors import InputError
 from .preflight import RUNTIME_FIELDS, as_flags
 from ..store.sizes import format_bytes
+from ..zero.units.materialize import values_from_weights
 from .tokenizer import load_tokenizer, train_bpe
 
 # The built-in model: a Llama of 25.8M parameters, small enough to train for a few hundred steps on 2 cores.
@@ -531,7 +532,8 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                               trained_params=inputs.trained_params)
     try:
         with offload.init(rcfg) as rt:
-            model = AutoModelForCausalLM.from_config(inputs.hf_config)  # meta placeholders: nothing allocated yet
+            with values_from_weights() if model_dir is not None else contextlib.nullcontext():  # (nothing kept)
+                model = AutoModelForCausalLM.from_config(inputs.hf_config)  # meta placeholders: nothing allocated yet
             if cfg.lora_r:  # on the placeholders, so the adapters are units of their own when the model shards
                 model = _with_lora(model, cfg)
             where = f"{_count_of(rt.world_size, 'rank')} (params {rcfg.params}, optimizer {rcfg.optimizer})"
