@@ -131,9 +131,10 @@ def test_two_ranks_whose_routers_choose_differently_train_as_plain_pytorch(tmp_p
     _assert_trains_as_reference(run, ref, 1e-4)  # (the reduce over ranks sums in another order)
 
 
-def test_offload_finetune_trains_a_per_expert_checkpoint_and_its_output_loads_in_transformers(tmp_path):
-    """`offload finetune --model DIR` refused a Mixtral saved by transformers; now it trains it (the load-balancing
-    loss in the gradient, as the config asks) and writes a directory transformers loads with every tensor used."""
+def test_offload_finetune_on_1_and_2_ranks_and_its_output_loads_in_transformers(tmp_path):
+    """`offload finetune --model DIR` refused a Mixtral saved by transformers; now it trains it on 1 and 2 ranks alike
+    (the load-balancing loss in the gradient, as the config asks) and writes a directory transformers loads with
+    every tensor used."""
     from offload.cli import main
     from offload.finetune.corpus import Example, stdlib_corpus
     from offload.finetune.tokenizer import train_bpe
@@ -143,10 +144,17 @@ def test_offload_finetune_trains_a_per_expert_checkpoint_and_its_output_loads_in
     tok = train_bpe([Example(text)], 300)
     model_dir = save_moe(tmp_path / "m", "mixtral", vocab_size=len(tok))
     tok.save_pretrained(model_dir)
-    assert main(["finetune", "--model", str(model_dir), "--data", str(tmp_path / "train.txt"), "--steps", "2",
-                 "--seq-len", "32", "--compute-dtype", "fp32", "--cpu-budget", "8MiB", "--eval-blocks", "2",
-                 "--output", str(tmp_path / "out"), "--json", str(tmp_path / "run.json")]) == 0
-    assert len(json.loads((tmp_path / "run.json").read_text())["losses"]) == 2
+    common = ["finetune", "--model", str(model_dir), "--data", str(tmp_path / "train.txt"), "--steps", "2",
+              "--seq-len", "32", "--compute-dtype", "fp32", "--cpu-budget", "8MiB", "--eval-blocks", "2"]
+    assert main([*common, "--micro-batch", "4", "--output", str(tmp_path / "out"),
+                 "--json", str(tmp_path / "run.json")]) == 0
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "offload.cli", *common, "--micro-batch", "2", "--output", str(tmp_path / "two"),
+                           "--json", str(tmp_path / "two.json")], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("run", "two"))
+    assert len(one["losses"]) == 2 and two["losses"] == pytest.approx(one["losses"], rel=1e-5)  # the same samples
     loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.values()), info  # nothing missing, unexpected or mismatched
     base = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
