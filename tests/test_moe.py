@@ -187,3 +187,26 @@ def test_a_per_expert_checkpoint_streams_in_within_the_budget_plus_a_few_units(t
     bound = budget + 3 * r["largest_unit_fp32"] + (32 << 20)
     assert bound < model_bytes / 1.8  # the bound is meaningful: holding the model whole would break it
     assert r["peak"] - r["rss0"] <= bound, r
+
+
+def test_offload_finetune_trains_on_the_load_balancing_loss_the_config_asks_for(tmp_path):
+    """The job computes its loss from the logits: the router's load-balancing term, which the model adds to its own
+    loss when its config sets output_router_logits, was dropped from the gradient (router_aux_loss_coef changed
+    nothing). The second step's loss now depends on it."""
+    from offload.finetune import FinetuneConfig, finetune
+    from offload.finetune.corpus import Example, stdlib_corpus
+    from offload.finetune.tokenizer import train_bpe
+
+    text = "\n\n".join(e.text for e in stdlib_corpus(max_chars=30_000))
+    (tmp_path / "train.txt").write_text(text)
+    tok = train_bpe([Example(text)], 300)
+    losses = {}
+    for coef in (0.0, 0.5):
+        model_dir = save_moe(tmp_path / f"m{coef}", "mixtral", vocab_size=len(tok), router_aux_loss_coef=coef)
+        tok.save_pretrained(model_dir)
+        losses[coef] = finetune(FinetuneConfig(model=str(model_dir), data=str(tmp_path / "train.txt"), steps=2,
+                                               seq_len=32, compute_dtype="fp32", cpu_budget="8MiB", eval_blocks=2,
+                                               warmup_steps=0,
+                                               output=str(tmp_path / f"out{coef}"))).losses
+    assert losses[0.0][0] == losses[0.5][0]  # the reported loss is the language-model loss
+    assert losses[0.0][1] != losses[0.5][1]  # the first step's update followed the router's term
