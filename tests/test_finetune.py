@@ -516,24 +516,6 @@ def test_persistent_buffers_are_read_from_the_weights(tmp_path):
     assert model_dir.load_buffers(fresh) == ["scale"] and torch.equal(fresh.scale, torch.full((4,), 3.0))
 
 
-def test_a_moe_saved_per_expert_is_refused_with_the_way_to_load_it(tmp_path):
-    """transformers 5 saves a Mixtral's experts one tensor each (block_sparse_moe.experts.N.w1) where its model has
-    them fused (mlp.experts.gate_up_proj): the check said the weights and config.json come from different models.
-    It now names the per-expert files and the way that loads them (from_pretrained, then rt.wrap)."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    from offload.finetune.hf_model_dir import HFModelDir, ModelDirError
-
-    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=32)
-    MixtralForCausalLM(cfg).save_pretrained(tmp_path)
-    with torch.device("meta"):
-        shapes = AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ModelDirError, match=r"one tensor per expert \(.*experts\.0\..*fused .*from_pretrained outside "
-                                            r"offload.init .* rt.wrap\(model\)"):
-        HFModelDir(tmp_path).check(shapes)
-
-
 def test_model_directory_errors(tmp_path, capsys, tiny_model, text_file):
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -2,9 +2,10 @@
 
 In: `HFModelDir(path)` checks the directory (config.json; model.safetensors, or shards named by
 model.safetensors.index.json, every one present) and reads only the safetensors headers; `check(model)`
-compares every parameter's name and shape with them before any byte is loaded; `weights` hands
-`rt.wrap(model, weights=...)` one tensor at a time, so the runtime streams the file into its store unit by
-unit (peak host memory: about one unit plus the budgets, not the model).
+compares every parameter's name and shape with them before any byte is loaded (through the installed transformers'
+conversions where the files' layout is not the model's: per-expert tensors into fused experts, checkpoint_layout.py);
+`weights` hands `rt.wrap(model, weights=...)` one tensor at a time, so the runtime streams the file into its store
+unit by unit (peak host memory: about one unit plus the budgets, not the model).
 
 Out: `save_pretrained(rt, model, out_dir, ...)` gathers one unit at a time (a collective: every rank
 calls it; rank 0 writes), fills safetensors files up to `max_shard_bytes` each (several files get an
@@ -16,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ import torch.nn as nn
 from ..checkpoint.hf_writer import INDEX_NAME, SINGLE_NAME, write_hf_weights
 from ..errors import InputError
 from ..zero.units.state_dict import persistent_buffers
+from .checkpoint_layout import CheckpointLayout
 
 
 
@@ -121,25 +122,45 @@ class HFModelDir:
 
         return AutoConfig.from_pretrained(str(self.path))
 
+    def layout(self, model: nn.Module, rename=None) -> CheckpointLayout:
+        """The files' tensors planned into `model`'s layout (checkpoint_layout.py: the installed transformers'
+        conversions, e.g. per-expert tensors into fused experts), by the names `rename` gives the model's."""
+        from safetensors import safe_open
+
+        def read_file(hit: str) -> torch.Tensor:
+            # opened per tensor: the mapping (and the page cache it pins in this process's RSS) goes with it
+            with safe_open(str(self.path / self.entries[hit][0]), framework="pt") as fh:
+                return fh.get_tensor(hit)
+
+        targets = {n for names in _alias_names(model, rename).values() for n in names}
+        return CheckpointLayout(model, self.entries, targets, read_file)
+
     def check(self, model: nn.Module, rename=None, skip: frozenset = frozenset()) -> list[str]:
         """Raise (naming file, tensor and shapes) unless every parameter of `model` is in the files with its
-        shape; return the names in the files that the model does not use (ignored, as transformers does).
+        shape (directly, or built by the installed transformers' conversion: fused experts from per-expert
+        tensors); return the names in the files that the model does not use (ignored, as transformers does).
         rename maps the model's names to the files' (a PEFT model's to its base's); parameters in `skip` (ids) are
         not in the files (new adapters)."""
         errors, used = [], set()
+        layout = self.layout(model, rename)
         params = {id(p): p for p in model.parameters()}
         for pid, names in _alias_names(model, rename).items():
             if pid in skip:
                 continue
             p = params[pid]
-            hit = next((n for n in names if n in self.entries), None)
+            hit = next((n for n in names if n in layout), None)
             if hit is None:
                 errors.append(f"{names[0]} is missing")
                 continue
-            used.add(hit)
-            f, shape = self.entries[hit]
+            used.update(layout.sources[hit])
+            shape = layout.shapes[hit]
             if shape != tuple(p.shape):
-                errors.append(f"{hit} in {f} has shape {list(shape)} but the config gives {list(p.shape)}")
+                sources = layout.sources[hit]
+                more = f" and {len(sources) - 1} more" if len(sources) > 1 else ""
+                where = (f"{hit} in {self.entries[hit][0]}" if sources == [hit]
+                         else f"{hit} (built from {sources[0]}{more})")
+                got = list(shape) if all(isinstance(d, int) for d in shape) else shape[0]
+                errors.append(f"{where} has shape {got} but the config gives {list(p.shape)}")
         for name, buf in persistent_buffers(model):  # loaded too (load_buffers): not ignored
             hit = rename(name) if rename is not None else name
             if hit in self.entries:
@@ -149,32 +170,22 @@ class HFModelDir:
                 used.add(hit)
         if errors:
             shown = "; ".join(errors[:8]) + (f"; ... {len(errors) - 8} more" if len(errors) > 8 else "")
-            per_expert = next((n for n in self.entries if re.search(r"\.experts\.\d+\.", n)), None)
-            if per_expert is not None and any(".experts." in e for e in errors):  # transformers >= 5 fuses them
-                raise ModelDirError(
-                    f"{self.flag} {self.path}: the files hold one tensor per expert ({per_expert}) where this "
-                    f"transformers' model has the experts fused ({shown}); offload reads the files' tensors under "
-                    "the model's own names and does not convert them. Load this model with from_pretrained outside "
-                    "offload.init (transformers converts it) and rt.wrap(model)")
             raise ModelDirError(f"{self.flag} {self.path}: the safetensors do not match config.json: {shown}. The "
                                 "weights and config.json must come from the same model")
         return sorted(set(self.entries) - used)
 
     def weights(self, model: nn.Module, rename=None, initialize: frozenset = frozenset()):
         """A callable (name, meta parameter) -> fp32 host tensor, for rt.wrap(model, weights=...); rename as in
-        check; None for the parameters in `initialize` (ids), which the runtime initializes."""
-        from safetensors import safe_open
-
+        check; None for the parameters in `initialize` (ids), which the runtime initializes. A parameter the
+        conversion builds from several tensors (a layer's fused experts) reads just those, when it is asked for."""
         aliases = _alias_names(model, rename)
+        layout = self.layout(model, rename)
 
         def read(name: str, meta: torch.Tensor) -> torch.Tensor | None:
             if id(meta) in initialize:
                 return None
-            hit = next(n for n in aliases.get(id(meta), [name]) if n in self.entries)
-            f, _ = self.entries[hit]
-            # opened per tensor: the mapping (and the page cache it pins in this process's RSS) goes with it
-            with safe_open(str(self.path / f), framework="pt") as fh:
-                return fh.get_tensor(hit).to(torch.float32)
+            hit = next(n for n in aliases.get(id(meta), [name]) if n in layout)
+            return layout.read(hit).to(torch.float32)
 
         return read
 

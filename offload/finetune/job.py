@@ -35,6 +35,7 @@ from .corpus import STDLIB_CHARS, DataError, read_data_file, stdlib_corpus, stdl
 from ..errors import InputError
 from .preflight import RUNTIME_FIELDS, as_flags
 from ..store.sizes import format_bytes
+from ..zero.units.materialize import values_from_weights
 from .tokenizer import load_tokenizer, train_bpe
 
 # The built-in model: a Llama of 25.8M parameters, small enough to train for a few hundred steps on 2 cores.
@@ -347,9 +348,11 @@ def _files_size(directory: Path, files) -> str:
     return format_bytes(sum((Path(directory) / f).stat().st_size for f in files))
 
 
-def _loss_sum(model, batch: TokenBlocks, device) -> torch.Tensor:
-    logits = model(input_ids=batch.inputs.to(device)).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), batch.labels.to(device).flatten(), ignore_index=IGNORE,
+def _loss_sum(model, batch: TokenBlocks, device, router_loss: list | None = None) -> torch.Tensor:
+    out = model(input_ids=batch.inputs.to(device))
+    if router_loss is not None and getattr(out, "aux_loss", None) is not None:  # an MoE whose config asks for it
+        router_loss.append(out.aux_loss * model.config.router_aux_loss_coef)  # (as the model adds it to its loss)
+    return F.cross_entropy(out.logits.float().flatten(0, 1), batch.labels.to(device).flatten(), ignore_index=IGNORE,
                            reduction="sum")
 
 
@@ -545,7 +548,8 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                               trained_params=inputs.trained_params)
     try:
         with offload.init(rcfg) as rt:
-            model = AutoModelForCausalLM.from_config(inputs.hf_config)  # meta placeholders: nothing allocated yet
+            with values_from_weights() if model_dir is not None else contextlib.nullcontext():  # (nothing kept)
+                model = AutoModelForCausalLM.from_config(inputs.hf_config)  # meta placeholders: nothing allocated yet
             if cfg.lora_r:  # on the placeholders, so the adapters are units of their own when the model shards
                 model = _with_lora(model, cfg)
             where = f"{_count_of(rt.world_size, 'rank')} (params {rcfg.params}, optimizer {rcfg.optimizer})"
@@ -611,8 +615,10 @@ def _finetune(cfg: FinetuneConfig, held: contextlib.ExitStack, progress, on_trai
                     # the reduce averages over ranks: world_size / tokens makes the gradient the global token mean;
                     # every backward but the step's last says so (Config.update_in_backward waits for the last)
                     with _batch_fits(cfg), (rt.accumulating() if micro < cfg.grad_accum - 1 else contextlib.nullcontext()):
-                        loss_sum = _loss_sum(model, batch, rt.device)
-                        scaler.scale(loss_sum * (rt.world_size / max(1, tokens))).backward()
+                        router = []  # the load-balancing loss, averaged over micro-batches and (by the reduce) ranks
+                        loss_sum = _loss_sum(model, batch, rt.device, router)
+                        scaler.scale(loss_sum * (rt.world_size / max(1, tokens)) + sum(router) / cfg.grad_accum
+                                     ).backward()
                     local += loss_sum.detach().cpu()
                 scaler.unscale_(opt)
                 if cfg.max_grad_norm > 0:  # 0: no clipping (HF Trainer's and DeepSpeed's meaning)

@@ -41,6 +41,7 @@ def _dtype_ok(value, rt) -> bool:
 
 def _from_pretrained_streamed(rt, cls, path, *model_args, config=None, **kwargs):
     from offload.finetune.hf_model_dir import HFModelDir
+    from offload.zero.units.materialize import values_from_weights
 
     if model_args:
         raise ValueError(f"offload: {cls.__name__}.from_pretrained inside offload.init takes no positional model "
@@ -58,7 +59,8 @@ def _from_pretrained_streamed(rt, cls, path, *model_args, config=None, **kwargs)
     if config is None or isinstance(config, (str, os.PathLike)):
         config = model_dir.config() if config is None else type(model_dir.config()).from_pretrained(str(config))
     extra = {"attn_implementation": kwargs["attn_implementation"]} if kwargs.get("attn_implementation") else {}
-    model = cls._from_config(config, **extra)  # placeholders: nothing is allocated until the weights stream in
+    with values_from_weights():  # placeholders: nothing is allocated (or kept) until the weights stream in
+        model = cls._from_config(config, **extra)
     try:
         model_dir.check(model)  # every parameter's name and shape, before a byte moves
     except ValueError as exc:

@@ -59,6 +59,7 @@ def load_peft_model(path: str | os.PathLike, peft_config, model_class=None, adap
     from peft import get_peft_model
 
     from offload.finetune.hf_model_dir import HFModelDir
+    from offload.zero.units.materialize import values_from_weights
 
     rt = current_runtime()
     if rt is None:
@@ -69,7 +70,8 @@ def load_peft_model(path: str | os.PathLike, peft_config, model_class=None, adap
     if model_class is None:
         from transformers import AutoModelForCausalLM as model_class
     model_dir = HFModelDir(path, flag="load_peft_model")
-    base = model_class.from_config(model_dir.config())  # placeholders: nothing allocated until the weights stream
+    with values_from_weights():  # placeholders: nothing allocated (or kept) until the weights stream
+        base = model_class.from_config(model_dir.config())
     model_dir.check(base)  # every base parameter's name and shape, before a byte moves
     model = get_peft_model(base, peft_config, adapter_name=adapter_name)
     rt.wrap(model, weights=base_weights(model_dir, model))

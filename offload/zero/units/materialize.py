@@ -63,6 +63,20 @@ from . import init_record
 from .init_record import CALLS_ATTR, INIT_FUNCTIONS, Placeholder, recording_init, replay
 
 _STAGED_ATTR = "_offload_initial_value"
+_streamed_build = [0]  # > 0 inside values_from_weights(): registered values are not kept
+
+
+@contextlib.contextmanager
+def values_from_weights():
+    """For a model built to be filled from its files (rt.wrap(model, weights=...): offload finetune --model,
+    from_pretrained inside offload.init, load_peft_model): the values its modules register are not kept for
+    materialization (rule 3 above), since the files give every one. Kept, an MoE's fused experts (registered as
+    torch.empty by a module outside torch.nn) held a copy of most of the model in host memory until it was sharded."""
+    _streamed_build[0] += 1
+    try:
+        yield
+    finally:
+        _streamed_build[0] -= 1
 
 
 def _compiler_built(module: nn.Module) -> bool:
@@ -100,7 +114,7 @@ class ConstructionCapture:
         def register_parameter(module, name, param):
             if param is not None and param.device.type != "meta" and not _compiler_built(module):
                 meta = Placeholder(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-                if _may_leave_unwritten(module):
+                if _may_leave_unwritten(module) and not _streamed_build[0]:
                     # no initializer known to write every parameter of this module: keep the value (rule 3)
                     setattr(meta, _STAGED_ATTR, param.detach().clone())
                 param = meta

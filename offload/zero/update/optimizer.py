@@ -172,6 +172,7 @@ class ShardedOptimizer:
                 if any(unit.has_grad and bool(unit.used[pc.slot]) for pc, _, _ in entries)]
         for unit, _ in plan:
             unit.check_requires_grad()  # before any unit is stepped: all or nothing
+        self._outdate_kept_units_stepped_elsewhere(plan)
         # everything the update needs is read now (a scheduler may change the groups once step() returns), with
         # the step counts this step gives; the backward's updates are checked against it before a count changes
         work = [(unit, self._live_runs(unit, entries, ahead=1)) for unit, entries in plan]
@@ -181,6 +182,19 @@ class ShardedOptimizer:
         # clipping coefficient; the next backward (or rt.zero_grad) resets it.
         rt.step_units(work, self.schema)
         return loss
+
+    def _outdate_kept_units_stepped_elsewhere(self, plan) -> None:
+        """A unit kept gathered (persistent: a LoRA adapter) whose elements all lie in other ranks' shards has no
+        pieces here, so nothing marked its copy outdated, while the ranks that hold them stepped it: they re-gathered
+        it before its next use and this rank did not (a collective met another unit's: gloo aborted, on LoRA over an
+        MoE base on 2 ranks). Marked here from the gradient flags every rank shares (sync_used)."""
+        from ..units.state import UnitState
+
+        planned, mine = {id(u) for u, _ in plan}, self._slot_index()
+        for unit in self.rt.units:
+            if (unit.persistent and id(unit) not in planned and unit.state is UnitState.UNSHARDED
+                    and any(bool(unit.used[s.index]) for s in unit.layout.slots if (id(unit), s.index) in mine)):
+                unit.stale = True
 
     def count_step(self, units) -> None:
         """Advance the step count of every parameter of `units` that got a gradient (once each)."""
