@@ -34,6 +34,7 @@ def record(prefix: str) -> None:
         with recorder._lock:
             entries, whats = list(recorder.entries), list(recorder.whats)
         Path(f"{prefix}.rank{rank}.json").write_text(json.dumps({"entries": entries, "whats": whats}))
+        context.__exit__(None, None, None)  # now, not when the interpreter's teardown collects it
 
     atexit.register(write)
 
