@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import offload  # noqa: E402
+import rank_sequences  # noqa: E402
 from zero_common import SEQ, VOCAB, TinyTransformer, param_groups  # noqa: E402
 
 
@@ -49,6 +50,7 @@ class FrozenFront(torch.nn.Module):
 
 def main():
     spec = json.load(open(sys.argv[1]))
+    rank_sequences.record(spec["out"] + ".collectives")  # compared across ranks by test_checkpoint.py
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(100 + rank)

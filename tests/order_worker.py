@@ -21,11 +21,13 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import offload  # noqa: E402
+import rank_sequences  # noqa: E402
 from offload.zero.collectives.comm import OrderError  # noqa: E402
 
 
 def main() -> int:
     out_path, broken = sys.argv[1], sys.argv[2] == "1"
+    rank_sequences.record(out_path + ".collectives")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     result = {"rank": rank}

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import rank_sequences  # noqa: E402
 from zero_common import Case, _bitwise_mismatches, _data, make_model, offload_run  # noqa: E402
 
 from offload import inject  # noqa: E402
@@ -27,6 +28,7 @@ SKEW = {0: {Queue.GATHER: 0.01, Queue.COPY: 0.005}, 1: {Queue.REDUCE: 0.01, Queu
 
 def main() -> int:
     out_path, nvme_dir = sys.argv[1], sys.argv[2]
+    rank_sequences.record(out_path + ".collectives")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)

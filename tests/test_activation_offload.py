@@ -665,3 +665,34 @@ def test_a_forward_cut_short_by_keyboard_interrupt_leaves_no_hooks_open():
         assert no_saved_tensor_hooks_open()
         assert steady[1] == steady[2] == 8 - KEEP_LAST
         assert rt.activations.in_store() == 0
+
+
+def test_two_ranks_with_sequences_of_other_lengths_issue_the_same_collectives(tmp_path):
+    """Rank 0's batches are 64 tokens long and rank 1's 16 (a length-grouped sampler, the last batch of an
+    epoch): their saved activations, and with them the cpu room the schedule leaves the offloaded activations
+    beside the resident states, differ. What each rank gathers and reduces must not: the ranks compare it at the
+    end of every backward (collectives/divergence.py) and their recorded sequences are compared at exit
+    (run_torchrun)."""
+    code = textwrap.dedent(f"""
+        import os, sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import offload
+        from test_activation_offload import batches, checkpoint_blocks, llama
+        rank = int(os.environ["RANK"])
+        cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path={str(tmp_path)!r}, cpu_budget="3MiB",
+                             device_budget="256MiB", activations="cpu", activations_min_size="4KiB")
+        with offload.init(cfg) as rt:
+            model = llama()
+            checkpoint_blocks(model)
+            opt = offload.AdamW(model.parameters(), lr=1e-3)
+            for ids in batches(4, rank, seq=64 if rank == 0 else 16):
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            moved = rt.stats()["activations"]["moved_bytes"]
+        with open(os.path.join({str(tmp_path)!r}, f"rank{{rank}}.txt"), "w") as f:
+            f.write(str(moved))
+    """)
+    run_torchrun(code, tmp_path)
+    moved = [int((tmp_path / f"rank{r}.txt").read_text()) for r in range(2)]
+    assert moved[0] > moved[1] > 0, moved  # the ranks' activations did differ

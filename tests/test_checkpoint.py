@@ -24,6 +24,7 @@ from offload.checkpoint.export import export_checkpoint
 from offload.checkpoint.manifest import rank_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import rank_sequences  # noqa: E402
 from zero_common import SEQ, VOCAB, TinyTransformer, small_config  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -40,6 +41,8 @@ def _worker(tmp: Path, name: str, world: int = 1, env: dict | None = None, **spe
     proc = subprocess.run([*launch, str(WORKER), str(tmp / f"{name}.spec.json")], capture_output=True, text=True,
                           env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if world > 1:
+        rank_sequences.assert_same_sequences(spec["out"] + ".collectives", world)
     out = json.loads((tmp / f"{name}.json").read_text())
     from safetensors.torch import load_file
 

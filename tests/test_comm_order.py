@@ -187,20 +187,38 @@ with offload.init(cfg) as rt:
     opt = offload.AdamW(model.parameters(), lr=1e-2)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     before = {k: v.clone() for k, v in rt.full_state_dict(model).items()}
-    for routes, says in ((((0,), (1,)), r"unit \d \(experts.0\) gathered 0 to 2 times and reduced 0 to 1 times"),
-                         (((0, 1), (1, 0)), "the same units as often, in another order")):
-        F.mse_loss(model(x, routes[rank]), y).backward()  # expert 0 on one rank met expert 1 on the other
-        try:
+    import re
+    from offload.zero.collectives.divergence import RanksDiverged
+    for routes, says in ((((0,), (1,)), r"\(unit \d \(experts.0\) gathered 2 times on rank 0 and 0 times on rank 1 "
+                                        r"and reduced 1 times on rank 0 and 0 times on rank 1"),
+                         (((0, 1), (1, 0)), r"\(the same units as often, in another order\)")):
+        try:  # expert 0 on one rank met expert 1 on the other: named at the end of the backward that did it
+            F.mse_loss(model(x, routes[rank]), y).backward()
+            raise SystemExit("a backward with rank-dependent units passed")
+        except RanksDiverged as e:
+            assert re.search("by the end of this backward " + says, str(e)), str(e)
+        try:  # the error caught, the step is refused as well
             opt.step()
             raise SystemExit("a step with rank-dependent units was taken")
         except RuntimeError as e:
-            import re
-            assert re.search(says, str(e)) and "nothing was updated" in str(e), str(e)
+            assert "nothing was updated" in str(e), str(e)
         opt.zero_grad()
+    F.mse_loss(model(x, (0, 1)), y).backward()  # routed apart in an eval forward: named at its end
+    try:
+        with torch.no_grad():
+            model(x, ((0,), (1,))[rank])
+        raise SystemExit("an eval forward with rank-dependent units passed")
+    except RanksDiverged as e:
+        assert re.search(r"by the end of this eval forward \(unit \d \(experts.0\) gathered 3 times on rank 0 and 2 "
+                         r"times on rank 1; unit \d \(experts.1\) gathered 2 times on rank 0 and 3 times on rank 1\)",
+                         str(e)), str(e)
+    opt.zero_grad()  # the step is left: the next starts level
     after = rt.full_state_dict(model)
     assert all(torch.equal(after[k], before[k]) for k in before)  # nothing was stepped on the wrong numbers
     F.mse_loss(model(x, (0, 1)), y).backward()  # the same units on every rank: steps
     opt.step()
+    with torch.no_grad():
+        model(x, (1, 0))  # an eval forward alike on every rank: no error
 print(f"ok {rank}")  # one write: two ranks print to one pipe, and separate pieces interleave
 '''
 
@@ -209,8 +227,9 @@ def test_ranks_that_run_different_units_are_refused_before_any_update(tmp_path):
     """Rank-dependent routing (an expert skipped where it got no tokens) or a forward on one rank only: each
     gather and reduce is a collective, so rank 0's gather of expert 0 paired with rank 1's of expert 1 (the same
     size) and each computed on halves of both, without an error: weights 22% off after 3 steps where DDP was exact.
-    The ranks compare what they asked of the lanes at every optimizer step (counts per unit, and their order) and
-    raise, naming the units, before anything is updated."""
+    The ranks compare what they asked of the lanes at the end of every backward and eval forward (counts per unit,
+    and their order) and raise there, naming the units and the ranks; the optimizer step compares them again and
+    refuses the step (nothing is updated)."""
     from zero_common import run_torchrun
 
     out = run_torchrun(_RANK_DEPENDENT, tmp_path, timeout=300)

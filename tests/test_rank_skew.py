@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import rank_sequences
+
 
 def test_skewed_lanes_on_two_ranks_finish_bitwise(tmp_path):
     out = tmp_path / "out"
@@ -15,6 +17,7 @@ def test_skewed_lanes_on_two_ranks_finish_bitwise(tmp_path):
            str(Path(__file__).with_name("skew_worker.py")), str(out), str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)  # a hang fails here
     assert proc.returncode == 0, proc.stderr[-4000:]
+    rank_sequences.assert_same_sequences(f"{out}.collectives")  # the skew changes when, never what
     for r in range(2):
         result = json.loads(Path(f"{out}.{r}").read_text())
         assert result["steps"] == 20 and result["mismatches"] == 0, result

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import rank_sequences  # noqa: E402
 from zero_common import Case, step_flow, inblock_values_check, run_case, transformers_available  # noqa: E402
 
 
@@ -238,6 +239,7 @@ def run_ranks(tmp: Path, cases: list, world: int) -> dict:
            str(Path(__file__).with_name("zero_worker.py")), str(tmp / "cases.json"), str(tmp / "out.json"), str(tmp)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, first_failure(proc.stderr)
+    rank_sequences.assert_same_sequences(str(tmp / "out.json.collectives"), world)
     return {r["case"]: r for r in json.loads((tmp / "out.json").read_text())}
 
 

@@ -594,17 +594,25 @@ def small_config(**kw):
     return offload.Config(**kw)
 
 
-def run_torchrun(code: str, tmp_path, nproc: int = 2, timeout: float = 600):
+def run_torchrun(code: str, tmp_path, nproc: int = 2, timeout: float = 600, same_collectives: bool = True):
     """`code` as a script under `torchrun --standalone --nproc_per_node nproc` (one thread per rank); asserts it
-    exited 0 and returns the CompletedProcess (stdout, stderr as text)."""
+    exited 0 and, unless same_collectives=False (a test that makes the ranks differ on purpose), that every rank
+    issued the same collectives (tests/rank_sequences.py). Returns the CompletedProcess (stdout, stderr as text)."""
     import os
     import subprocess
     import sys
 
+    import rank_sequences
+
+    prefix = str(tmp_path / "collectives")
+    tests = os.path.dirname(os.path.abspath(__file__))
     script = tmp_path / "ranks.py"
-    script.write_text(code)
+    script.write_text(f"import sys as _sys; _sys.path.insert(0, {tests!r}); import rank_sequences as _rs; "
+                      f"_rs.record({prefix!r})\n" + code)
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                           str(nproc), str(script)], capture_output=True, text=True, timeout=timeout,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-4000:]
+    if same_collectives:
+        rank_sequences.assert_same_sequences(prefix, nproc)
     return out

@@ -15,11 +15,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch.distributed as dist  # noqa: E402
 
+import rank_sequences  # noqa: E402
 from zero_common import Case, inblock_values_check, run_case, state_dict_check  # noqa: E402
 
 
 def main() -> int:
     cases_path, out_path, nvme_dir = sys.argv[1:4]
+    rank_sequences.record(out_path + ".collectives")  # compared across ranks by the test
     faulthandler.enable()  # an abort (SIGABRT from a C++ thread) prints every thread's Python stack to stderr
     dist.init_process_group("gloo")
     rank = dist.get_rank()

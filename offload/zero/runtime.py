@@ -50,7 +50,7 @@ from ..store import Tier, check_fits_machine, ranks_on_this_node, resolve_budget
 from ..store import host_pool
 from ..store.links import Link
 from ..telemetry import Lane, Meter, Queue
-from .collectives import comm
+from .collectives import comm, divergence, warm
 from . import placement
 from .activations import ActivationOffloader
 from .update.backward_updates import BackwardUpdates
@@ -143,6 +143,8 @@ class Runtime:
         self.updates: UpdatePath | None = None
         self.device_fit: DeviceBudgetFit | None = None  # an "auto" device budget, fitted after the first step
         self._fit_device_budget = False
+        self._lane_groups: tuple = ()
+        self.communicators_device_bytes = 0  # what the communicators took of the device at open (warm.py)
 
     # ---- lifetime ---------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -165,6 +167,15 @@ class Runtime:
         bind_thread(self.device)  # before the process group: NCCL binds its communicator to the current device
         self.group = self._setup_group()
         self._malloc_mode = tune_malloc(self.device)  # first: a bad OFFLOAD_MALLOC_TUNE raises before anything is built
+        # each lane issues its collectives on a group of its own (created in the same order on every rank), and
+        # every group's communicator takes its memory now, before the budgets are measured (collectives/warm.py)
+        timeout = parse_duration(cfg.collective_timeout, "collective_timeout")
+        order = comm.ProgramOrder()  # one issue order for the lanes' collectives and the training thread's (comm.py)
+        self.group.order, self.group.inline = order, True
+        gather_group = comm.sub_group(self.group, "gather", order, timeout)
+        reduce_group = comm.sub_group(self.group, "reduce", order, timeout)
+        self._lane_groups = (gather_group, reduce_group)  # (destroyed at close, also where open fails after here)
+        self.communicators_device_bytes = warm.warm_up([self.group, gather_group, reduce_group], self.device)
         self._rss_at_open = rss_bytes()  # the interpreter's, torch's and the user's own: rt.stats()["memory"]
         local = ranks_on_this_node(self.group.world_size)  # ranks sharing this host's memory and drive
         self.budgets = {"device": self._budget("device_budget", local), "cpu": self._budget("cpu_budget", local),
@@ -195,12 +206,6 @@ class Runtime:
                                      cfg.compute_through_device_tier)
         # the store rounded the budgets to pages (the same on every rank): plan against what it enforces
         self.budgets = {t: self.states.capacity(t) for t in ("device", "cpu")} | {"nvme": self.budgets["nvme"]}
-        # each lane issues its collectives on a group of its own (created in the same order on every rank)
-        timeout = parse_duration(cfg.collective_timeout, "collective_timeout")
-        order = comm.ProgramOrder()  # one issue order for the lanes' collectives and the training thread's (comm.py)
-        self.group.order, self.group.inline = order, True
-        gather_group = comm.sub_group(self.group, "gather", order, timeout)
-        reduce_group = comm.sub_group(self.group, "reduce", order, timeout)
         streams = Streams(self.device, high_priority=(Lane.GATHER, Lane.REDUCE))
         lanes = Lanes.create(self.meter, threaded=cfg.pipeline, streams=streams)
         shared = LaneContext(self.states, lanes, self.meter, self.compute_dtype)
@@ -212,7 +217,8 @@ class Runtime:
                                  updates_in_backward=self.backward_updates.expects_updates_in_backward,
                                  plan_for_updates_in_backward=cfg.update_in_backward or cfg.speculative_updates,
                                  before_gather=self.backward_updates.before_gather,
-                                 activation_room=lambda: self.activations.cpu_demand if self.activations else 0)
+                                 activation_room=lambda: self.activations.cpu_demand if self.activations else 0,
+                                 on_pass_end=lambda where: divergence.check_pass(self.group, self.units, where))
         self.ctx = UnitContext(self.device, self.compute_dtype, self.group, gather_group, reduce_group, self.states,
                                lanes, self.meter, Counters(), schedule=self.schedule, streams=streams,
                                reduce_dtype=cfg.torch_reduce_dtype, on_reduce=self.backward_updates.on_reduce)
@@ -272,9 +278,9 @@ class Runtime:
             self.states.close()
         if self.watchdog is not None:
             self.watchdog.close()
-        if self.ctx is not None and dist.is_initialized():
-            for g in (self.ctx.gather_group, self.ctx.reduce_group):  # the default group stays; ours go (NCCL:
-                if g.pg is not None:                                 # two communicators per runtime otherwise)
+        if dist.is_initialized():
+            for g in self._lane_groups:  # the default group stays; ours go (NCCL: two communicators per
+                if g.pg is not None:       # runtime otherwise)
                     try:
                         dist.destroy_process_group(g.pg)
                     except Exception as e:  # noqa: BLE001 - closing anyway; reported after everything is freed
@@ -637,6 +643,7 @@ class Runtime:
         backward that raised, a skipped step). Before the gradients' 'received' flags are cleared: the count of
         an update that ran reads them."""
         self.backward_updates.abandon(lambda units: [o.count_step(units) for o in self.live_optimizers()])
+        self.group.order.asked.forget_divergence()  # a pass's check found the ranks apart: start level
 
     def sync_used(self) -> None:
         """OR the per-parameter 'received a gradient' flags over ranks (params with none are not stepped)."""
@@ -837,6 +844,7 @@ class Runtime:
             "activations": self.activations.report() if self.activations is not None else None,
             "speculation": self.backward_updates.speculation.report(),
             "loss_scale": self.loss_scale.report(),
+            "communicators_device_bytes": self.communicators_device_bytes,  # (collectives/warm.py)
             "compute_dtype": {"dtype": self.config.compute_dtype, "auto": self._auto_compute_dtype,
                               "why": self.compute_dtype_reason},
         }

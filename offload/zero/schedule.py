@@ -56,7 +56,7 @@ class Schedule:
     def __init__(self, ctx: LaneContext, units_by_uid: dict, reserve_bytes, prefetch: bool, gather_ahead: bool,
                  on_new_backward=lambda: None, pipeline=None, updates_in_backward=lambda: False,
                  plan_for_updates_in_backward: bool = False, before_gather=lambda unit: None,
-                 activation_room=lambda: 0):
+                 activation_room=lambda: 0, on_pass_end=lambda where: None):
         self.ctx = ctx
         self.activation_room = activation_room  # () -> cpu bytes the offloaded activations take (kept free)
         self.pipeline = pipeline  # OptimizerPipeline: reads the next update's states during the backward
@@ -68,6 +68,9 @@ class Schedule:
         self.plan_for_updates_in_backward = plan_for_updates_in_backward
         self.before_gather = before_gather  # (unit) -> None: before any gather is issued (speculation's void)
         self.on_new_backward = on_new_backward  # the runtime forgets the last clip coefficient
+        # (where) -> None: a backward or an eval forward (the root's, without gradients) is over: the ranks compare
+        # what they issued in it (collectives/divergence.py)
+        self.on_pass_end = on_pass_end
         self.units = units_by_uid  # uid -> ShardedUnit (the runtime adds units as it wraps models)
         self.reserve_bytes = reserve_bytes  # () -> cpu bytes the pipelines need besides what stays resident
         self.prefetch = prefetch  # Config.pipeline: read ahead and gather ahead
@@ -128,6 +131,8 @@ class Schedule:
     def post_forward(self, unit) -> None:
         if not torch.is_grad_enabled() or self.reshard_after_forward(unit):
             unit.reshard()
+        if not torch.is_grad_enabled() and unit.name == "":
+            self.on_pass_end("eval forward")
 
     def forward_failed(self, unit) -> None:
         """`unit`'s forward raised (an out-of-memory error, a bad batch): no backward comes for what this step's
@@ -165,6 +170,7 @@ class Schedule:
         self._callback_queued = False
         self._reshard_all()
         self.on_backward_end()
+        self.on_pass_end("backward")  # (a backward that raised is not compared: its ranks may have failed apart)
 
     def _close_failed_backward(self) -> None:
         """A forward while the end-of-backward callback is still marked queued: the last backward raised

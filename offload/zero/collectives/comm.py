@@ -137,6 +137,9 @@ class AskedCollectives:
     def __init__(self):
         self.counts: collections.Counter = collections.Counter()  # (lane, key) -> collectives asked
         self.order_hash = 0
+        # set where a pass's check (divergence.py) found the ranks apart: the counts are kept, so the step's own
+        # comparison refuses it too; a zero_grad() instead of the step forgets them (the next step starts level)
+        self.diverged = False
 
     def note(self, lane: str, key: int) -> None:
         self.counts[(lane, key)] += 1
@@ -146,7 +149,48 @@ class AskedCollectives:
     def take(self) -> tuple[collections.Counter, int]:
         out = self.counts, self.order_hash
         self.counts, self.order_hash = collections.Counter(), 0
+        self.diverged = False
         return out
+
+    def forget_divergence(self) -> None:
+        if self.diverged:
+            self.take()
+
+
+# ---- the issued sequence, for tests: every rank's must be the same ------------------------------------------
+class SequenceRecorder:
+    """Every collective issued through this module while recording, in issue order: (group, op, numel, dtype).
+    Lanes issue in ticket order (under ProgramOrder.turn), so two ranks that pair their collectives right record
+    equal lists. Tests compare them across ranks at teardown (tests/rank_sequences.py)."""
+
+    def __init__(self):
+        self.entries: list[tuple[str, str, int, str]] = []
+        self.whats: list[str] = []  # what each was for (named where two ranks' lists differ; not compared)
+        self._lock = threading.Lock()
+
+    def note(self, group: str, op: str, numel: int, dtype: torch.dtype, what: str) -> None:
+        with self._lock:
+            self.entries.append((group, op, int(numel), str(dtype).removeprefix("torch.")))
+            self.whats.append(what)
+
+
+_recorders: list[SequenceRecorder] = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Record the collectives this process issues inside (every thread's); yields the SequenceRecorder."""
+    recorder = SequenceRecorder()
+    _recorders.append(recorder)
+    try:
+        yield recorder
+    finally:
+        _recorders.remove(recorder)
+
+
+def record_issued(group: "Group", op: str, t: torch.Tensor, what: str) -> None:
+    for recorder in _recorders:  # (empty unless a test records: the hot path pays one list check)
+        recorder.note(group.name, op, t.numel(), t.dtype, what)
 
 
 @dataclass
@@ -219,11 +263,15 @@ def _check(group: Group, what: str, *tensors: torch.Tensor) -> None:
                              "values go through the *_host helpers)")
 
 
-def _issue(group: Group, ticket: int | None, collective: str, what: str, fn, then=None) -> Pending:
+def _issue(group: Group, ticket: int | None, collective: str, what: str, fn, then=None,
+           sent: torch.Tensor | None = None) -> Pending:
+    """`sent`: what this rank contributes (recorded while a test records: its numel and dtype)."""
     if group.order is None:
+        record_issued(group, collective, sent, what)
         work = _guarded(group, collective, what, fn)
     else:
         with group.order.turn(ticket, group.name, what, inline=group.inline):
+            record_issued(group, collective, sent, what)  # in the turn: the order the collectives are enqueued in
             work = _guarded(group, collective, what, fn)
     return Pending(group, work, collective, what, then)
 
@@ -237,7 +285,7 @@ def all_gather_into(group: Group, out: torch.Tensor, shard: torch.Tensor, what: 
     _check(group, what, out, shard)
     shard = shard.contiguous()
     return _issue(group, ticket, "all_gather", what,
-                  lambda: _all_gather(out, shard, group=group.pg, async_op=True))
+                  lambda: _all_gather(out, shard, group=group.pg, async_op=True), sent=shard)
 
 
 def reduce_scatter_mean(group: Group, full: torch.Tensor, what: str = "", ticket: int | None = None,
@@ -251,7 +299,7 @@ def reduce_scatter_mean(group: Group, full: torch.Tensor, what: str = "", ticket
     out = torch.empty(full.numel() // group.world_size, dtype=full.dtype, device=full.device)
     pending = _issue(group, ticket, "reduce_scatter", what,
                      lambda: _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group.pg, async_op=True),
-                     then=lambda: out.div_(group.world_size))
+                     then=lambda: out.div_(group.world_size), sent=full)
     return out, pending
 
 
@@ -261,7 +309,7 @@ def all_reduce_(group: Group, t: torch.Tensor, op: str = "sum", what: str = "") 
         _check(group, what, t)
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         _issue(group, None, "all_reduce", what,
-               lambda: dist.all_reduce(t, op=reduce_op, group=group.pg, async_op=True)).wait()
+               lambda: dist.all_reduce(t, op=reduce_op, group=group.pg, async_op=True), sent=t).wait()
     return t
 
 
@@ -270,7 +318,7 @@ def broadcast_(group: Group, t: torch.Tensor, src: int = 0, what: str = "") -> t
     if group.distributed:
         _check(group, what, t)
         _issue(group, None, "broadcast", what,
-               lambda: dist.broadcast(t, src=src, group=group.pg, async_op=True)).wait()
+               lambda: dist.broadcast(t, src=src, group=group.pg, async_op=True), sent=t).wait()
     return t
 
 
