@@ -6,7 +6,7 @@ issued through offload/zero/collectives/comm.py, (group, op, numel, dtype) in is
 the ranks' lists once they have exited:
 
     record(prefix)                  in each rank, first: records until the process exits, then writes
-                                    {prefix}.rank{RANK}.json
+                                    {prefix}.rank{RANK}.json (write(prefix, rank, recorder): the same, now)
     assert_same_sequences(prefix)   in the test, after the ranks exited: every rank's list equal, else an
                                     AssertionError naming the first collective where two ranks differ
 
@@ -30,13 +30,18 @@ def record(prefix: str) -> None:
     recorder = context.__enter__()  # until the process exits (the recorder costs a list append)
     rank = int(os.environ.get("RANK", "0"))
 
-    def write() -> None:
-        with recorder._lock:
-            entries, whats = list(recorder.entries), list(recorder.whats)
-        Path(f"{prefix}.rank{rank}.json").write_text(json.dumps({"entries": entries, "whats": whats}))
+    def write_and_close() -> None:
+        write(prefix, rank, recorder)
         context.__exit__(None, None, None)  # now, not when the interpreter's teardown collects it
 
-    atexit.register(write)
+    atexit.register(write_and_close)
+
+
+def write(prefix: str, rank: int, recorder) -> None:
+    """{prefix}.rank{rank}.json: what the recorder holds now."""
+    with recorder._lock:
+        entries, whats = list(recorder.entries), list(recorder.whats)
+    Path(f"{prefix}.rank{rank}.json").write_text(json.dumps({"entries": entries, "whats": whats}))
 
 
 def load(prefix: str, ranks: int) -> list[dict]:
