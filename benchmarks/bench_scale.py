@@ -133,7 +133,7 @@ def bench_update(s: UpdateSettings, nvme_dir: str | None = None) -> dict:
     x = torch.randn(s.batch, dim, generator=torch.Generator().manual_seed(1))
     runs: dict[str, dict[str, list]] = {k: {"step_s": [], "opt_s": [], "lane_s": [], "lane_alone_s": [],
                                                                   "lane_kernel_s": [],
-                                                                  "lane_cpu_gb": []}
+                                                                  "gb_moved": []}
                                         for k in ("torch", "kernel", "offload")}
     n = 0
     with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=nvme_dir) as tmp:
@@ -151,6 +151,8 @@ def bench_update(s: UpdateSettings, nvme_dir: str | None = None) -> dict:
             # the cpu tier: param, grad and optimizer state shards (fp32: the param is its master), 18 B a param;
             # the device tier (host memory here): the gathered units and their gradients, a few at a time
             cpu_budget = f"{max(1, math.ceil(n * 18 / 2**30))}GiB"
+            if s.optimizer_tier == "nvme":  # room for the param and grad shards and the update's working chunks only
+                cpu_budget = f"{n * 8 + (256 << 20)}B"
             device_budget = f"{max(1, math.ceil(8 * n / s.layers * 4 / 2**30))}GiB"  # 8 units' fp32 bytes
             cfg = offload.Config(params="cpu", optimizer=s.optimizer_tier, nvme_path=tmp, cpu_budget=cpu_budget,
                                  device_budget=device_budget, optimizer_states=OPTIMIZERS[s.optimizer],
@@ -186,7 +188,7 @@ def bench_update(s: UpdateSettings, nvme_dir: str | None = None) -> dict:
                 if s.optimizer_tier == "nvme":
                     st = rt.stats()
                     moved = st["nvme_read_bytes"] + st["nvme_written_bytes"]
-                    runs["offload"]["lane_cpu_gb"].append(moved / 1e9)
+                    runs["offload"]["gb_moved"].append(moved / 1e9 / st["steps"])  # per step, on average
                 del model, opt
             gc.collect()
             print(f"# round done: {({who: [round(t, 3) for t in r['step_s']] for who, r in runs.items()})}, lane "
@@ -205,8 +207,9 @@ def bench_update(s: UpdateSettings, nvme_dir: str | None = None) -> dict:
         "kernel_params_per_s": n / kernel,
     }
     if s.optimizer_tier == "nvme":
-        gb = runs["offload"]["lane_cpu_gb"][-1] / max(1, (s.warmup + s.steps))
-        out["lane_s_per_gb_moved"] = med["offload"]["lane_s"] / gb if gb else None
+        gb = statistics.median(runs["offload"]["gb_moved"])
+        out["gb_moved_per_step"] = gb
+        out["lane_s_per_gb_moved"] = med["offload"]["lane_alone_s"] / gb if gb else None
     return out
 
 
@@ -224,7 +227,8 @@ def print_update(r: dict) -> None:
           f"{r['lane_overlapped_vs_kernel']:.2f}x)   step / torch {r['step_vs_torch']:.2f}x "
           f"(goal <= {GOALS['step_vs_torch']}x)   kernel {r['kernel_params_per_s'] / 1e6:.0f} M params/s")
     if r.get("lane_s_per_gb_moved") is not None:
-        print(f"lane busy {r['lane_s_per_gb_moved']:.3f} s per GB moved to and from nvme")
+        print(f"{r['gb_moved_per_step']:.2f} GB a step to and from nvme; the lane alone is busy "
+              f"{r['lane_s_per_gb_moved']:.3f} s per GB moved")
 
 
 @dataclass
