@@ -75,6 +75,7 @@ class Meter:
         self._lock = threading.Lock()
         self._wait = {q: 0.0 for q in Queue}
         self._busy = {l: 0.0 for l in Lane}
+        self._working = threading.local()  # the lanes this thread is counting busy time for now
 
     @contextlib.contextmanager
     def waiting(self, queue: Queue):
@@ -93,13 +94,19 @@ class Meter:
 
     @contextlib.contextmanager
     def working(self, lane: Lane, name: str):
-        """Work on `lane`: a span, and its duration counted as the lane's busy time."""
+        """Work on `lane`: a span, and its duration counted as the lane's busy time. Work nested in work of the
+        same lane on the same thread (a lane item's kernel) is a span only: its time is already counted."""
+        active = self._working.__dict__.setdefault("lanes", set())
+        outer = lane not in active
         t0 = time.perf_counter()
+        active.add(lane)
         with span(name, lane):
             try:
                 yield
             finally:
-                self.busy(lane, time.perf_counter() - t0)
+                if outer:
+                    active.discard(lane)
+                    self.busy(lane, time.perf_counter() - t0)
 
     def snapshot(self) -> MeterSnapshot:
         with self._lock:
