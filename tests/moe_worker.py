@@ -80,7 +80,8 @@ def reference_train(model_dir: str, world: int = 1, lora: bool = False, start: d
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    seen = offload_train(sys.argv[1], dist.get_world_size(), dist.get_rank(), lora=sys.argv[3:] == ["lora"])
-    if dist.get_rank() == 0:
-        torch.save(seen, sys.argv[2])
+    for lora in (False, True):  # both runs in one launch: two ranks' imports cost more than a tiny run
+        seen = offload_train(sys.argv[1], dist.get_world_size(), dist.get_rank(), lora=lora)
+        if dist.get_rank() == 0:
+            torch.save(seen, f"{sys.argv[2]}.{'lora' if lora else 'full'}.pt")
     dist.destroy_process_group()

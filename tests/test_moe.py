@@ -107,26 +107,33 @@ def test_lora_over_an_moe_base_trains_as_peft(tmp_path):
     _assert_trains_as_reference(run, ref, 1e-5)
 
 
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """A Mixtral trained on 2 ranks (gloo), in full and under LoRA, in one launch (tests/moe_worker.py)."""
+    tmp = tmp_path_factory.mktemp("moe2")
+    model_dir = save_moe(tmp / "m", "mixtral")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(TESTS / "moe_worker.py"), str(model_dir), str(tmp / "run")],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return model_dir, {kind: torch.load(tmp / f"run.{kind}.pt") for kind in ("full", "lora")}
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_two_ranks_whose_routers_choose_differently_train_as_plain_pytorch(tmp_path, lora):
+def test_two_ranks_whose_routers_choose_differently_train_as_plain_pytorch(two_rank_runs, lora):
     """Each rank's tokens go to other experts: the runtime gathers whole decoder layers (the fused experts inside),
     so both ranks run the same gathers and reduces (else it refuses the step); the result is plain PyTorch's on the
     mean of the two ranks' losses. With LoRA the adapters are kept-gathered units whose elements all lie in rank 0's
     shard: rank 1 did not re-gather them after a step and rank 0 did (gloo aborted: a collective of 22016 bytes met
     one of 512; update/optimizer.py, _outdate_kept_units_stepped_elsewhere)."""
-    model_dir = save_moe(tmp_path / "m", "mixtral")
+    model_dir, runs = two_rank_runs
     ids = moe_worker.data(96, 2)[0]
     with torch.no_grad():  # the routers' choices differ between the ranks' batches
         plain = AutoModelForCausalLM.from_pretrained(model_dir)
         chosen = [plain(input_ids=ids[r]).router_logits[0].topk(2, dim=-1).indices for r in range(2)]
     load = [torch.bincount(c.flatten(), minlength=4) for c in chosen]  # tokens per expert, layer 0
     assert not torch.equal(load[0], load[1])
-    out = tmp_path / "run.pt"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(TESTS / "moe_worker.py"), str(model_dir), str(out), *(["lora"] if lora else [])],
-                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    run = torch.load(out)
+    run = runs["lora" if lora else "full"]
     ref = moe_worker.reference_train(str(model_dir), world=2, lora=lora, start=run["start"])
     _assert_trains_as_reference(run, ref, 1e-4)  # (the reduce over ranks sums in another order)
 
