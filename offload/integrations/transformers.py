@@ -49,7 +49,7 @@ from transformers import Trainer, TrainingArguments
 
 import offload
 from offload.config import Config
-from offload.zero.grad_scaler import GradState
+from offload.zero.update.loss_scale import GradState
 from offload.zero.update.optimizer import ShardedAdamW, ShardedOptimizer
 from offload.zero.runtime import current as current_runtime
 from offload.zero.units.torch_patches import route_compiled_zero_grad

@@ -57,7 +57,7 @@ from .update.backward_updates import BackwardUpdates
 from .update.speculation import Speculation
 from .context import Counters, LaneContext, Lanes, UnitContext
 from .device_budget_fit import DeviceBudgetFit, fit_device_budget
-from .grad_scaler import GradState, LossScale
+from .update.loss_scale import GradState, LossScale
 from .host_memory import peak_rss_bytes, rss_bytes, tune_malloc, untune_malloc
 from .lanes import WorkLane
 from .units.hooks import check_call
