@@ -62,7 +62,10 @@ class GradScaler:
         self._growth_tracker = 0  # steps in a row without overflow since S last changed
         self._stages: dict[int, OptimizerStage] = {}  # id(optimizer) -> its stage since the last update()
         self._found_inf: bool | None = None  # this step's overflow (over the runtime, every rank); None: unchecked
+        # the update path (update/step.py) of the runtime whose gradients it scales: the given runtime's (taken at
+        # the first call: it may be given before its block opened), else the first one it meets
         self._runtime = runtime
+        self._path = None
 
     # ---- the training loop ------------------------------------------------------------------
     def scale(self, outputs):
@@ -73,12 +76,13 @@ class GradScaler:
         from .runtime import current
 
         rt = self._runtime or current()
-        if rt is None:
+        path = self._path or (rt.updates if rt is not None else None)
+        if path is None:
             raise RuntimeError("offload.GradScaler.scale: no offload runtime is open; call it inside "
                                "`with offload.init(config):` or give GradScaler(runtime=rt) (for a model without "
                                "offload, use torch.amp.GradScaler)")
-        self._runtime = rt
-        rt.set_loss_scale(self._scale)
+        self._path = path
+        path.set_loss_scale(self._scale)
         return _times(outputs, self._scale)
 
     def unscale_(self, optimizer) -> None:
@@ -87,14 +91,14 @@ class GradScaler:
         if not self._enabled:
             return
         optimizer = _offload_optimizer(optimizer, "unscale_")
-        rt = self._bound(optimizer.rt)
+        path = self._bound(optimizer.path)
         stage = self._stages.get(id(optimizer), OptimizerStage.READY)
         if stage is OptimizerStage.UNSCALED:
             raise RuntimeError("offload.GradScaler.unscale_ has already been called on this optimizer since the "
                                "last update()")
         if stage is OptimizerStage.STEPPED:
             raise RuntimeError("offload.GradScaler.unscale_ is being called after step(); call update() first")
-        self._found_inf = rt.unscale_grads()
+        self._found_inf = path.unscale_grads()
         self._stages[id(optimizer)] = OptimizerStage.UNSCALED
 
     def step(self, optimizer, *args, **kwargs):
@@ -105,7 +109,7 @@ class GradScaler:
         if kwargs.get("closure") is not None or any(callable(a) for a in args):
             raise RuntimeError("offload.GradScaler.step: closures are not supported (as with torch's GradScaler)")
         optimizer = _offload_optimizer(optimizer, "step")
-        rt = self._bound(optimizer.rt)
+        path = self._bound(optimizer.path)
         stage = self._stages.get(id(optimizer), OptimizerStage.READY)
         if stage is OptimizerStage.STEPPED:
             raise RuntimeError("offload.GradScaler.step has already been called since the last update()")
@@ -113,23 +117,23 @@ class GradScaler:
             self.unscale_(optimizer)
         out = None
         if self._found_inf:
-            rt.skip_step()  # nothing steps; updates the backward speculated are taken back
+            path.skip_step()  # nothing steps; updates the backward speculated are taken back
         else:
             out = optimizer.step(*args, **kwargs)
         self._stages[id(optimizer)] = OptimizerStage.STEPPED
         return out
 
-    def _bound(self, rt):
-        """The runtime this scaler serves: its first (scale(), or an optimizer's). One scaler's overflow check and
-        scale are one runtime's: an optimizer over another runtime's parameters (nested offload.init blocks) is
-        refused rather than stepped on gradients whose scale that runtime never learned."""
-        if self._runtime is None:
-            self._runtime = rt
-        elif rt is not self._runtime:
+    def _bound(self, path):
+        """The update path this scaler serves: its runtime's (given, scale(), or an optimizer's first). One scaler's
+        overflow check and scale are one runtime's: an optimizer over another runtime's parameters (nested
+        offload.init blocks) is refused rather than stepped on gradients whose scale that runtime never learned."""
+        if self._path is None:
+            self._path = self._runtime.updates if self._runtime is not None else path
+        if path is not self._path:
             raise RuntimeError("offload.GradScaler: this optimizer's parameters belong to another offload runtime "
                                "than the one this scaler scales (nested offload.init blocks); give each runtime its "
                                "own offload.GradScaler(runtime=rt) and scale each runtime's loss with its own")
-        return rt
+        return path
 
     def update(self, new_scale: float | None = None) -> None:
         """The next S: `new_scale` if given, else S * backoff_factor after an overflow, S * growth_factor after
@@ -205,9 +209,9 @@ _SMALLEST_SCALE = 2.0 ** -126  # fp32's smallest normal number: below it 1 / S i
 def _offload_optimizer(optimizer, what: str):
     """The offload optimizer `optimizer` is, or wraps (Accelerate's AcceleratedOptimizer: .optimizer)."""
     given = optimizer
-    while getattr(optimizer, "rt", None) is None and hasattr(optimizer, "optimizer"):
+    while getattr(optimizer, "path", None) is None and hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
-    if not hasattr(getattr(optimizer, "rt", None), "unscale_grads"):
+    if not hasattr(getattr(optimizer, "path", None), "unscale_grads"):
         raise TypeError(f"offload.GradScaler.{what}: {type(given).__name__} is not an offload optimizer over a "
                         "runtime's parameters (offload.AdamW, AdamW8bit, Lion); use torch.amp.GradScaler for others")
     return optimizer
