@@ -71,7 +71,7 @@ from .step_stats import StepStats
 from .units.unit import ShardedUnit
 from .collectives.agree import Agreement
 from .collectives.watchdog import Watchdog
-from .units.wrap import refuse_unmanaged, shard_model
+from .units.wrap import place_model, refuse_unmanaged, shard_model
 
 log = logging.getLogger("offload")
 
@@ -429,9 +429,29 @@ class Runtime:
                 raise RuntimeError("rt.wrap(model, weights=...): the model is already sharded; pass weights on "
                                    "the first wrap, before its first forward or offload.AdamW(model.parameters())")
             return model
-        shard_model(self, model, weights)
+        placed = place_model(self, model)
+        self._take_placement(placed.placement)
+        wrapped = shard_model(self, model, placed, self._adopt_unit, weights)
+        self._ordinal_base += wrapped.parameters
+        self._hooks.extend(wrapped.hooks)
+        model._offload_runtime = self
+        self.models.append(model)
+        self.attach_activation_offload(model)
         self._sync_generate()
         return model
+
+    def _take_placement(self, place: placement.Placement) -> None:
+        """A wrap's placement (units/wrap.py): the tiers, staging and gathers ahead the runtime works with from now."""
+        self.placement = place
+        self.states.set_staging_slot(place.staging_slot)  # before the new shards' first staging buffers
+        self.params_tier, self.optimizer_tier = place.tiers.params.value, place.tiers.optimizer.value
+        self.grads_tier = place.tiers.grads.value
+        self.schedule.gather_ahead = place.gather_ahead
+
+    def _adopt_unit(self, unit: ShardedUnit) -> None:
+        """A unit a wrap built joins the run (before it is first gathered)."""
+        self.units.append(unit)
+        self.schedule.units[unit.uid] = unit
 
     def attach_activation_offload(self, model: nn.Module) -> None:
         """Config.activations: the saved-tensor hooks are open while `model`'s forward runs (wrap calls this)."""
