@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from .active import current
 from .update.loss_scale import fp32 as _fp32
 
 
@@ -73,8 +74,6 @@ class GradScaler:
         backward's gradients carry it."""
         if not self._enabled:
             return outputs
-        from .runtime import current
-
         rt = self._runtime or current()
         path = self._path or (rt.updates if rt is not None else None)
         if path is None:

@@ -51,6 +51,7 @@ from ..telemetry import Lane, Meter, Queue
 from .collectives import comm
 from . import placement
 from .activations import ActivationOffloader
+from .active import ACTIVE as _ACTIVE, current  # noqa: F401 - (current: offload.zero.runtime's name too)
 from .update.backward_updates import BackwardUpdates
 from .context import Counters, LaneContext, Lanes, UnitContext
 from .device_budget_fit import DeviceBudgetFit, fit_device_budget
@@ -75,12 +76,6 @@ from .units.wrap import place_model, refuse_unmanaged, shard_model
 
 log = logging.getLogger("offload")
 
-_ACTIVE: list["Runtime"] = []
-
-
-def current() -> "Runtime | None":
-    """The innermost open runtime (None outside any offload.init block)."""
-    return _ACTIVE[-1] if _ACTIVE else None
 
 
 def init(config: Config | None = None, **fields) -> "Runtime":

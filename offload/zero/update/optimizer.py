@@ -19,6 +19,7 @@ from ...optim.adamw import ADAMW_BF16, AdamW, _check_hyper
 from ...optim.adamw8bit import AdamW8bit
 from ...optim.base import SchemaOptimizer, check_groups, register_sharded
 from ...optim.lion import Lion
+from ..active import current
 from . import optim_states
 from .optimizer_pipeline import Run
 
@@ -49,8 +50,6 @@ def _flat_params(params):
 
 def wants_sharded(params) -> bool:
     """Params of a sharded model, or meta params of a model built inside an open offload.init block."""
-    from ..runtime import current
-
     flat = list(_flat_params(_placeholders(params)))
     if any(hasattr(p, "_offload_unit") for p in flat):
         return True
@@ -77,8 +76,6 @@ class ShardedOptimizer:
         """Link to the runtime that owns `params` (placeholders from `model.parameters()`)."""
         params = _placeholders(list(params))
         name = self.display
-        from ..runtime import current
-
         rt = current()
         if rt is not None and any(isinstance(p, torch.Tensor) and p.device.type == "meta"
                                   and not hasattr(p, "_offload_unit") for p in _flat_params(params)):
