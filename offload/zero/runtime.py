@@ -53,10 +53,10 @@ from . import placement
 from .activations import ActivationOffloader
 from .active import ACTIVE as _ACTIVE, current  # noqa: F401 - (current: offload.zero.runtime's name too)
 from .update.backward_updates import BackwardUpdates
-from .context import Counters, LaneContext, Lanes, UnitContext
+from .context import Counters, UnitContext
 from .device_budget_fit import DeviceBudgetFit, fit_device_budget
 from .host_memory import peak_rss_bytes, rss_bytes, tune_malloc, untune_malloc
-from .lanes import WorkLane
+from .lanes import LaneContext, Lanes, WorkLane
 from .units.hooks import check_call
 from .units.materialize import ConstructionCapture
 from .update.optimizer_pipeline import OptimizerPipeline
