@@ -10,12 +10,12 @@
     # leaving the block waits for queued work, frees every shard, removes swap files, restores nn.Module,
     # and makes the model raise a clear error when used.
 
-The pieces: units/ (wrap.py shards a model into units, shards.py names every shard, unit.py is one unit's
-state machine, torch_patches.py keeps plain PyTorch calls working on a wrapped model), update/ (the
-optimizers, step.py hands each step's updates to the optimizer pipeline), collectives/ (comm.py, the
-watchdog); here: placement.py decides tiers and chunking, state_store.py owns the store and the swap
-directory, schedule.py traces the step and drives the prefetch, lanes.py runs the gathers, reduces and the
-pipeline in the background (docs/zero-runtime.md has the whole table).
+The pieces: units/ (shards.py names every shard, unit.py is one unit's state machine), update/ (the
+optimizers; step.py owns the step's state and hands each step's updates to the optimizer pipeline),
+collectives/ (comm.py, the watchdog); here: wrap.py shards a model into units, torch_patches.py keeps plain
+PyTorch calls working on a wrapped model, placement.py decides tiers and chunking, state_store.py owns the
+store and the swap directory, schedule.py traces the step and drives the prefetch, lanes.py runs the gathers,
+reduces and the pipeline in the background (docs/zero-runtime.md has the whole table).
 
 Gradient accumulation: by default every backward reduce-scatters its gradient and adds this rank's shard to
 the stored gradient shard (memory: one shard per unit). Inside `with rt.no_sync():` backward passes
@@ -63,7 +63,7 @@ from .update.optimizer_pipeline import OptimizerPipeline
 from .schedule import Schedule
 from .units.shards import StateKind
 from .units.state import UnitState
-from .units.torch_patches import ForeignCodeGuards, placed_apply, route_compiled_zero_grad
+from .torch_patches import ForeignCodeGuards, placed_apply, route_compiled_zero_grad
 from .ddp_guard import DDPGuard
 from .state_store import UnitStateStore, prepare_swap_dir
 from .update.loss_scale import LossScale
@@ -72,7 +72,7 @@ from .step_stats import StepStats
 from .units.unit import ShardedUnit
 from .collectives.agree import Agreement
 from .collectives.watchdog import Watchdog
-from .units.wrap import place_model, refuse_unmanaged, shard_model
+from .wrap import place_model, refuse_unmanaged, shard_model
 
 log = logging.getLogger("offload")
 
@@ -436,7 +436,7 @@ class Runtime:
         return model
 
     def _take_placement(self, place: placement.Placement) -> None:
-        """A wrap's placement (units/wrap.py): the tiers, staging and gathers ahead the runtime works with from now."""
+        """A wrap's placement (wrap.py): the tiers, staging and gathers ahead the runtime works with from now."""
         self.placement = place
         self.states.set_staging_slot(place.staging_slot)  # before the new shards' first staging buffers
         self.params_tier, self.optimizer_tier = place.tiers.params.value, place.tiers.optimizer.value

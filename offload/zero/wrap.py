@@ -13,17 +13,17 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ...config import parse_size
-from ..collectives import comm
-from . import hooks
-from .. import placement
-from .layout import FlatLayout
-from .init_record import Sharded
-from .materialize import hf_inits, init_device, is_meta_model, lora_layers, materialize_unit
-from .shards import StateKind, UnitShards
+from ..config import parse_size
+from .collectives import comm
+from . import placement
 from .torch_patches import patch_model
-from .unit import ShardedUnit
-from .discover import discover_units
+from .units import hooks
+from .units.discover import discover_units
+from .units.init_record import Sharded
+from .units.layout import FlatLayout
+from .units.materialize import hf_inits, init_device, is_meta_model, lora_layers, materialize_unit
+from .units.shards import StateKind, UnitShards
+from .units.unit import ShardedUnit
 
 
 @dataclass
