@@ -33,7 +33,7 @@ def _runtime_of(model):
             return rt
         meta = meta or p.is_meta
     if meta:
-        from offload.zero.runtime import current
+        from offload.zero.active import current
 
         return current()
     return None

@@ -19,7 +19,7 @@ import os
 import torch
 from transformers import PreTrainedModel
 
-from offload.zero.runtime import current as current_runtime
+from offload.zero.active import current as current_runtime
 
 # from_pretrained arguments that change nothing for a local directory of safetensors (dtype is checked apart)
 _FROM_PRETRAINED_HARMLESS = {"cache_dir", "force_download", "local_files_only", "token", "revision", "use_safetensors",

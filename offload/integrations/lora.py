@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from offload.zero.runtime import current as current_runtime
+from offload.zero.active import current as current_runtime
 
 _PEFT_WRAPPERS = re.compile(r"^base_model\.model\.|\.base_layer(?=\.)")
 

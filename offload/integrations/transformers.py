@@ -49,10 +49,10 @@ from transformers import Trainer, TrainingArguments
 
 import offload
 from offload.config import Config
-from offload.zero.grad_scaler import GradState
+from offload.zero.update.loss_scale import GradState
 from offload.zero.update.optimizer import ShardedAdamW, ShardedOptimizer
-from offload.zero.runtime import current as current_runtime
-from offload.zero.units.torch_patches import route_compiled_zero_grad
+from offload.zero.active import current as current_runtime
+from offload.zero.torch_patches import route_compiled_zero_grad
 
 from . import hf_loading  # noqa: F401 - from_pretrained inside a runtime streams into the store
 from .deepspeed import build_scheduler, describe_optimizer, describe_scheduler, Matcher, optimizer_settings

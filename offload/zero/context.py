@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..device import Streams
-from ..telemetry import Lane, Meter, Queue
+from ..telemetry import Meter
 from .collectives import comm
-from .lanes import WorkLane
+from .lanes import Lanes
 from .state_store import UnitStateStore
 
 if TYPE_CHECKING:
@@ -36,33 +36,6 @@ class Counters:
         with self._lock:
             self.gathered_bytes += delta
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-
-
-@dataclass
-class Lanes:
-    gather: WorkLane
-    reduce: WorkLane
-    optimizer: WorkLane
-
-    @classmethod
-    def create(cls, meter: Meter, threaded: bool, streams: Streams) -> "Lanes":
-        return cls(WorkLane(Lane.GATHER, Queue.GATHER, meter, threaded, streams=streams),
-                   WorkLane(Lane.REDUCE, Queue.REDUCE, meter, threaded, streams=streams),
-                   WorkLane(Lane.OPTIMIZER, Queue.OPTIMIZER, meter, threaded, pause_each=False, streams=streams))
-
-    def all(self) -> list[WorkLane]:
-        return [self.gather, self.reduce, self.optimizer]
-
-
-@dataclass(frozen=True)
-class LaneContext:
-    """What the schedule and the optimizer pipeline work with: the shards' store, the lanes, the meter (built
-    before the units' context, which holds the schedule)."""
-
-    states: UnitStateStore
-    lanes: Lanes
-    meter: Meter
-    compute_dtype: torch.dtype
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .units.init_record import Placeholder
-from .units.torch_patches import _runtime_of
+from .torch_patches import _runtime_of
 
 REFUSAL = ("offload: DistributedDataParallel over a wrapped model is refused: its parameters are placeholders (the "
            "runtime holds their shards) and the runtime already reduces the gradients over the ranks (ZeRO-3); use "

@@ -19,51 +19,11 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
 
 import torch
 
-
-class GradState(enum.Enum):
-    """What the runtime's stored gradient shards of this step carry (LossScale.state; LossScale's on_* methods are
-    its only writers)."""
-
-    PLAIN = "plain"  # no loss scale (no GradScaler): the stored gradient is the gradient
-    SCALED = "scaled"  # the shards hold the gradient times S; a clip or a step must unscale first
-    UNSCALED = "unscaled"  # the shards still hold it times S, the step's factor carries 1/S, overflow is known
-
-
-@dataclass
-class LossScale:
-    """The runtime's view of loss scaling (rt.loss_scale): the scale of the next backward's gradients (None
-    without a GradScaler), what this step's gradients carry, and whether they overflowed."""
-
-    scale: float | None = None
-    state: GradState = GradState.PLAIN
-    # the factor that takes this step's stored gradients back to the gradient: 1 / S in fp32, as torch's GradScaler
-    # computes its inv_scale (1.0 when they carry no scale); set once a backward, read per unit in the backward
-    unscale: float = 1.0
-    found_inf: bool = False
-    skipped_steps: int = 0  # steps skipped for an overflow, since the runtime opened
-    overflows_here: int = 0  # of those, the steps whose overflow was in this rank's own shards
-    skipped: bool = False  # this step was skipped
-
-    def report(self) -> dict:
-        return {"scale": self.scale, "skipped_steps": self.skipped_steps, "overflows_here": self.overflows_here}
-
-    def on_new_backward(self) -> None:
-        """A backward starts: its gradients carry the scale, if a GradScaler set one."""
-        self.state = GradState.PLAIN if self.scale is None else GradState.SCALED
-        self.unscale = 1.0 if self.scale is None else _fp32(1.0 / self.scale)
-        self.found_inf = self.skipped = False
-
-    def on_unscaled(self, found_inf: bool, found_here: bool) -> None:
-        """The overflow check ran: `found_inf` over every rank, `found_here` in this rank's shards."""
-        self.state, self.found_inf = GradState.UNSCALED, found_inf
-        self.overflows_here += int(found_here)
-
-    def on_skipped(self) -> None:
-        self.skipped, self.skipped_steps = True, self.skipped_steps + 1
+from .active import current
+from .update.loss_scale import fp32 as _fp32
 
 
 class OptimizerStage(enum.Enum):
@@ -74,8 +34,6 @@ class OptimizerStage(enum.Enum):
     STEPPED = "stepped"
 
 
-def _fp32(x: float) -> float:
-    return torch.tensor(x, dtype=torch.float32).item()  # the scale is fp32, as torch's
 
 
 class GradScaler:
@@ -105,7 +63,10 @@ class GradScaler:
         self._growth_tracker = 0  # steps in a row without overflow since S last changed
         self._stages: dict[int, OptimizerStage] = {}  # id(optimizer) -> its stage since the last update()
         self._found_inf: bool | None = None  # this step's overflow (over the runtime, every rank); None: unchecked
+        # the update path (update/step.py) of the runtime whose gradients it scales: the given runtime's (taken at
+        # the first call: it may be given before its block opened), else the first one it meets
         self._runtime = runtime
+        self._path = None
 
     # ---- the training loop ------------------------------------------------------------------
     def scale(self, outputs):
@@ -113,15 +74,14 @@ class GradScaler:
         backward's gradients carry it."""
         if not self._enabled:
             return outputs
-        from .runtime import current
-
         rt = self._runtime or current()
-        if rt is None:
+        path = self._path or (rt.updates if rt is not None else None)
+        if path is None:
             raise RuntimeError("offload.GradScaler.scale: no offload runtime is open; call it inside "
                                "`with offload.init(config):` or give GradScaler(runtime=rt) (for a model without "
                                "offload, use torch.amp.GradScaler)")
-        self._runtime = rt
-        rt.set_loss_scale(self._scale)
+        self._path = path
+        path.set_loss_scale(self._scale)
         return _times(outputs, self._scale)
 
     def unscale_(self, optimizer) -> None:
@@ -130,14 +90,14 @@ class GradScaler:
         if not self._enabled:
             return
         optimizer = _offload_optimizer(optimizer, "unscale_")
-        rt = self._bound(optimizer.rt)
+        path = self._bound(optimizer.path)
         stage = self._stages.get(id(optimizer), OptimizerStage.READY)
         if stage is OptimizerStage.UNSCALED:
             raise RuntimeError("offload.GradScaler.unscale_ has already been called on this optimizer since the "
                                "last update()")
         if stage is OptimizerStage.STEPPED:
             raise RuntimeError("offload.GradScaler.unscale_ is being called after step(); call update() first")
-        self._found_inf = rt.unscale_grads()
+        self._found_inf = path.unscale_grads()
         self._stages[id(optimizer)] = OptimizerStage.UNSCALED
 
     def step(self, optimizer, *args, **kwargs):
@@ -148,7 +108,7 @@ class GradScaler:
         if kwargs.get("closure") is not None or any(callable(a) for a in args):
             raise RuntimeError("offload.GradScaler.step: closures are not supported (as with torch's GradScaler)")
         optimizer = _offload_optimizer(optimizer, "step")
-        rt = self._bound(optimizer.rt)
+        path = self._bound(optimizer.path)
         stage = self._stages.get(id(optimizer), OptimizerStage.READY)
         if stage is OptimizerStage.STEPPED:
             raise RuntimeError("offload.GradScaler.step has already been called since the last update()")
@@ -156,23 +116,23 @@ class GradScaler:
             self.unscale_(optimizer)
         out = None
         if self._found_inf:
-            rt.skip_step()  # nothing steps; updates the backward speculated are taken back
+            path.skip_step()  # nothing steps; updates the backward speculated are taken back
         else:
             out = optimizer.step(*args, **kwargs)
         self._stages[id(optimizer)] = OptimizerStage.STEPPED
         return out
 
-    def _bound(self, rt):
-        """The runtime this scaler serves: its first (scale(), or an optimizer's). One scaler's overflow check and
-        scale are one runtime's: an optimizer over another runtime's parameters (nested offload.init blocks) is
-        refused rather than stepped on gradients whose scale that runtime never learned."""
-        if self._runtime is None:
-            self._runtime = rt
-        elif rt is not self._runtime:
+    def _bound(self, path):
+        """The update path this scaler serves: its runtime's (given, scale(), or an optimizer's first). One scaler's
+        overflow check and scale are one runtime's: an optimizer over another runtime's parameters (nested
+        offload.init blocks) is refused rather than stepped on gradients whose scale that runtime never learned."""
+        if self._path is None:
+            self._path = self._runtime.updates if self._runtime is not None else path
+        if path is not self._path:
             raise RuntimeError("offload.GradScaler: this optimizer's parameters belong to another offload runtime "
                                "than the one this scaler scales (nested offload.init blocks); give each runtime its "
                                "own offload.GradScaler(runtime=rt) and scale each runtime's loss with its own")
-        return rt
+        return path
 
     def update(self, new_scale: float | None = None) -> None:
         """The next S: `new_scale` if given, else S * backoff_factor after an overflow, S * growth_factor after
@@ -248,9 +208,9 @@ _SMALLEST_SCALE = 2.0 ** -126  # fp32's smallest normal number: below it 1 / S i
 def _offload_optimizer(optimizer, what: str):
     """The offload optimizer `optimizer` is, or wraps (Accelerate's AcceleratedOptimizer: .optimizer)."""
     given = optimizer
-    while getattr(optimizer, "rt", None) is None and hasattr(optimizer, "optimizer"):
+    while getattr(optimizer, "path", None) is None and hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
-    if not hasattr(getattr(optimizer, "rt", None), "unscale_grads"):
+    if not hasattr(getattr(optimizer, "path", None), "unscale_grads"):
         raise TypeError(f"offload.GradScaler.{what}: {type(given).__name__} is not an offload optimizer over a "
                         "runtime's parameters (offload.AdamW, AdamW8bit, Lion); use torch.amp.GradScaler for others")
     return optimizer

@@ -11,11 +11,14 @@ collectives in one order across both). On a GPU each lane's work runs on the lan
 and its thread binds the compute device before its first work.
 With Config.pipeline=False a lane runs each piece of work in the caller, at once: the synchronous
 reference that the pipelined runtime must match bit for bit.
+Lanes holds the three; LaneContext is what the schedule and the optimizer pipeline work with (the store, the
+lanes, the meter), built before the units' context (context.py), which holds the schedule.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,6 +27,7 @@ from .. import inject
 from ..device import Streams, thread_initializer
 from .collectives import comm
 from ..telemetry import Lane, Meter, Queue
+from .state_store import UnitStateStore
 
 
 class WorkLane:
@@ -95,3 +99,30 @@ def wait(fut: cf.Future | None, meter: Meter, queue: Queue):
         with meter.waiting(queue):
             return fut.result()
     return fut.result()
+
+
+@dataclass
+class Lanes:
+    gather: WorkLane
+    reduce: WorkLane
+    optimizer: WorkLane
+
+    @classmethod
+    def create(cls, meter: Meter, threaded: bool, streams: Streams) -> "Lanes":
+        return cls(WorkLane(Lane.GATHER, Queue.GATHER, meter, threaded, streams=streams),
+                   WorkLane(Lane.REDUCE, Queue.REDUCE, meter, threaded, streams=streams),
+                   WorkLane(Lane.OPTIMIZER, Queue.OPTIMIZER, meter, threaded, pause_each=False, streams=streams))
+
+    def all(self) -> list[WorkLane]:
+        return [self.gather, self.reduce, self.optimizer]
+
+
+@dataclass(frozen=True)
+class LaneContext:
+    """What the schedule and the optimizer pipeline work with: the shards' store, the lanes, the meter (built
+    before the units' context, which holds the schedule)."""
+
+    states: UnitStateStore
+    lanes: Lanes
+    meter: Meter
+    compute_dtype: torch.dtype

@@ -10,12 +10,12 @@
     # leaving the block waits for queued work, frees every shard, removes swap files, restores nn.Module,
     # and makes the model raise a clear error when used.
 
-The pieces: units/ (wrap.py shards a model into units, shards.py names every shard, unit.py is one unit's
-state machine, torch_patches.py keeps plain PyTorch calls working on a wrapped model), update/ (the
-optimizers, step.py hands each step's updates to the optimizer pipeline), collectives/ (comm.py, the
-watchdog); here: placement.py decides tiers and chunking, state_store.py owns the store and the swap
-directory, schedule.py traces the step and drives the prefetch, lanes.py runs the gathers, reduces and the
-pipeline in the background (docs/zero-runtime.md has the whole table).
+The pieces: units/ (shards.py names every shard, unit.py is one unit's state machine), update/ (the
+optimizers; step.py owns the step's state and hands each step's updates to the optimizer pipeline),
+collectives/ (comm.py, the watchdog); here: wrap.py shards a model into units, torch_patches.py keeps plain
+PyTorch calls working on a wrapped model, placement.py decides tiers and chunking, state_store.py owns the
+store and the swap directory, schedule.py traces the step and drives the prefetch, lanes.py runs the gathers,
+reduces and the pipeline in the background (docs/zero-runtime.md has the whole table).
 
 Gradient accumulation: by default every backward reduce-scatters its gradient and adds this rank's shard to
 the stored gradient shard (memory: one shard per unit). Inside `with rt.no_sync():` backward passes
@@ -29,12 +29,10 @@ each reduce is a collective; so must the order in which units run (each gather i
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import datetime
 import importlib
 import logging
-import math
 import os
 import sys
 
@@ -53,37 +51,31 @@ from ..telemetry import Lane, Meter, Queue
 from .collectives import comm, divergence, warm
 from . import placement
 from .activations import ActivationOffloader
+from .active import ACTIVE as _ACTIVE, current  # noqa: F401 - (current: offload.zero.runtime's name too)
 from .update.backward_updates import BackwardUpdates
-from .update.speculation import Speculation
-from .context import Counters, LaneContext, Lanes, UnitContext
+from .context import Counters, UnitContext
 from .device_budget_fit import DeviceBudgetFit, fit_device_budget
-from .grad_scaler import GradState, LossScale
 from .host_memory import peak_rss_bytes, rss_bytes, tune_malloc, untune_malloc
-from .lanes import WorkLane
+from .lanes import LaneContext, Lanes, WorkLane
 from .units.hooks import check_call
 from .units.materialize import ConstructionCapture
-from .update.optimizer_pipeline import OptimizerPipeline, UpdateFailed
+from .update.optimizer_pipeline import OptimizerPipeline
 from .schedule import Schedule
 from .units.shards import StateKind
 from .units.state import UnitState
-from .units.torch_patches import ForeignCodeGuards, placed_apply, route_compiled_zero_grad
+from .torch_patches import ForeignCodeGuards, placed_apply, route_compiled_zero_grad
 from .ddp_guard import DDPGuard
 from .state_store import UnitStateStore, prepare_swap_dir
+from .update.loss_scale import LossScale
 from .update.step import UpdatePath
 from .step_stats import StepStats
 from .units.unit import ShardedUnit
 from .collectives.agree import Agreement
 from .collectives.watchdog import Watchdog
-from .units.wrap import refuse_unmanaged, shard_model
+from .wrap import place_model, refuse_unmanaged, shard_model
 
 log = logging.getLogger("offload")
 
-_ACTIVE: list["Runtime"] = []
-
-
-def current() -> "Runtime | None":
-    """The innermost open runtime (None outside any offload.init block)."""
-    return _ACTIVE[-1] if _ACTIVE else None
 
 
 def init(config: Config | None = None, **fields) -> "Runtime":
@@ -104,11 +96,6 @@ class Runtime:
         self.sized_schema = schema_by_name(config.optimizer_states)  # what the placement sizes optimizer states for
         self.units: list[ShardedUnit] = []
         self.models: list[nn.Module] = []
-        # the kernel's factor on every gradient at the next step: the clip coefficient times the loss scale's
-        # 1/S (set by clip_grad_norm_ and unscale_grads, used by every optimizer's step, reset by the next backward)
-        self.grad_scale = 1.0
-        self.loss_scale = LossScale()  # offload.GradScaler's scale, and what this step's gradients carry
-        self._unscaled_norm: torch.Tensor | None = None  # unscale_grads' local L2 norm, for the clip that follows
         self.compute_dtype = config.torch_compute_dtype
         self.params_tier = config.params
         self.optimizer_tier = config.optimizer
@@ -129,18 +116,12 @@ class Runtime:
         self._rss_at_open = 0
         self._malloc_mode: str | None = None  # tune_malloc's, undone at close (the host pool's hold)
         self.step_stats: StepStats | None = None
-        self.optimizers: list = []  # weak references to the sharded optimizers over this runtime, in creation order
         self.last_checkpoint_seconds: float | None = None
         self.watchdog: Watchdog | None = None
         self.agreement: Agreement | None = None  # the collective entry points' meeting (collectives/agree.py)
         self._generate_sync = None  # generate() in step over the ranks (integrations/generate_sync.py)
         self.activations: ActivationOffloader | None = None  # Config.activations != "none"
-        self.backward_updates = BackwardUpdates(
-            config.update_in_backward, self._queue_backward_update, self.live_optimizers,
-            lambda: self.loss_scale.unscale,
-            Speculation(config.speculative_updates and config.pipeline, lambda: self.states, lambda: self.pipeline),
-            on_void=lambda unit: self.updates.taken_back(unit))
-        self.updates: UpdatePath | None = None
+        self.updates: UpdatePath | None = None  # the step's state and hand-off (update/step.py), built in open()
         self.device_fit: DeviceBudgetFit | None = None  # an "auto" device budget, fitted after the first step
         self._fit_device_budget = False
         self._lane_groups: tuple = ()
@@ -210,8 +191,13 @@ class Runtime:
         lanes = Lanes.create(self.meter, threaded=cfg.pipeline, streams=streams)
         shared = LaneContext(self.states, lanes, self.meter, self.compute_dtype)
         self.pipeline = OptimizerPipeline(shared, read_ahead=placement.PIPELINE_CHUNKS - 1 if cfg.pipeline else 0)
+        counters = Counters()
+        self.step_stats = StepStats(self.meter, self.states, counters, self.device, log_every=cfg.log_every)
+        self.updates = UpdatePath(cfg, self.group, self.units, self.meter, self.states, self.pipeline, self.step_stats,
+                                  self.sized_schema, self.compute_dtype, after_step=self._after_step,
+                                  quiesce=self.quiesce, every_rank_calls=self.every_rank_calls)
         self.schedule = Schedule(shared, {}, self._reserve_bytes, prefetch=cfg.pipeline, gather_ahead=False,
-                                 on_new_backward=self._on_new_backward, pipeline=self.pipeline,
+                                 on_new_backward=self.updates.on_new_backward, pipeline=self.pipeline,
                                  # updates queued in the backward read their own states: read the next ones
                                  # under the forward then
                                  updates_in_backward=self.backward_updates.expects_updates_in_backward,
@@ -220,8 +206,9 @@ class Runtime:
                                  activation_room=lambda: self.activations.cpu_demand if self.activations else 0,
                                  on_pass_end=lambda where: divergence.check_pass(self.group, self.units, where))
         self.ctx = UnitContext(self.device, self.compute_dtype, self.group, gather_group, reduce_group, self.states,
-                               lanes, self.meter, Counters(), schedule=self.schedule, streams=streams,
+                               lanes, self.meter, counters, schedule=self.schedule, streams=streams,
                                reduce_dtype=cfg.torch_reduce_dtype, on_reduce=self.backward_updates.on_reduce)
+        self.updates.attach(self.schedule, self.ctx)
         if cfg.activations != "none":
             lane = WorkLane(Lane.ACTIVATIONS, Queue.ACTIVATION, self.meter, threaded=cfg.pipeline, pause_each=False,
                             streams=streams)
@@ -231,9 +218,6 @@ class Runtime:
                 self.states.store, self.device, homes, cfg.bytes_of("activations_min_size"), lane,
                 self.meter, reserve=self._lanes_host_bytes, is_param=self._holds_parameter_bytes,
                 setting=cfg.activations)
-        self.step_stats = StepStats(self.meter, self.states, self.ctx.counters, self.device,
-                                    log_every=cfg.log_every)
-        self.updates = UpdatePath(self.group.rank, self.schedule, self.pipeline, self.backward_updates, self.step_stats)
         # a module was built: the next forward may need to materialize it
         self._capture = ConstructionCapture(
             on_module=self._note_module, on_load=lambda m: self.materialize_pending(),
@@ -253,6 +237,8 @@ class Runtime:
             return
         if self._capture is not None:
             self._capture.stop()
+        if self.updates is not None:
+            self.updates.close()  # its training-loop calls raise from now on
         # The units' hooks stay: after free() they raise a clear error if the model is used again.
         for h in self._hooks:
             h.remove()
@@ -369,26 +355,6 @@ class Runtime:
         self.schedule.release_prefetched()  # (and the params: reads ahead issued as the updates ended)
         self.states.wait_moves()
 
-    def forget_failed_updates(self) -> None:
-        """rt.load_checkpoint is about to replace every state: an update that failed (UpdateFailed) stands no
-        longer, nor do the store's moves still failing in its wake (reads ahead of the same bad slots), and the
-        units it left part-updated may be gathered again once loaded."""
-        repairing = False
-        for lane in self.ctx.lanes.all():
-            try:
-                lane.drain()
-            except UpdateFailed:
-                repairing = True  # (what this load repairs; any other failure still raises)
-        for unit in self.units:
-            failed = unit.update is not None and unit.update.done() and unit.update.exception()
-            if isinstance(failed, UpdateFailed):
-                unit.update, repairing = None, True
-        if repairing:
-            try:
-                self.states.wait_moves()
-            except Exception:  # noqa: BLE001 - moves of states the load rewrites (each undid its own residency)
-                pass
-
     # ---- wrapping ---------------------------------------------------------------------------
     def _note_module(self) -> None:
         self._pending = True
@@ -465,9 +431,29 @@ class Runtime:
                 raise RuntimeError("rt.wrap(model, weights=...): the model is already sharded; pass weights on "
                                    "the first wrap, before its first forward or offload.AdamW(model.parameters())")
             return model
-        shard_model(self, model, weights)
+        placed = place_model(self, model)
+        self._take_placement(placed.placement)
+        wrapped = shard_model(self, model, placed, self._adopt_unit, weights)
+        self._ordinal_base += wrapped.parameters
+        self._hooks.extend(wrapped.hooks)
+        model._offload_runtime = self
+        self.models.append(model)
+        self.attach_activation_offload(model)
         self._sync_generate()
         return model
+
+    def _take_placement(self, place: placement.Placement) -> None:
+        """A wrap's placement (wrap.py): the tiers, staging and gathers ahead the runtime works with from now."""
+        self.placement = place
+        self.states.set_staging_slot(place.staging_slot)  # before the new shards' first staging buffers
+        self.params_tier, self.optimizer_tier = place.tiers.params.value, place.tiers.optimizer.value
+        self.grads_tier = place.tiers.grads.value
+        self.schedule.gather_ahead = place.gather_ahead
+
+    def _adopt_unit(self, unit: ShardedUnit) -> None:
+        """A unit a wrap built joins the run (before it is first gathered)."""
+        self.units.append(unit)
+        self.schedule.units[unit.uid] = unit
 
     def attach_activation_offload(self, model: nn.Module) -> None:
         """Config.activations: the saved-tensor hooks are open while `model`'s forward runs (wrap calls this)."""
@@ -509,223 +495,61 @@ class Runtime:
         # read ahead: the next unit's param chunks and the one after; the optimizer's next chunks
         return working, 2 * largest, (placement.PIPELINE_CHUNKS - 1) * working.step
 
-    # ---- hooks' callbacks -----------------------------------------------------------------
-    def _on_new_backward(self) -> None:
-        self.grad_scale = 1.0  # a new backward pass: the last clip coefficient was for the last step
-        self.loss_scale.on_new_backward()  # its gradients carry the loss scale, if a GradScaler set one
-        self._unscaled_norm = None
+    # ---- the step: update/step.py's UpdatePath owns it; these are its public face ------------
+    def _step(self, what: str) -> UpdatePath:
+        self._check_open(what)
+        return self.updates
 
-    # ---- training-loop API ------------------------------------------------------------------
-    @contextlib.contextmanager
+    @property
+    def grad_scale(self) -> float:
+        return self.updates.grad_scale
+
+    @property
+    def loss_scale(self) -> LossScale:
+        return self.updates.loss_scale
+
+    @property
+    def backward_updates(self) -> BackwardUpdates:
+        return self.updates.backward_updates
+
     def no_sync(self):
         """Backward passes in here accumulate gradients locally; the next backward outside reduces once."""
-        previous, self.ctx.sync_grads = self.ctx.sync_grads, False
-        try:
-            yield
-        finally:
-            self.ctx.sync_grads = previous
+        return self._step("rt.no_sync").no_sync()
 
-    @contextlib.contextmanager
     def accumulating(self):
-        """Backward passes in here are not their step's last (accumulation that reduces every micro-batch, memory:
-        one shard per unit): Config.update_in_backward queues the updates in the backward after them. Elsewhere
-        a no-op."""
-        previous, self.backward_updates.accumulating = self.backward_updates.accumulating, True
-        try:
-            yield
-        finally:
-            self.backward_updates.accumulating = previous
+        """Backward passes in here are not their step's last (UpdatePath.accumulating)."""
+        return self._step("rt.accumulating").accumulating()
 
     def flush_grads(self) -> None:
-        for unit in self.units:
-            unit.flush_local_grad()
+        self.updates.flush_grads()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Global gradient norm over every shard on every rank; the optimizer's next step scales gradients
         by min(1, max_norm / (norm + 1e-6)) inside its fused update (as torch.nn.utils.clip_grad_norm_)."""
-        self._check_open("rt.clip_grad_norm_")
-        if self.loss_scale.state is GradState.SCALED:
-            raise RuntimeError("rt.clip_grad_norm_: the gradients still carry the loss scale of offload.GradScaler; "
-                               "call scaler.unscale_(optimizer) before clipping (as with torch.amp.GradScaler)")
-        if norm_type == 2.0 and self._unscaled_norm is not None:
-            local = self._unscaled_norm  # the overflow check took it (without it, gradients read back twice)
-        else:
-            local = self._local_norm(norm_type)
-        with self.meter.waiting(Queue.COLLECTIVE):
-            if not self.group.distributed:
-                total = local
-            elif math.isinf(norm_type):
-                total = comm.all_reduce_host_(self.group, local.clone(), "max", what="clip_grad_norm_")
-            else:
-                total = comm.all_reduce_host_(self.group, local ** norm_type, "sum",
-                                              what="clip_grad_norm_") ** (1.0 / norm_type)
-        if self.loss_scale.state is GradState.UNSCALED:
-            total = total * self.loss_scale.unscale  # (exact for a power-of-two scale: torch's unscaled norm)
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # fp32, exactly as torch computes it
-        self.grad_scale = float(coef) * self.loss_scale.unscale
-        self.backward_updates.on_clip(float(coef))
-        return total
-
-    def _local_norm(self, norm_type: float) -> torch.Tensor:
-        """The norm over this rank's gradient shards, as they are stored (times the loss scale, if any)."""
-        from .update.grad_norm import local_norms
-
-        self.flush_grads()
-        norms = local_norms(self.units, self.rank, norm_type)  # on the host (grad_norm._on_host)
-        return torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
-
-    # ---- loss scaling (offload.GradScaler: grad_scaler.py) ------------------------------------
-    def set_loss_scale(self, scale: float) -> None:
-        """GradScaler.scale: the next backward's gradients carry `scale`."""
-        self._check_open("offload.GradScaler.scale")
-        if self.config.update_in_backward:
-            raise ValueError("offload.GradScaler: Config.update_in_backward runs updates before a step's overflow "
-                             "check could skip them; set update_in_backward=False (the default speculative "
-                             "updates are taken back when a step overflows)")
-        self.loss_scale.scale = scale
-
-    def unscale_grads(self) -> bool:
-        """GradScaler.unscale_: the next step's factor takes 1 / S; returns whether any gradient on any rank is inf
-        or NaN (its parameter's norm is then not finite; once per step, then remembered)."""
-        self._check_open("offload.GradScaler.unscale_")
-        scaled = self.loss_scale
-        if scaled.state is GradState.UNSCALED:
-            return scaled.found_inf  # (another optimizer over the same gradients)
-        if scaled.state is GradState.PLAIN:
-            raise RuntimeError("offload.GradScaler.unscale_: this step's gradients carry no loss scale; call "
-                               "scaler.scale(loss).backward() for every backward of the step")
-        self._unscaled_norm = self._local_norm(2.0)
-        here = not bool(torch.isfinite(self._unscaled_norm))
-        found = torch.tensor([1.0 if here else 0.0])
-        if self.group.distributed:
-            with self.meter.waiting(Queue.COLLECTIVE):
-                found = comm.all_reduce_host_(self.group, found, "max", what="GradScaler.unscale_ (overflow)")
-        scaled.on_unscaled(bool(found.item()), here)
-        self.grad_scale = scaled.unscale
-        return scaled.found_inf
-
-    def skip_step(self) -> None:
-        """GradScaler.step after an overflow: no update; any the backward speculated is taken back."""
-        self._check_open("offload.GradScaler.step")
-        if self.loss_scale.skipped:
-            return  # (another optimizer's step over the same gradients)
-        self.backward_updates.skip_step()
-        self.schedule.step_skipped()
-        self.loss_scale.on_skipped()
-        self.step_stats.end_step(skipped=True)  # the skipped iteration's own window (not the last real step's)
+        return self._step("rt.clip_grad_norm_").clip_grad_norm_(max_norm, norm_type)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every unit's gradient (set_to_none=False: keep zero gradients, as torch)."""
-        self._abandon_step()
-        self._unscaled_norm = None
-        for unit in self.units:
-            unit.zero_grad(None, set_to_none)
-        self.grad_scale = 1.0
+        self.updates.zero_grad(set_to_none)
 
     def zero_grad_params(self, params, set_to_none: bool = True) -> None:
-        """Clear the gradients of `params` only (placeholders, or a gathered unit's views): what
-        `module.zero_grad()` and `opt.zero_grad()` do for the parameters they hold."""
-        by_unit: dict[int, tuple] = {}
-        for p in params:
-            p = getattr(p, "_offload_placeholder", p)
-            unit = getattr(p, "_offload_unit", None)
-            if unit is None or getattr(p, "_offload_runtime", None) is not self:
-                continue
-            by_unit.setdefault(id(unit), (unit, set()))[1].add(p._offload_slot)
-        if by_unit:
-            self._abandon_step()
-            self._unscaled_norm = None
-        for unit, slots in by_unit.values():
-            unit.zero_grad(slots, set_to_none)
+        """Clear the gradients of `params` only (UpdatePath.zero_grad_params)."""
+        self.updates.zero_grad_params(params, set_to_none)
 
-    def _abandon_step(self) -> None:
-        """Gradients cleared: a step whose backward queued updates and whose opt.step() did not come is left (a
-        backward that raised, a skipped step). Before the gradients' 'received' flags are cleared: the count of
-        an update that ran reads them."""
-        self.backward_updates.abandon(lambda units: [o.count_step(units) for o in self.live_optimizers()])
-        self.group.order.asked.forget_divergence()  # a pass's check found the ranks apart: start level
+    def live_optimizers(self) -> list:
+        """The offload optimizers over this runtime still alive, in creation order."""
+        return self.updates.live_optimizers()
 
-    def sync_used(self) -> None:
-        """OR the per-parameter 'received a gradient' flags over ranks (params with none are not stepped)."""
-        if not self.units or not self.group.distributed:
-            return
-        flags = torch.cat([u.used.to(torch.int64) for u in self.units])
-        # and what each rank asked of the lanes since the last step, compared in the same collective (max of the
-        # counts and of their negatives: the most and the fewest over ranks)
-        counts, order_hash = self.group.order.asked.take()
-        asked = torch.tensor([counts[(lane, u.index)] for u in self.units for lane in ("gather", "reduce")]
-                             + [order_hash], dtype=torch.int64)
-        both = torch.cat([flags, asked, -asked])
-        with self.meter.waiting(Queue.COLLECTIVE):
-            comm.all_reduce_host_(self.group, both, "max", what="which parameters got gradients (opt.step)")
-        most, fewest = both[len(flags):len(flags) + len(asked)], -both[len(flags) + len(asked):]
-        if not torch.equal(most, fewest):
-            self._refuse_rank_dependent_collectives(most, fewest)
-        offset = 0
-        for u in self.units:
-            n = u.used.numel()
-            u.used.copy_(both[offset:offset + n].bool())
-            offset += n
+    def forget_failed_updates(self) -> None:
+        """Before rt.load_checkpoint replaces every state (UpdatePath.forget_failed_updates)."""
+        self.updates.forget_failed_updates()
 
-    def _refuse_rank_dependent_collectives(self, most: torch.Tensor, fewest: torch.Tensor) -> None:
-        """sync_used found that the ranks asked for different gathers or reduces this step: raised before anything
-        is updated from it (each rank's collectives paired with another's of the same size: the numbers are
-        wrong, with no error of their own)."""
-        differ = []
-        for k, u in enumerate(self.units):
-            ways = [f"{done} {int(fewest[2 * k + j])} to {int(most[2 * k + j])} times"
-                    for j, done in enumerate(("gathered", "reduced")) if most[2 * k + j] != fewest[2 * k + j]]
-            if ways:
-                differ.append(f"{u.label} {' and '.join(ways)}")
-        what = "; ".join(differ[:4]) + (f" and {len(differ) - 4} more" if len(differ) > 4 else "") if differ else \
-            "the same units as often, in another order"
-        raise RuntimeError(
-            f"offload: the ranks ran different units in this step ({what}, over the ranks): each gather and reduce "
-            "is a collective, so one rank's paired with another's for another unit and this step's numbers are wrong; "
-            "nothing was updated from it. Every rank must run the same units in the same order: call every expert "
-            "of a mixture-of-experts layer on every rank (on an empty batch where it got no tokens), and run an "
-            "evaluation, generate(), model.state_dict() or rt.full_state_dict() on every rank, not on rank 0 only")
-
-    def check_steppable(self) -> None:
-        """Before an optimizer's step changes anything (its step counts): refuse gradients that still carry the
-        loss scale or overflowed, so a refused step leaves the optimizer as it was."""
-        if self.loss_scale.state is GradState.SCALED:
-            raise RuntimeError("optimizer.step(): the gradients carry offload.GradScaler's loss scale; step through "
-                               "scaler.step(optimizer) (which unscales them and skips a step that overflowed)")
-        if self.loss_scale.found_inf:
-            raise RuntimeError("optimizer.step(): this step's gradients overflowed (inf or NaN); step through "
-                               "scaler.step(optimizer), which skips it")
-
-    def step_units(self, work: list, schema) -> None:
-        """A sharded optimizer's step: [(unit, runs)] with its family's `schema`, onto the update path (step.py)
-        with this step's clip coefficient (check_steppable() passed)."""
-        if self.compute_dtype == torch.float16 and self.loss_scale.scale is None and not self.step_stats.steps:
-            log.warning("offload: compute_dtype='fp16' without a loss scaler: gradients below fp16's range flush to "
-                        "zero and an overflow is stepped on. Train through offload.GradScaler (scaler.scale(loss)"
-                        ".backward(); scaler.step(opt); scaler.update()), or compute in bf16.")
-        self.updates.step(work, schema, self.grad_scale)
+    def _after_step(self) -> None:
+        """After each optimizer step: an "auto" device budget is fitted to what the first step left free."""
         if self._fit_device_budget and self.device_fit is None:
             later = max(0, self.gathered_bound() - self.ctx.counters.peak_gathered_bytes)  # (gathers ahead)
             self.device_fit = fit_device_budget(self.device, self.states.store, self.group, self._local_ranks, later)
             self.budgets["device"] = self.device_fit.budget_after
-
-    def _queue_backward_update(self, unit: ShardedUnit, runs: list, grad_scale: float, schema, chunks):
-        # (the backward's updates are built before the path)
-        return self.updates.queue_one(unit, runs, grad_scale, schema, chunks)
-
-    def check_schema(self, schema, who: str) -> None:
-        """An optimizer of family `schema` joins: refused when it stores more per parameter than the placement
-        sized the optimizer's states for (Config.optimizer_states)."""
-        sized = self.sized_schema
-        if schema.bytes_per_element > sized.bytes_per_element:
-            raise ValueError(
-                f"{who} stores {schema.bytes_per_element:g} bytes of optimizer state per parameter besides the "
-                f"master, more than offload.Config.optimizer_states={sized.name!r} sized the placement for "
-                f"({sized.bytes_per_element:g}); set Config(optimizer_states={schema.name!r})")
-
-    def live_optimizers(self) -> list:
-        """The offload optimizers over this runtime still alive, in creation order."""
-        return [o for o in (ref() for ref in self.optimizers) if o is not None]
 
     # ---- checkpoints (checkpoint.py) ---------------------------------------------------------
     def save_checkpoint(self, root, extra: dict | None = None, lr_scheduler=None, keep_last: int | None = None,

@@ -33,7 +33,7 @@ from ..prefetch.trace import TraceRecorder
 from ..store import LeaseMode, Tier
 from ..store.swap_file import page_bytes
 from ..telemetry import span
-from .context import LaneContext
+from .lanes import LaneContext
 from .units.shards import ShardKey, StateKind
 from .units.state import TRAINING_MOVES, TrainingState, UnitState
 from .state_store import Use as Where

@@ -132,7 +132,7 @@ class AskedCollectives:
     hash of their order. Every rank must ask for the same ones in the same order: a gather of one unit on one rank
     pairs with another's gather of a different unit of the same size (rank-dependent routing, a forward on one
     rank only) and computes on halves of each, without an error. The runtime compares them over ranks at every
-    optimizer step (Runtime.sync_used), before anything is updated."""
+    optimizer step (UpdatePath.sync_used), before anything is updated."""
 
     def __init__(self):
         self.counts: collections.Counter = collections.Counter()  # (lane, key) -> collectives asked

@@ -1,5 +1,6 @@
 """Units and their bytes: how a model is cut into units (discover.py), each unit's flat layout over the ranks
 (layout.py) and its shards in the store (shards.py), a unit's state machine and its gathers, reduces and
-frees (unit.py, state.py), the hooks that drive it around compute (hooks.py), materializing and sharding a
-model (materialize.py, wrap.py) and what plain PyTorch calls do on a wrapped model (torch_patches.py,
-state_dict.py). Nothing here knows the optimizer or the schedule's plan."""
+frees (unit.py, state.py), the norms of its gradient's pieces (piece_norms.py), the hooks that drive it
+around compute (hooks.py), materializing a model (materialize.py) and a wrapped model's state dict
+(state_dict.py). Nothing here knows the optimizer, the placement or the schedule's plan: sharding a whole model
+(../wrap.py) and plain PyTorch calls on it (../torch_patches.py) stand above, beside the runtime."""

@@ -28,10 +28,10 @@ from ...store import LeaseMode, Tier
 from ...telemetry import Lane, Queue
 from ..collectives import comm
 from ..context import UnitContext
-from ..update.grad_norm import PieceNorms
 from ..host_memory import advise_huge_pages
 from ..lanes import wait
 from .layout import FlatLayout
+from .piece_norms import PieceNorms
 from .shards import StateKind, UnitShards
 from .state import ALLOWED, UnitState
 from ..state_store import Use

@@ -55,17 +55,14 @@ class BackwardUpdates:
     """The mode's bookkeeping for one runtime: when it is armed, which units it updated this step, and the
     clip coefficient it applies. Called from the training thread only (reduce hooks, clip, opt.step)."""
 
-    def __init__(self, enabled: bool, queue, optimizers, unscale, speculation: Speculation,
-                 on_void=lambda unit: None):
+    def __init__(self, enabled: bool, path, speculation: Speculation):
         self.enabled = enabled
-        # (unit, runs, grad_scale, schema, chunks) -> UnitUpdate: queue one unit's update on the optimizer lane
-        # (chunks: the indices a speculative update steps; None: an update_in_backward one, every chunk)
-        self._queue = queue
-        self._optimizers = optimizers  # () -> the live offload optimizers of the runtime
-        self._unscale = unscale  # () -> 1/S of offload.GradScaler's loss scale the gradients carry (1.0: none)
+        # the update path (step.py) that owns this: it queues one unit's update on the optimizer lane
+        # (queue_one), knows the live optimizers and the loss scale's 1/S the gradients carry (1.0: none), and
+        # drops what was read of a unit whose speculative update is taken back (taken_back)
+        self._path = path
         self.speculation = speculation  # without update_in_backward: updates in the backward at steps that do not
         #                                 clip, taken back if the step clips after all (speculation.py)
-        self._on_void = on_void  # (unit) -> None: a speculative update was taken back (drop what was read of it)
         self._previous_coef: float | None = None  # the last finished step's clip coefficient (None: no step yet)
         self._single_reduce = False  # the last finished step reduced every unit at most once
         self._armed: bool | None = None  # decided at this step's first reduce
@@ -118,7 +115,7 @@ class BackwardUpdates:
         if self.accumulating:
             return  # not the step's last backward: the update waits for the reduce that makes the gradient final
         self._reduced.add(unit.uid)
-        optimizers = self._optimizers() if self._armed is None or self._armed else []
+        optimizers = self._path.live_optimizers() if self._armed is None or self._armed else []
         if self._armed is None:
             self._armed = self._may_arm() and len(optimizers) == 1
         if not self._armed:
@@ -128,13 +125,13 @@ class BackwardUpdates:
         if not runs:
             return
         if self.enabled:
-            self._queue(unit, runs, self._previous_coef, opt.schema, None)
+            self._path.queue_one(unit, runs, self._previous_coef, opt.schema, None)
             self.issued[id(unit)] = Issued(unit, tuple(runs))
             return
         chunks = self.speculation.chunks_for(unit)
         if chunks:
-            factor = self._unscale()  # as if the step does not clip (nor overflow)
-            update = self._queue(unit, runs, factor, opt.schema, chunks)
+            factor = self._path.loss_scale.unscale  # as if the step does not clip (nor overflow)
+            update = self._path.queue_one(unit, runs, factor, opt.schema, chunks)
             self.issued[id(unit)] = Issued(unit, tuple(runs), update, factor)
             self._speculated = True
 
@@ -146,7 +143,7 @@ class BackwardUpdates:
         """`unit`'s speculative update is taken back: its step is not coming for this backward's gradient."""
         entry = self.issued.pop(id(unit))
         self.speculation.void(entry.speculative)
-        self._on_void(unit)
+        self._path.taken_back(unit)
 
     def void_all(self) -> None:
         for key in [k for k, e in self.issued.items() if e.speculative is not None]:
@@ -231,7 +228,8 @@ class BackwardUpdates:
         exact = self._clip_coef if self._clip_coef is not None else 1.0
         # any miss backs speculation off, not only a clip's (an LR scheduler stepped before opt.step() misses
         # every step: without it each step paid its updates twice)
-        self.speculation.end_step(clipped=coefficient != self._unscale() or self._missed, speculated=self._speculated)
+        clipped = coefficient != self._path.loss_scale.unscale or self._missed
+        self.speculation.end_step(clipped=clipped, speculated=self._speculated)
         if self.enabled:
             self.last = {"applied": self.scale(exact), "exact": exact, "in_backward": len(self.issued)}
         self._previous_coef = exact

@@ -12,7 +12,6 @@ When compute is bf16 the step writes the new bf16 param chunk in the same pass.
 """
 from __future__ import annotations
 
-import weakref
 
 import torch
 
@@ -20,6 +19,7 @@ from ...optim.adamw import ADAMW_BF16, AdamW, _check_hyper
 from ...optim.adamw8bit import AdamW8bit
 from ...optim.base import SchemaOptimizer, check_groups, register_sharded
 from ...optim.lion import Lion
+from ..active import current
 from . import optim_states
 from .optimizer_pipeline import Run
 
@@ -50,8 +50,6 @@ def _flat_params(params):
 
 def wants_sharded(params) -> bool:
     """Params of a sharded model, or meta params of a model built inside an open offload.init block."""
-    from ..runtime import current
-
     flat = list(_flat_params(_placeholders(params)))
     if any(hasattr(p, "_offload_unit") for p in flat):
         return True
@@ -78,8 +76,6 @@ class ShardedOptimizer:
         """Link to the runtime that owns `params` (placeholders from `model.parameters()`)."""
         params = _placeholders(list(params))
         name = self.display
-        from ..runtime import current
-
         rt = current()
         if rt is not None and any(isinstance(p, torch.Tensor) and p.device.type == "meta"
                                   and not hasattr(p, "_offload_unit") for p in _flat_params(params)):
@@ -98,9 +94,8 @@ class ShardedOptimizer:
                 runtimes.add(p._offload_runtime)
         if len(runtimes) > 1:
             raise ValueError(f"{name}: parameters from several offload runtimes")
-        self.rt = runtimes.pop()
-        self.rt.check_schema(self.schema, name)
-        self.rt.optimizers.append(weakref.ref(self))  # checkpoints save and load every optimizer of the run
+        self.path = runtimes.pop().updates  # the step's state and hand-off (step.py), not the runtime
+        self.path.add_optimizer(self, name)
 
     # ---- helpers ----------------------------------------------------------------------------
     def _slot_index(self) -> dict:
@@ -118,9 +113,9 @@ class ShardedOptimizer:
         """unit -> [(piece, group, param)] for this rank's shard, in shard order (every unit, or `units`)."""
         by_slot = self._slot_index()
         plan = []
-        for unit in self.rt.units if units is None else units:
+        for unit in self.path.units if units is None else units:
             entries = []
-            for piece in unit.layout.pieces(self.rt.rank):
+            for piece in unit.layout.pieces(self.path.rank):
                 hit = by_slot.get((id(unit), piece.slot))
                 if hit is not None:
                     entries.append((piece,) + hit)
@@ -151,7 +146,7 @@ class ShardedOptimizer:
             return None
         check_groups(self.display, self.param_groups)  # (before an update runs in the backward)
         trained = [s.index for s in unit.layout.slots if s.requires_grad]
-        if self.rt.world_size > 1 and not checked_at_step and not all(bool(unit.used[i]) for i in trained):
+        if self.path.world_size > 1 and not checked_at_step and not all(bool(unit.used[i]) for i in trained):
             return None
         unit.check_requires_grad()
         return self._live_runs(unit, plan[0][1], ahead=1)
@@ -163,11 +158,11 @@ class ShardedOptimizer:
             with torch.enable_grad():
                 loss = closure()
         check_groups(self.display, self.param_groups)  # (a key may have been set since construction)
-        rt = self.rt
-        rt._check_open("offload.AdamW.step")
-        rt.check_steppable()
-        rt.flush_grads()
-        rt.sync_used()
+        path = self.path
+        path.check_open("offload.AdamW.step")
+        path.check_steppable()
+        path.flush_grads()
+        path.sync_used()
         plan = [(unit, entries) for unit, entries in self._unit_plan()
                 if any(unit.has_grad and bool(unit.used[pc.slot]) for pc, _, _ in entries)]
         for unit, _ in plan:
@@ -176,11 +171,11 @@ class ShardedOptimizer:
         # everything the update needs is read now (a scheduler may change the groups once step() returns), with
         # the step counts this step gives; the backward's updates are checked against it before a count changes
         work = [(unit, self._live_runs(unit, entries, ahead=1)) for unit, entries in plan]
-        rt.backward_updates.check_before_step(work)
+        path.backward_updates.check_before_step(work)
         self.count_step([unit for unit, _ in plan])
-        # rt.grad_scale stays: another optimizer over other parameters may step after this one with the same
+        # path.grad_scale stays: another optimizer over other parameters may step after this one with the same
         # clipping coefficient; the next backward (or rt.zero_grad) resets it.
-        rt.step_units(work, self.schema)
+        path.step_units(work, self.schema)
         return loss
 
     def _outdate_kept_units_stepped_elsewhere(self, plan) -> None:
@@ -191,7 +186,7 @@ class ShardedOptimizer:
         from ..units.state import UnitState
 
         planned, mine = {id(u) for u, _ in plan}, self._slot_index()
-        for unit in self.rt.units:
+        for unit in self.path.units:
             if (unit.persistent and id(unit) not in planned and unit.state is UnitState.UNSHARDED
                     and any(bool(unit.used[s.index]) for s in unit.layout.slots if (id(unit), s.index) in mine)):
                 unit.stale = True
@@ -208,15 +203,15 @@ class ShardedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True):
         """Clear the gradients of this optimizer's parameters only (another optimizer's stay)."""
-        self.rt.zero_grad_params([p for g in self.param_groups for p in g["params"]], set_to_none)
+        self.path.zero_grad_params([p for g in self.param_groups for p in g["params"]], set_to_none)
 
     # ---- state dict (this rank's shard) -----------------------------------------------------
     def state_dict(self):
         """torch-style state dict of this rank's shard: per parameter its step and the elements of each of the
         family's logical states (AdamW: exp_avg, exp_avg_sq; AdamW8bit: the same, dequantized) that live in
         this rank's shard, as fp32 (1-D, with `shard_range`)."""
-        self.rt.backward_updates.check_quiet(f"{self.display}.state_dict")
-        self.rt.quiesce()  # every queued update is in the moments read below
+        self.path.backward_updates.check_quiet(f"{self.display}.state_dict")
+        self.path.quiesce()  # every queued update is in the moments read below
         sd = super().state_dict()
         index = {}
         for group, gsd in zip(self.param_groups, sd["param_groups"]):
@@ -236,7 +231,7 @@ class ShardedOptimizer:
                     "shard_range": (piece.param_lo, piece.param_lo + piece.hi - piece.lo),
                 }
         sd["state"] = state
-        sd["world_size"] = self.rt.world_size
+        sd["world_size"] = self.path.world_size
         return sd
 
     def full_state_dict(self) -> dict:
@@ -244,7 +239,7 @@ class ShardedOptimizer:
         it: per parameter its step and each logical state (AdamW: exp_avg, exp_avg_sq, fp32) in the parameter's
         shape. Collective: every rank calls it and gets the whole. `torch.optim.AdamW(params).load_state_dict(
         opt.full_state_dict())` goes on from this run; load_state_dict here takes it back (or torch's own)."""
-        self.rt.every_rank_calls(f"{self.display}.full_state_dict()")  # collective: refused on one rank, not hung
+        self.path.every_rank_calls(f"{self.display}.full_state_dict()")  # collective: refused on one rank, not hung
         sd = self.state_dict()  # this rank's pieces (quiesced)
         names = [v.name for v in self.schema.logical]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -260,11 +255,11 @@ class ShardedOptimizer:
             lo, hi = st["shard_range"]
             for k, n in enumerate(names):
                 values[k, offsets[i] + lo:offsets[i] + hi] = st[n]
-        if self.rt.world_size > 1:  # each rank holds its pieces: the others' are zeros here
+        if self.path.world_size > 1:  # each rank holds its pieces: the others' are zeros here
             from ..collectives import comm
 
-            comm.all_reduce_host_(self.rt.group, steps, "max", what="optimizer step counts")
-            comm.all_reduce_host_(self.rt.group, values, "sum", what="optimizer states")
+            comm.all_reduce_host_(self.path.group, steps, "max", what="optimizer step counts")
+            comm.all_reduce_host_(self.path.group, values, "sum", what="optimizer states")
         state = {}
         for i, slot in enumerate(slots):
             if steps[i] > 0:
@@ -278,9 +273,9 @@ class ShardedOptimizer:
         of the same parameters (torch.optim.AdamW's, moments in each parameter's shape): each rank takes its
         pieces. A state whose size is not the parameter's is refused naming the parameter and both shapes."""
         where = f"{self.display}.load_state_dict"
-        if state_dict.get("world_size", self.rt.world_size) != self.rt.world_size:
+        if state_dict.get("world_size", self.path.world_size) != self.path.world_size:
             raise ValueError(f"{where}: saved with world_size {state_dict['world_size']}, loading with "
-                             f"{self.rt.world_size}")
+                             f"{self.path.world_size}")
         groups = state_dict["param_groups"]
         check_groups(self.display, groups, " of the state dict")
         if len(groups) != len(self.param_groups):
@@ -311,8 +306,8 @@ class ShardedOptimizer:
                     touched.append((piece, p, int(st["step"]), {n: _piece_of(st, n, piece, slot, where) for n in names}))
             if touched:
                 loads.append((unit, touched))
-        self.rt.backward_updates.check_quiet(f"{self.display}.load_state_dict")  # (would shadow what is loaded)
-        self.rt.quiesce()  # no update may be running while the moments are replaced
+        self.path.backward_updates.check_quiet(f"{self.display}.load_state_dict")  # (would shadow what is loaded)
+        self.path.quiesce()  # no update may be running while the moments are replaced
         for group, saved in zip(self.param_groups, groups):
             for key, value in saved.items():
                 if key != "params":

@@ -37,7 +37,7 @@ from ... import inject
 from ...optim.schema import Schema
 from ...store import LeaseMode, Tier
 from ...telemetry import Queue
-from ..context import LaneContext
+from ..lanes import LaneContext
 from ..units.shards import Chunk, StateKind
 from ..state_store import Use
 

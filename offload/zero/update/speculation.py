@@ -69,8 +69,8 @@ class Speculation:
 
     def __init__(self, enabled: bool, states, pipeline):
         self.enabled = enabled
-        self._states = states  # () -> UnitStateStore (the runtime opens it after this is built)
-        self._pipeline = pipeline  # () -> OptimizerPipeline (its states read ahead)
+        self._states = states  # UnitStateStore
+        self._pipeline = pipeline  # OptimizerPipeline (its states read ahead)
         self.calm = 0  # steps in a row, up to the last, whose coefficient was exactly 1.0
         self.calm_needed = 1  # what the next speculation waits for: doubled by a miss, 1 again after a commit
         self.counts = SpeculationCounts()
@@ -87,7 +87,7 @@ class Speculation:
         shards = unit.shards
         if not shards.moments_registered or self.refused:
             return frozenset()
-        states = self._states()
+        states = self._states
         kinds = [shards.master_kind()] + list(shards.schema.states)
         chosen = []
         for c in shards.chunks:
@@ -120,7 +120,7 @@ class Speculation:
         shard's slots hold the states from before it. Blocks the caller (a miss or a void: not the common path)."""
         cf.wait([update.done])  # the lane's update is over (its writes are all listed then)
         cf.wait(update.written)  # and they landed, or failed
-        states = self._states()
+        states = self._states
 
         def exchange_back():
             for spec in update.exchanged:
@@ -128,7 +128,7 @@ class Speculation:
 
         # a read ahead of these states since (a forward before the step reads the next update's) holds the new
         # bytes: given back, and none may start again until the slots are back
-        self._pipeline().take_back_read_ahead([spec.key for spec in update.exchanged], exchange_back)
+        self._pipeline.take_back_read_ahead([spec.key for spec in update.exchanged], exchange_back)
         update.exchanged.clear()
         update.done.result()  # a failed update fails the step that takes it back
         for written in update.written:
@@ -142,7 +142,7 @@ class Speculation:
         shards = update.unit.shards
         if shards.master_is_param:
             return  # the param is the master: its old bytes are back in its slot
-        states = self._states()
+        states = self._states
         for c in shards.chunks:
             ranges = update.runs_in(c) if c.index in update.chunks else []
             if not ranges:

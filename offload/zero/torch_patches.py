@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .state_dict import wrapped_load_state_dict, wrapped_state_dict
+from .units.state_dict import wrapped_load_state_dict, wrapped_state_dict
 
 
 class OffloadModule:
@@ -237,7 +237,7 @@ def _check_param_device(param, old_param_device):
 
 
 def _offload_optimizer(optimizer) -> bool:
-    from ..update.optimizer import ShardedOptimizer
+    from .update.optimizer import ShardedOptimizer
 
     for _ in range(8):  # Accelerate's (or another) wrapper around it
         if isinstance(optimizer, ShardedOptimizer):
@@ -267,7 +267,7 @@ def _scaler_refusing(name: str):
 
 def _refuse_foreign_optimizer(optimizer, args, kwargs) -> None:
     """Global step pre-hook: a torch optimizer over placeholders would step nothing (their .grad stays None)."""
-    from ..update.optimizer import ShardedOptimizer  # (the update package imports the units)
+    from .update.optimizer import ShardedOptimizer  # (the update package imports the units)
 
     if isinstance(optimizer, ShardedOptimizer):
         return

@@ -1,33 +1,50 @@
 """Sharding a model into units: discover them, place their states, materialize or take their values unit by
 unit, keep this rank's shard in the store, and put placeholders, hooks and torch patches on the modules.
-Called by Runtime.wrap (`rt` is the open Runtime: its config, store, lanes, schedule and unit list).
+Called by Runtime.wrap (`rt` is the open Runtime: its config, store, lanes, schedule and unit list), which
+writes its own fields from what this returns: the placement (Placed, before any unit is built: a unit
+gathered here reads it), each unit as it is built (`adopt`), and the model's record at the end (Wrapped).
 """
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from ...config import parse_size
-from ..collectives import comm
-from . import hooks
-from .. import placement
-from .layout import FlatLayout
-from .init_record import Sharded
-from .materialize import hf_inits, init_device, is_meta_model, lora_layers, materialize_unit
-from .shards import StateKind, UnitShards
+from ..config import parse_size
+from .collectives import comm
+from . import placement
 from .torch_patches import patch_model
-from .unit import ShardedUnit
-from .discover import discover_units
+from .units import hooks
+from .units.discover import discover_units
+from .units.init_record import Sharded
+from .units.layout import FlatLayout
+from .units.materialize import hf_inits, init_device, is_meta_model, lora_layers, materialize_unit
+from .units.shards import StateKind, UnitShards
+from .units.unit import ShardedUnit
 
 
-def shard_model(rt, model: nn.Module, weights=None) -> None:
-    """Shard `model` into units in place. Models built inside the block are materialized unit by unit; an
-    existing model keeps its values (rank 0's, broadcast). `weights`, a callable (qualified name, meta
-    parameter) -> host tensor, gives every parameter's value instead (each rank reads its own copy, unit by
-    unit: a model streamed from safetensors never exists whole in memory); where it returns None (a parameter the
-    files do not hold: PEFT's new adapters) the parameter is initialized as a model built in the block is."""
+@dataclass
+class Placed:
+    """Where a model's new units go (placement.plan), decided before any is built."""
+
+    specs: list  # discover.UnitSpec of each new unit, in order
+    sizes: list[placement.UnitSize]  # their sizes, in the same order
+    placement: placement.Placement
+
+
+@dataclass
+class Wrapped:
+    """A model sharded: what the Runtime takes in once its units are built."""
+
+    parameters: int  # the model's parameters, numbered from the runtime's count so far (their ordinals)
+    hooks: list  # handles the Runtime removes at close
+
+
+def place_model(rt, model: nn.Module) -> Placed:
+    """Discover `model`'s units and place their states beside the runtime's units so far (reads the runtime only)."""
     cfg = rt.config
     specs = [s for s in discover_units(model, cfg) if s.params]
     for spec in specs:  # the shards hold fp32 masters and compute-dtype copies: other parameter dtypes would change
@@ -51,11 +68,20 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
                            rt.compute_dtype, cfg.bytes_of("chunk_size"), cfg.nvme_path, grads=cfg.grads,
                            device_budget_given=cfg.device_budget != "auto", machine=rt.machine,
                            update_in_backward=cfg.update_in_backward, schema=rt.sized_schema)
-    rt.placement = place
-    rt.states.set_staging_slot(place.staging_slot)  # before the new shards' first staging buffers
-    rt.params_tier, rt.optimizer_tier = place.tiers.params.value, place.tiers.optimizer.value
-    rt.grads_tier = place.tiers.grads.value
-    rt.schedule.gather_ahead = place.gather_ahead
+    return Placed(specs, new, place)
+
+
+def shard_model(rt, model: nn.Module, placed: Placed, adopt: Callable[[ShardedUnit], None],
+                weights=None) -> Wrapped:
+    """Shard `model` into units in place, as `placed` says; `adopt(unit)` takes each into the runtime as it is
+    built (before a persistent one is gathered). Models built inside the block are materialized unit by unit;
+    an existing model keeps its values (rank 0's, broadcast). `weights`, a callable (qualified name, meta
+    parameter) -> host tensor, gives every parameter's value instead (each rank reads its own copy, unit by
+    unit: a model streamed from safetensors never exists whole in memory); where it returns None (a parameter the
+    files do not hold: PEFT's new adapters) the parameter is initialized as a model built in the block is."""
+    cfg, specs, new, place = rt.config, placed.specs, placed.sizes, placed.placement
+    width = rt.compute_dtype.itemsize
+    persist = parse_size(cfg.persist_threshold, "persist_threshold")
     meta = is_meta_model(model)
     where = torch.device("cpu")
     if meta and weights is None:  # one decision for all units, the same on every rank (collective)
@@ -65,7 +91,6 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
     model_tag = f"model{len(rt.models)}:" if rt.models else ""  # unit ids stay unique across models
     base = len(rt.units)
     ordinal = {id(p): i + rt._ordinal_base for i, p in enumerate(model.parameters())}
-    rt._ordinal_base += len(ordinal)
     with rt._capture.paused() if rt._capture else contextlib.nullcontext():
         for k, (spec, size) in enumerate(zip(specs, new)):
             index, layout = base + k, size.layout
@@ -97,6 +122,8 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
             if shards.tiers.grads is not shards.tiers.optimizer and layout.trainable:  # (a frozen unit has none)
                 unit.register_grads()  # now, so the next wrap's placement sees their bytes in use
             _adopt(rt, unit, spec, ordinal)
+            adopt(unit)  # the runtime's unit list and the schedule's, before the unit's hooks can run
+            hooks.install(unit, rt.schedule)
             if spec.island or layout.padded_numel * width <= persist:
                 unit.unshard()
                 unit.persistent = True
@@ -114,11 +141,8 @@ def shard_model(rt, model: nn.Module, weights=None) -> None:
     patch_model(model, rt)
     refuse = torch.compiler.disable(lambda module, _: refuse_unmanaged(module),
                                     reason="offload: the check of unmanaged parameters runs eagerly")
-    rt._hooks.append(model.register_forward_pre_hook(refuse, prepend=True))
-    rt._hooks.append(rt.step_stats.tokens.watch(model, sum(size.layout.numel for size in new)))  # tokens/s, TFLOPS
-    rt.models.append(model)
-    rt.attach_activation_offload(model)
-    return model
+    watch_tokens = rt.step_stats.tokens.watch(model, sum(size.layout.numel for size in new))  # tokens/s, TFLOPS
+    return Wrapped(len(ordinal), [model.register_forward_pre_hook(refuse, prepend=True), watch_tokens])
 
 
 def _register_unit(rt, shards: UnitShards, shard: torch.Tensor) -> None:
@@ -162,9 +186,6 @@ def _adopt(rt, unit: ShardedUnit, spec, ordinal: dict) -> None:
         unit.views[slot.index]._offload_placeholder = p  # model.parameters() while gathered (later views: unit)
     unit._install(unit.placeholders)
     spec.module._offload_unit_obj = unit
-    rt.units.append(unit)
-    rt.schedule.units[unit.uid] = unit
-    hooks.install(unit, rt.schedule)
 
 
 def refuse_unmanaged(model: nn.Module) -> None:
