@@ -32,7 +32,7 @@ class StepStats:
         self.log_every = log_every
         self.steps = 0
         self.last: dict | None = None
-        self.tokens = TokenCounter()  # the wrapped models' training forwards (units/wrap.py watches each)
+        self.tokens = TokenCounter()  # the wrapped models' training forwards (wrap.py watches each)
         self._mark = self._snapshot()
 
     def _snapshot(self):

@@ -33,7 +33,7 @@ wrapped model's to the original). docs/environment.md ("What offload patches") l
   torch.nn.utils.get_total_norm      (and clip_grad's _get_total_norm, which it is) given a None gradient:
                                      refused naming rt.clip_grad_norm_ (torch's own error was an AttributeError);
                                      a list filtered of the Nones is empty, and its 0 cannot be told from a plain
-                                     model's: README, "A wrapped model's .grad"
+                                     model's: docs/guide/your-own-loop.md, "A wrapped model's .grad"
   torch.nn.utils.parameters_to_vector, vector_to_parameters: their per-parameter check (convert_parameters.
                                      _check_param_device, looked up at each call, so an import made before the
                                      runtime opened is caught too) refuses a wrapped parameter (the vector was
