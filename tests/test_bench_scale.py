@@ -44,3 +44,21 @@ def test_the_tiny_bench_runs_and_its_figures_are_sane(tmp_path):
     assert 16.0 < t["families"]["adamw8bit"]["bytes_per_param"] < 16.1  # 8-bit codes, a scale per 256
     for f in t["families"].values():
         assert _positive(f["kernel_s"]) and _positive(f["vs_roofline"]) and _positive(f["kernel_GBps"])
+
+
+def test_the_tiny_load_bench_runs_and_its_figures_are_sane(tmp_path):
+    """benchmarks/bench_scale_load.py at its CI shape: written, loaded inside offload.init onto nvme, one step,
+    the peak RSS and times reported, and offload plan's prediction printed beside them."""
+    out = tmp_path / "load.json"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_scale_load.py"), "--shape", "tiny",
+                           "--dir", str(tmp_path / "ckpt"), "--nvme-dir", str(tmp_path / "swap"),
+                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["params"] == 119_104 and math.isfinite(r["loss"])
+    for key in ("load_s", "first_step_s", "to_first_step_s", "peak_rss", "peak_growth"):
+        assert _positive(r[key]), key
+    assert r["peak_rss"] >= r["peak_rss_loading"] > 0
+    assert "parameters" in r["plan"] and "per rank" in r["plan"]  # offload plan ran on the written config
+    assert not (tmp_path / "swap" / "swap").exists()  # the swap directory is removed
