@@ -62,23 +62,31 @@ CHILD = textwrap.dedent("""
     from transformers import AutoModelForCausalLM
     def status(field):
         return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1]) * 1024
+    def phase(what):  # to stderr as it happens: a run the kernel kills for memory still says how far it got
+        print(f"phase {what}: {time.perf_counter() - t0:.1f} s, RSS {status('VmRSS') / 2**30:.2f} GiB, "
+              f"peak {status('VmHWM') / 2**30:.2f} GiB", file=sys.stderr, flush=True)
     model_dir, nvme, cpu_budget, device_budget = sys.argv[1:5]
     cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path=nvme, cpu_budget=cpu_budget,
                          device_budget=device_budget, compute_dtype="bf16", optimizer_states="adamw8bit")
     with offload.init(cfg) as rt:
         rss_open = status("VmRSS")
+        phase("runtime open")
         t_open = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         t_loaded = time.perf_counter()
         rss_loaded_peak = status("VmHWM")
+        phase("loaded")
         opt = offload.AdamW8bit(model.parameters(), lr=1e-5)
         ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
         loss = model(input_ids=ids, labels=ids).loss
+        phase("forward")
         loss.backward()
+        phase("backward")
         rt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
         rt.quiesce()
+        phase("step")
         t_step = time.perf_counter()
         params = sum(p.numel() for p in model.parameters())
         stats = rt.stats()
@@ -90,10 +98,11 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def plan_prediction(model_dir: str, cpu_budget: str, device_budget: str) -> str:
+def plan_prediction(model_dir: str, cpu_budget: str, device_budget: str, swap: str) -> str:
     """`offload plan`'s lines for the same model on this machine's CPU (its per-tier bytes)."""
     cmd = [sys.executable, "-m", "offload.cli", "plan", "--model", os.path.join(model_dir, "config.json"),
            "--gpus", "1", "--gpu", "cpu", "--gpu-mem", device_budget, "--cpu-mem", cpu_budget, "--optimizer-states", "adamw8bit",
+           "--nvme-size", f"{shutil.disk_usage(swap).free >> 30}GiB",
            "--seq-len", "16", "--micro-batch", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     return (out.stdout or out.stderr).strip()
@@ -121,13 +130,16 @@ def main(argv=None) -> int:
                               capture_output=True, text=True, timeout=args.timeout,
                               env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2")))
         if proc.returncode != 0:
-            print(proc.stderr[-4000:], file=sys.stderr)
+            print(f"the loading process exited with {proc.returncode}"
+                  f"{' (killed: out of memory?)' if proc.returncode == -9 else ''}; its last lines:\n"
+                  + proc.stderr[-4000:], file=sys.stderr)
             return 1
         r = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT "):])
         budgets = _bytes(args.cpu_budget) + _bytes(args.device_budget)
         r.update(shape=args.shape, write_checkpoint_s=write_s, budgets_bytes=budgets,
                  peak_growth=r["peak_rss"] - r["rss_at_open"], goal_peak_growth=budgets + (1 << 30),
-                 plan=plan_prediction(ckpt, args.cpu_budget, args.device_budget))
+                 plan=plan_prediction(ckpt, args.cpu_budget, args.device_budget, swap),
+                 phases=[x for x in proc.stderr.splitlines() if x.startswith("phase ")])
         gib = 1 << 30
         print(f"# build, load and shard: {args.shape}, {r['params'] / 1e9:.2f}B params, params and AdamW8bit states "
               f"on nvme, budgets cpu {args.cpu_budget} + device {args.device_budget}")
@@ -137,6 +149,7 @@ def main(argv=None) -> int:
         print(f"peak RSS {r['peak_rss'] / gib:.2f} GiB ({r['peak_growth'] / gib:.2f} GiB above the open runtime's; "
               f"goal <= budgets + 1 GiB = {r['goal_peak_growth'] / gib:.2f} GiB); while loading "
               f"{r['peak_rss_loading'] / gib:.2f} GiB")
+        print("\n".join(r["phases"]))
         print("offload plan:\n" + textwrap.indent(r["plan"], "  "))
         if args.json:
             with open(args.json, "w") as f:
