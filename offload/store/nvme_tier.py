@@ -16,7 +16,7 @@ from .aio import AioEngine
 from .budget import resolve_budget
 from .links import Link
 from .sizes import format_bytes
-from .storage_tier import StorageTier, register_storage_tier
+from .storage_tier import StorageTier, register_storage_tier, run_every
 from .swap_file import SwapDir, SwapFile, SwapSpaceError, page_bytes
 
 __all__ = ["NvmeTier", "NvmeSlot"]
@@ -154,15 +154,10 @@ class NvmeTier(StorageTier):
         steps = [*[(lambda f=f: f.close(remove=True)) for f in list(self.files.values())],
                  lambda: self.engine and self.engine.close(),
                  lambda: self.dir.close()]
-        first: BaseException | None = None
-        for step in steps:
-            try:
-                step()
-            except BaseException as e:  # keep cleaning up; report the first failure
-                first = first or e
-        self.files.clear()
-        if first is not None:
-            raise first
+        try:
+            run_every(steps)
+        finally:
+            self.files.clear()
 
 
 register_storage_tier("nvme", NvmeTier.build)

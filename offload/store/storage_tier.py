@@ -140,3 +140,16 @@ def build_storage_tier(name: str, config, settings: dict) -> StorageTier:
     if tier.name != name:
         raise ValueError(f"storage tier {name!r}: its factory built a tier named {tier.name!r}")
     return tier
+
+
+def run_every(steps) -> None:
+    """Run every cleanup step even if an earlier one fails; raise the first failure at the end (a close that
+    stops at its first error leaves files, threads or pinned memory behind)."""
+    first: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as e:  # keep cleaning up; report the first failure
+            first = first or e
+    if first is not None:
+        raise first

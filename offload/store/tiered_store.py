@@ -81,7 +81,7 @@ from .links import Link, LinkMeter
 from . import nvme_tier  # noqa: F401  (registers the "nvme" storage tier)
 from .residency import TRANSITIONS, Residency, Tier
 from .sizes import format_bytes
-from .storage_tier import StorageTier, build_storage_tier
+from .storage_tier import StorageTier, build_storage_tier, run_every
 from .swap_file import SLOT_ALIGN, page_bytes
 
 __all__ = ["TieredStore", "StoreConfig", "StoreError", "ShardInfo"]
@@ -1058,12 +1058,7 @@ def _release(parts: tuple, wait: bool) -> None:
         lambda: arena and arena.close(),
         lambda: dev and dev.close(),
     ]
-    first: BaseException | None = None
-    for step in steps:
-        try:
-            step()
-        except BaseException as e:  # keep cleaning up; report the first failure
-            first = first or e
-    storage.clear()
-    if first is not None:
-        raise first
+    try:
+        run_every(steps)
+    finally:
+        storage.clear()

@@ -22,6 +22,12 @@ from . import comm
 PASSES = ("backward", "eval forward")
 
 
+# the fix, said by this pass check and by the step's own (update/step.py, sync_used)
+SAME_UNITS_FIX = ("Every rank must run the same units in the same order: call every expert of a mixture-of-experts "
+                  "layer on every rank (on an empty batch where it got no tokens), and run an evaluation, generate(), "
+                  "model.state_dict() or rt.full_state_dict() on every rank, not on rank 0 only")
+
+
 class RanksDiverged(RuntimeError):
     """The ranks asked for different gathers or reduces in one pass."""
 
@@ -52,10 +58,7 @@ def check_pass(group: comm.Group, units: list, where: str) -> None:
     raise RanksDiverged(
         f"offload: the ranks issued different collectives by the end of this {where} ({shown}): each gather and "
         "reduce is a collective, so one rank's paired with another's for another unit (a hang on NCCL, wrong "
-        "numbers on gloo); opt.step() refuses this step, call opt.zero_grad(). Every rank must run the same units "
-        "in the same order: call every expert of a mixture-of-experts layer on every rank (on an empty batch "
-        "where it got no tokens), and run an evaluation, generate(), model.state_dict() or rt.full_state_dict() "
-        "on every rank, not on rank 0 only")
+        "numbers on gloo); opt.step() refuses this step, call opt.zero_grad(). " + SAME_UNITS_FIX)
 
 
 def _per_rank(values: list, noun: str) -> str:

@@ -34,6 +34,7 @@ import torch
 from ...optim.schema import Schema
 from ...telemetry import Meter, Queue
 from ..collectives import comm
+from ..collectives.divergence import SAME_UNITS_FIX
 from . import optim_states
 from .backward_updates import BackwardUpdates
 from .grad_norm import local_norms
@@ -285,9 +286,7 @@ class UpdatePath:
         raise RuntimeError(
             f"offload: the ranks ran different units in this step ({what}, over the ranks): each gather and reduce "
             "is a collective, so one rank's paired with another's for another unit and this step's numbers are wrong; "
-            "nothing was updated from it. Every rank must run the same units in the same order: call every expert "
-            "of a mixture-of-experts layer on every rank (on an empty batch where it got no tokens), and run an "
-            "evaluation, generate(), model.state_dict() or rt.full_state_dict() on every rank, not on rank 0 only")
+            "nothing was updated from it. " + SAME_UNITS_FIX)
 
     def check_steppable(self) -> None:
         """Before an optimizer's step changes anything (its step counts): refuse gradients that still carry the
