@@ -23,7 +23,9 @@ from typing import Callable, Protocol
 import torch
 
 from .. import telemetry
+from .home_tier import HomeTier
 from .links import Link, TierLink
+from .residency import Tier
 
 __all__ = ["StorageTier", "IoHandle", "FutureHandle", "register_storage_tier", "build_storage_tier",
            "storage_tier_names"]
@@ -44,14 +46,16 @@ class FutureHandle:
         self.future.result()
 
 
-class StorageTier(abc.ABC):
-    """What a home tier below the cpu does. Slots are the tier's own objects; the store only keeps them, hands
+class StorageTier(HomeTier):
+    """What a home tier below the cpu does (a HomeTier: home_tier.py says what every home does; capacity,
+    bytes_in_use, where and close are its). Slots are the tier's own objects; the store only keeps them, hands
     them back, and exchanges two of one size and class (TieredStore.exchange_slots).
 
     Buffers passed to read/write are uint8 host tensors from the pinned arena, page-aligned, a whole number
     of pages (the shard's bytes, then padding): a slot takes page_bytes(nbytes) of the tier."""
 
     name: str  # the home name shards are registered with ("nvme")
+    level = Tier.NVME  # every storage tier sits below the cpu tier
     read_link: Link | TierLink  # counted in stats()["moved"] / ["busy_s"] under its value ("nvme->cpu")
     write_link: Link | TierLink
 
@@ -60,17 +64,6 @@ class StorageTier(abc.ABC):
         """(read, write) links named "<name>->cpu" / "cpu-><name>", drawn on the nvme lanes."""
         return (TierLink(f"{name}->cpu", telemetry.Lane.NVME_READ),
                 TierLink(f"cpu->{name}", telemetry.Lane.NVME_WRITE))
-
-    # ---- budget
-    @property
-    @abc.abstractmethod
-    def capacity(self) -> int:
-        """The tier's budget in bytes."""
-
-    @property
-    @abc.abstractmethod
-    def bytes_in_use(self) -> int:
-        """Bytes the live slots take."""
 
     # ---- holding bytes
     @abc.abstractmethod
@@ -96,11 +89,7 @@ class StorageTier(abc.ABC):
     def write(self, slot: object, buf: torch.Tensor) -> IoHandle:
         """Starts writing `buf` to the slot; `buf` does not change until the handle's wait() returns."""
 
-    # ---- naming and life
-    @abc.abstractmethod
-    def where(self, slot: object) -> str:
-        """The slot in words, for messages ("/nvme/run1/rank0-params.swap at offset 4096")."""
-
+    # ---- naming and life (where(slot) and close() are HomeTier's)
     def location(self, slot: object) -> tuple[int, int] | None:
         """(file descriptor, offset) of the slot where a reader may pread it directly, else None."""
         return None
@@ -108,10 +97,6 @@ class StorageTier(abc.ABC):
     def paths(self) -> list[str]:
         """The files the tier holds (removed at close)."""
         return []
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Frees what the tier holds (files, threads). Runs once, after every move is over."""
 
 
 _FACTORIES: dict[str, Callable[..., StorageTier]] = {}

@@ -56,7 +56,6 @@ Without a GPU, the device tier is a budgeted region of host memory and its tenso
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -65,24 +64,22 @@ from typing import Callable
 import torch
 import xxhash
 
-from ..device import Streams, thread_initializer
-from ..device import record as device_record
 from ..device import resolve as resolve_device
-from ..device import sync as device_sync
-from ..device import wait as device_wait
+from ..device import thread_initializer
 from ..ops.copy import copy_ as _host_copy
 from .. import inject
 from ..telemetry import Queue
-from . import numa
-from .arena import ArenaBusyError, ArenaFullError, PinnedArena
-from .budget import DeviceTier, resolve_budget
+from .arena import ArenaBusyError, PinnedArena
+from .budget import resolve_budget
+from .cpu_tier import CpuMemoryTier
+from .device_tier import DeviceMemoryTier
+from .home_tier import HomeTier
 from .lease import Lease, LeaseMode, resolved
 from .links import Link, LinkMeter
 from . import nvme_tier  # noqa: F401  (registers the "nvme" storage tier)
 from .residency import TRANSITIONS, Residency, Tier
-from .sizes import format_bytes
 from .storage_tier import StorageTier, build_storage_tier, run_every
-from .swap_file import SLOT_ALIGN, page_bytes
+from .swap_file import SLOT_ALIGN
 
 __all__ = ["TieredStore", "StoreConfig", "StoreError", "ShardInfo"]
 
@@ -144,13 +141,12 @@ class _Shard:
     name: object
     numel: int
     dtype: torch.dtype
-    home: Tier  # its level: a shard homed in a storage tier (nvme or one registered) is Tier.NVME
+    home: Tier  # its level (home_tier.level): a shard homed in a storage tier is Tier.NVME
     tier_class: str
     nbytes: int
     residency: Residency
-    home_block: object = None  # home cpu (arena block) or home device (device block)
-    storage: StorageTier | None = None  # home in a storage tier: the tier, and its slot there
-    slot: object = None
+    home_tier: HomeTier  # where the home copy is (home_tier.py): a memory tier or a storage tier
+    slot: object = None  # the home copy's slot there (a memory tier's: its block); None once unregistered
     cpu_block: object = None  # home in a storage tier: staging buffer holding the working copy at CPU
     dev_block: object = None  # working copy on the device (home cpu / nvme)
     target: Tier | None = None  # where the working copy will be once queued moves ran (None: home only)
@@ -165,6 +161,11 @@ class _Shard:
 
 def _view(block, s: _Shard) -> torch.Tensor:
     return block.view(s.dtype, s.numel)
+
+
+def _home_view(s: _Shard) -> torch.Tensor:
+    """The home copy of a shard homed in memory: a view of its block."""
+    return s.home_tier.view(s.slot, s.dtype, s.numel)
 
 
 class TieredStore:
@@ -184,13 +185,10 @@ class TieredStore:
         self._shards: dict[str, _Shard] = {}
         self._inflight: set[cf.Future] = set()
         self._links = LinkMeter()
-        self._home_bytes = {"cpu": 0, "dev": 0}  # budget held for good by home buffers (4096-rounded)
         self._storage: dict[str, StorageTier] = {}  # the storage tiers by name (nvme when nvme_path is set)
-        self._arena: PinnedArena | None = None
-        self.staging_slot = 0  # bytes every short-lived cpu buffer takes (0: its own size, first fit)
-        self._dev: DeviceTier | None = None
+        self._cpu: CpuMemoryTier | None = None  # the memory tiers (memory_tier.py)
+        self._dev: DeviceMemoryTier | None = None
         self._pool: cf.ThreadPoolExecutor | None = None
-        self._streams = Streams(self.device)  # GPU: one host->device and one device->host copy stream
         try:
             page = SLOT_ALIGN
             cpu_cap = resolve_budget(cfg.cpu_budget, "cpu") // page * page
@@ -202,13 +200,8 @@ class TieredStore:
                 tier = self._storage[tier_name] = build_storage_tier(tier_name, cfg, settings)
                 self._links.add(tier.read_link)
                 self._links.add(tier.write_link)
-            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-                # registered from this GPU's context (not the calling thread's current device's)
-                node = numa.arena_node(self.device) if cfg.numa_node == "auto" else cfg.numa_node
-                self._arena = PinnedArena(cpu_cap, lock=cfg.lock_memory, name="cpu tier (pinned arena)",
-                                          numa_node=node)
-            # device blocks are allocated on the host->device stream that fills them (device.py)
-            self._dev = DeviceTier(dev_cap, self.device, alloc_stream=self._streams.get(Link.CPU_TO_DEVICE))
+            self._cpu = CpuMemoryTier(cpu_cap, self.device, cfg.lock_memory, cfg.numa_node)
+            self._dev = DeviceMemoryTier(dev_cap, self.device)
             self._pool = cf.ThreadPoolExecutor(max(1, cfg.io_workers), thread_name_prefix="offload-store",
                                                initializer=thread_initializer(self.device))
         except BaseException:
@@ -248,8 +241,9 @@ class TieredStore:
             raise ValueError(f"init has {init.numel()} elements but numel is {numel}")
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         timeout = self.config.alloc_timeout if timeout is None else timeout
-        s = _Shard(name, numel, dtype, home, tier_class, nbytes, R.NVME if home is Tier.NVME else R(home.value))
-        if storage is not None:
+        s = _Shard(name, numel, dtype, home, tier_class, nbytes, R.NVME if home is Tier.NVME else R(home.value),
+                   storage)
+        if isinstance(storage, StorageTier):
             if init is None and zero and not storage.fresh_slot_reads_zero(tier_class):  # (it may hold another
                 init = torch.zeros(numel, dtype=dtype)  # shard's bytes): write the zeros promised
             # The initial bytes go out through a staging buffer, taken first so that a refusal leaves
@@ -261,7 +255,6 @@ class TieredStore:
                     _host_copy(_view(stg, s), init.detach().cpu() if init.device.type != "cpu" else init.detach())
                 with self._lock:
                     s.slot = storage.reserve(name, nbytes, tier_class)
-                    s.storage = storage
             except BaseException:
                 if stg is not None:
                     stg.free()
@@ -274,8 +267,7 @@ class TieredStore:
             with self._lock:
                 self._shards[name] = s
             return self.release(name, writeback=True)
-        kind = "cpu" if home is Tier.CPU else "dev"
-        blk = self._alloc(s, [kind], timeout, home=True)[kind]
+        blk = storage.reserve(name, nbytes, tier_class, timeout=timeout)  # a memory tier: waits for room
         try:
             t = _view(blk, s)
             if init is None:
@@ -285,13 +277,12 @@ class TieredStore:
                 _host_copy(t, init.detach())
             else:
                 t.copy_(init.detach().reshape(-1))
-                self._sync(t)
+                if t.device.type == "cuda":
+                    torch.cuda.current_stream(t.device).synchronize()  # over before the block is used
         except BaseException:
-            blk.free()
-            with self._lock:
-                self._home_bytes[kind] -= page_bytes(nbytes)
+            storage.free(blk)
             raise
-        s.home_block = blk
+        s.slot = blk
         with self._lock:
             self._shards[name] = s
         return resolved()
@@ -301,22 +292,24 @@ class TieredStore:
         zero/device_budget_fit.py); what it holds stays. The limit set."""
         return self._dev.set_limit(nbytes)
 
+    @property
+    def staging_slot(self) -> int:
+        """Bytes every short-lived cpu buffer takes (0: its own size, first fit)."""
+        return self._cpu.staging_slot
+
     def set_staging_slot(self, nbytes: int) -> None:
         """Every short-lived cpu buffer from now on takes `nbytes` (rounded up to a page): the largest such
         buffer the caller will ask for. A larger one takes its own size."""
-        self.staging_slot = page_bytes(nbytes)
+        self._cpu.set_staging_slot(nbytes)
 
     def free_staging_bytes(self) -> int:
         """Bytes of the cpu tier short-lived buffers can take at once now (whole staging slots; every free
         byte when slots are off)."""
-        if not self.staging_slot:
-            return self._arena.capacity - self._arena.bytes_in_use
-        return self._arena.free_slots(self.staging_slot) * self.staging_slot
+        return self._cpu.free_staging_bytes()
 
     def staged_nbytes(self, nbytes: int) -> int:
         """Bytes of the cpu budget a short-lived buffer of `nbytes` takes."""
-        size = page_bytes(nbytes)
-        return self.staging_slot if 0 < size <= self.staging_slot else size
+        return self._cpu.staged_nbytes(nbytes)
 
     def fetch(self, name, tier: str | Tier = "device", timeout: float | None = None,
               read: bool = True, resident: bool = False) -> cf.Future:
@@ -342,7 +335,7 @@ class TieredStore:
         new = self._alloc(s, need, timeout, resident=resident)
         # Only a move that reads a device working copy (down to cpu) waits for the caller's queued work on it; a
         # fetch up to the device fills a block of its own and is not ordered behind compute queued earlier.
-        after = self._stream_point() if plan is Tier.DEVICE and tier is not Tier.DEVICE else None
+        after = self._dev.stream_point() if plan is Tier.DEVICE and tier is not Tier.DEVICE else None
         with self._lock:
             s.target = None if tier is s.home else tier  # the home copy: no working copy once this fetch ran
             fut, kick = self._chain(s, lambda: self._do_fetch(s, tier, new, after, read), new)
@@ -396,7 +389,7 @@ class TieredStore:
         """Future[None]: copy the working copy to the home copy (no-op without a working copy)."""
         s = self._get(name)
         new = self._alloc(s, self._writeback_needs(s), self.config.alloc_timeout if timeout is None else timeout)
-        after = self._stream_point()
+        after = self._dev.stream_point()
         with self._lock:
             fut, kick = self._chain(s, lambda: self._do_writeback(s, new, after), new)
         kick()  # outside the lock: may run the move's first step (its I/O submission) right here
@@ -412,7 +405,7 @@ class TieredStore:
         s = self._get(name)
         need = self._writeback_needs(s) if writeback or s.unsaved is not None else []
         new = self._alloc(s, need, self.config.alloc_timeout if timeout is None else timeout)
-        after = self._stream_point()
+        after = self._dev.stream_point()
         with self._lock:
             keep = unless_leased and s.leases > 0
             if not keep:
@@ -439,7 +432,7 @@ class TieredStore:
         No move of either may be in flight: `spare` is at rest (no working copy), `name` at rest or holding a
         working copy already read (a waited lease: its release writes into the new slot)."""
         a, b = self._get(name), self._get(spare)
-        if a is b or a.home is not Tier.NVME or b.storage is not a.storage:
+        if a is b or a.home is not Tier.NVME or b.home_tier is not a.home_tier:
             raise ValueError(f"exchange_slots({name!r}, {spare!r}): two distinct shards homed in one storage tier")
         if (a.nbytes, a.tier_class) != (b.nbytes, b.tier_class):
             raise ValueError(f"exchange_slots({name!r}, {spare!r}): {a.nbytes} B of {a.tier_class!r} against "
@@ -458,7 +451,7 @@ class TieredStore:
         its bytes); None for another home. The slot holds the shard's value only while no working copy
         differs from it: the caller keeps the store quiet (no lease that writes, no write-behind pending)."""
         s = self._get(name)
-        return s.storage.location(s.slot) if s.storage is not None else None
+        return s.home_tier.location(s.slot) if isinstance(s.home_tier, StorageTier) else None
 
     def residency(self, name) -> Residency:
         return self._get(name).residency
@@ -490,11 +483,9 @@ class TieredStore:
             for tier_name, tier in self._storage.items():
                 used = tier.bytes_in_use
                 storage[tier_name] = {"capacity": tier.capacity, "bytes_in_use": used, "peak_bytes": used}
-        a, d = self._arena, self._dev
         return {
-            "device": {"capacity": d.capacity, "bytes_in_use": d.bytes_in_use, "peak_bytes": d.peak_bytes},
-            "cpu": {"capacity": a.capacity, "bytes_in_use": a.bytes_in_use, "peak_bytes": a.peak_bytes,
-                    "locked": a.locked, "lock_kind": a.lock_kind},
+            "device": self._dev.stats(),
+            "cpu": self._cpu.stats(),
             **storage,
             "moved": {link: nbytes for link, (nbytes, _) in links.items()},
             "busy_s": {link: busy for link, (_, busy) in links.items()},
@@ -506,10 +497,7 @@ class TieredStore:
         """The cpu tier's arena: its bytes, how they are locked ("cuda": registered, "mlock", "none"; then
         locked_bytes 0), the NUMA node they prefer and why not where one was asked for, and {node: pages} of a
         sample of 64 of its pages that have been touched (numa.nodes_of: what the kernel says, not the policy)."""
-        a = self._arena
-        return {"arena_bytes": a.capacity, "locked_bytes": a.capacity if a.locked else 0, "lock_kind": a.lock_kind,
-                "numa_node": a.numa_node, "numa_error": a.numa_error,
-                "pages_by_node": numa.nodes_of(a.base_ptr, a.capacity)}
+        return self._cpu.pinned()
 
     def held(self) -> dict:
         """{tier: {"homes": {tier_class: bytes}, "copies": {tier_class: bytes}, "moving": bytes, "other": bytes}}
@@ -519,7 +507,7 @@ class TieredStore:
         (a block's span). Walks every shard under the store's lock: for reports, not for hot paths."""
         with self._lock:
             out = self._held()
-        for tier, pool in (("cpu", self._arena), ("device", self._dev)):
+        for tier, pool in (("cpu", self._cpu), ("device", self._dev)):
             attached = sum(out[tier]["homes"].values()) + sum(out[tier]["copies"].values())
             out[tier]["other"] = max(0, pool.bytes_in_use - attached)
         return out
@@ -535,10 +523,8 @@ class TieredStore:
 
         for sh in self._shards.values():
             moving = sh.residency not in (R.NVME, R.CPU, R.DEVICE)  # reading, writing, or between cpu and device
-            if sh.home is Tier.CPU:
-                add("cpu", "homes", sh.tier_class, sh.home_block)
-            elif sh.home is Tier.DEVICE:
-                add("device", "homes", sh.tier_class, sh.home_block)
+            if sh.home is not Tier.NVME:
+                add(sh.home.value, "homes", sh.tier_class, sh.slot)
             else:
                 add("cpu", "copies", sh.tier_class, sh.cpu_block, moving)
             if sh.home is not Tier.DEVICE:
@@ -551,6 +537,10 @@ class TieredStore:
 
     def swap_paths(self) -> list[str]:
         return [p for tier in self._storage.values() for p in tier.paths()]
+
+    @property
+    def _arena(self) -> PinnedArena:  # the cpu tier's arena (tests reach it)
+        return self._cpu.arena
 
     @property
     def _engine(self):  # the nvme tier's engine and swap files (tests reach them to inject faults)
@@ -595,70 +585,44 @@ class TieredStore:
             raise KeyError(f"no shard named {name!r} is registered")
         return s
 
-    def _home_of(self, home, check: bool = True) -> tuple[Tier, StorageTier | None]:
-        """(level, storage tier or None) of a home name: "device" and "cpu" are the memory tiers, any other a
-        storage tier of this store (`check`: one that is built; else any name below cpu is Tier.NVME)."""
-        if isinstance(home, Tier) and home is not Tier.NVME:
-            return home, None
+    def _home_of(self, home, check: bool = True) -> tuple[Tier, HomeTier | None]:
+        """(level, tier) of a home name: "device", "cpu", or a storage tier of this store (`check`: one that is
+        built; else any name below cpu is Tier.NVME, its tier None when not built)."""
         name = home.value if isinstance(home, Tier) else str(home)
-        if name in (Tier.DEVICE.value, Tier.CPU.value):
-            return Tier(name), None
-        storage = self._storage.get(name)
-        if storage is None and check:
+        tier = self._homes().get(name)
+        if tier is not None:
+            return tier.level, tier
+        if check:
             if name == Tier.NVME.value:
                 raise StoreError("shards with home 'nvme' need StoreConfig.nvme_path (the swap directory)")
             raise ValueError(f"home {name!r}: not a tier of this store (device, cpu"
                              f"{''.join(', ' + n for n in self._storage)}); storage tiers are named in "
                              "StoreConfig.tiers (docs/tiers.md)")
-        if storage is None and name != Tier.NVME.value:
+        if name != Tier.NVME.value:
             raise ValueError(f"{name!r} is not a tier of this store (device, cpu"
                              f"{''.join(', ' + n for n in self._storage)})")
-        return Tier.NVME, storage
+        return Tier.NVME, None
+
+    def _homes(self) -> dict[str, HomeTier]:
+        return {Tier.DEVICE.value: self._dev, Tier.CPU.value: self._cpu, **self._storage}
 
     @staticmethod
     def _home_name(s: _Shard) -> str:
-        return s.storage.name if s.storage is not None else s.home.value
+        return s.home_tier.name
 
     def _writeback_needs(self, s: _Shard) -> list[str]:
         # A device working copy of an nvme shard goes home through a cpu staging buffer.
         return ["cpu"] if (s.home is Tier.NVME and s.target is Tier.DEVICE) else []
 
-    def _alloc(self, s: _Shard, kinds: list[str], timeout: float | None, home: bool = False,
-               resident: bool = False) -> dict:
-        """Buffers for shard s from the "cpu" / "dev" tiers, waiting for space (home: the shard's permanent
-        home buffer; resident: a working copy held for long; otherwise a short-lived cpu buffer takes a
-        staging slot). A request larger than what the tier's home buffers leave free can never be served:
-        it raises at once instead of waiting."""
+    def _alloc(self, s: _Shard, kinds: list[str], timeout: float | None, resident: bool = False) -> dict:
+        """Working blocks for shard s from the "cpu" / "dev" memory tiers, waiting for space (resident: held for
+        long, its own size; otherwise a short-lived cpu block takes a staging slot). memory_tier.py: a request
+        larger than what home blocks leave free raises at once."""
         new: dict = {}
         try:
             for k in kinds:
-                pool = self._arena if k == "cpu" else self._dev
-                size = page_bytes(s.nbytes)
-                slot = None
-                if k == "cpu" and not (home or resident) and 0 < size <= self.staging_slot:
-                    slot = self.staging_slot  # a short-lived buffer takes a whole staging slot of the arena
-                with self._lock:
-                    held = self._home_bytes[k]
-                    if (slot or size) <= pool.capacity and (slot or size) > pool.capacity - held:
-                        tier = "cpu" if k == "cpu" else "device"
-                        raise ArenaFullError(
-                            f"shard {s.name!r} ({format_bytes(s.nbytes)}"
-                            f"{f', in a staging slot of {format_bytes(slot)}' if slot else ''}): can never fit in "
-                            f"the {tier} budget of "
-                            f"{format_bytes(pool.capacity)}: home shards hold {format_bytes(held)} of it for good; "
-                            f"raise {tier}_budget or give fewer shards a {tier} home"
-                        )
-                    if home:
-                        self._home_bytes[k] += size
-                try:
-                    new[k] = pool.alloc(s.nbytes, timeout, slot=slot) if slot else pool.alloc(s.nbytes, timeout)
-                except BaseException as e:
-                    if home:
-                        with self._lock:
-                            self._home_bytes[k] -= size
-                    if isinstance(e, ArenaFullError):  # ArenaBusyError stays one: the caller may back off
-                        raise type(e)(f"shard {s.name!r} ({format_bytes(s.nbytes)}): {e}") from None
-                    raise
+                tier = self._cpu if k == "cpu" else self._dev
+                new[k] = tier.take(s.name, s.nbytes, timeout, short_lived=not resident)
         except BaseException:
             for b in new.values():
                 b.free()
@@ -770,43 +734,17 @@ class TieredStore:
 
     # ------------------------------------------------------------------ internals: data movement
 
-    def _sync(self, t: torch.Tensor) -> None:
-        if t.device.type == "cuda":
-            torch.cuda.current_stream(t.device).synchronize()  # the copy must be over before the buffer is used
-
-    def _stream_point(self):
-        """On CUDA, an event on the caller's current stream at the time of the request: the move's copy
-        waits for it, so it sees the caller's queued writes to a working copy, and a device buffer just
-        taken from the caching allocator is not written while kernels queued before the request may
-        still use its previous occupant. None without CUDA."""
-        if self.device.type != "cuda":
-            return None
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
-
     def _copy(self, s: _Shard, link: Link, dst: torch.Tensor, src: torch.Tensor, after=None) -> None:
         """dst <- src between host and device buffers (one of s's moves, over `link`: without a GPU both are
         host tensors); returns when the bytes have landed."""
         started = self._links.begin(link)
         ok = False
         try:
-            self._copy_now(dst, src, after)
+            self._dev.copy(dst, src, after)
             inject.pause(Queue.COPY)
             ok = True
         finally:
             self._links.end(link, started, s.nbytes, s.name, ok)
-
-    def _copy_now(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> None:
-        if dst.device.type == "cpu" and src.device.type == "cpu":
-            _host_copy(dst, src)  # multi-threaded C++ copy (GIL released)
-            return
-        link = Link.CPU_TO_DEVICE if dst.is_cuda else Link.DEVICE_TO_CPU
-        with self._streams.use(link):  # pinned arena <-> device block: a DMA on the copy stream
-            device_wait(after, self.device)  # the caller's writes to the working copy, queued before the request
-            dst.copy_(src, non_blocking=True)
-            done = device_record(self.device)
-        device_sync(done)  # this worker: the future resolves (and a buffer may be freed) only once the copy is over
 
     def _copy_down(self, s: _Shard, dst_block, after=None) -> None:
         """The device working copy -> dst_block (a cpu buffer): DEVICE -> TO_CPU, back to DEVICE on failure;
@@ -824,7 +762,7 @@ class TieredStore:
     def _read(self, s: _Shard, blk):
         if blk.reserved == 0:
             return
-        storage = s.storage
+        storage = s.home_tier
         if s.torn is not None:
             raise StoreError(f"shard {s.name!r}: its last write to {storage.where(s.slot)} failed ({s.torn}): "
                              "the slot holds no complete copy, so it is not read. Free space or check the drive, and "
@@ -849,7 +787,7 @@ class TieredStore:
     def _write(self, s: _Shard, blk):
         if blk.reserved == 0:
             return
-        storage = s.storage
+        storage = s.home_tier
         started = self._links.begin(storage.write_link)
         ok = False
         try:
@@ -889,14 +827,14 @@ class TieredStore:
                     # goes, coming home first, or the holder's writes home would be overwritten by its write-back.
                     if read:
                         yield _TO_WORKER  # copies run in a worker, never in the caller
-                        self._copy_down(s, s.home_block, after)
+                        self._copy_down(s, s.slot, after)
                         self._transition(s, R.TO_CPU, R.CPU)
                     else:
                         self._transition(s, R.DEVICE, R.CPU)
                     s.unsaved = None  # saved now, or about to be overwritten whole
                     dev, s.dev_block = s.dev_block, None
                     dev.free()
-                return _view(s.home_block, s) if s.home is not Tier.NVME else None
+                return _home_view(s) if s.home is not Tier.NVME else None
             if tier is Tier.CPU:  # home nvme
                 if st is R.CPU:
                     return _view(s.cpu_block, s)
@@ -936,7 +874,7 @@ class TieredStore:
                 return _view(s.dev_block, s)
             if st is R.NVME:
                 yield from self._nvme_to_cpu(s, new)
-            src = s.cpu_block if s.home is Tier.NVME else s.home_block
+            src = s.cpu_block if s.home is Tier.NVME else s.slot
             yield _TO_WORKER  # copies run in a worker, never in the caller
             self._transition(s, R.CPU, R.TO_DEVICE)
             try:
@@ -977,7 +915,7 @@ class TieredStore:
         if s.home is Tier.CPU:
             self._transition(s, R.DEVICE, R.TO_CPU)
             try:
-                self._copy(s, Link.DEVICE_TO_CPU, _view(s.home_block, s), _view(s.dev_block, s), after)
+                self._copy(s, Link.DEVICE_TO_CPU, _home_view(s), _view(s.dev_block, s), after)
             finally:
                 self._transition(s, R.TO_CPU, R.DEVICE)
             return
@@ -1023,19 +961,15 @@ class TieredStore:
                 setattr(s, working, None)
                 blk.free()
         with self._lock:
-            if s.home_block is not None:
-                s.home_block.free()
-                self._home_bytes["cpu" if s.home is Tier.CPU else "dev"] -= page_bytes(s.nbytes)
-                s.home_block = None
-            if s.storage is not None:
-                s.storage.free(s.slot)
-                s.storage, s.slot = None, None
+            if s.slot is not None:
+                s.home_tier.free(s.slot)
+                s.slot = None
             if self._shards.get(s.name) is s:
                 del self._shards[s.name]
 
     def _parts(self) -> tuple:
         """What _release frees, in its order (held by the finalizer: never the store itself)."""
-        return (self._pool, self._storage, self._arena, self._dev)
+        return (self._pool, self._storage, self._cpu, self._dev)
 
     def _teardown(self) -> None:
         """Frees everything the store holds, waiting for its threads; each step runs even if an earlier one
@@ -1051,11 +985,11 @@ def _release(parts: tuple, wait: bool) -> None:
     """Free a store's parts (TieredStore._parts): join (when `wait`) its move threads, close its storage tiers
     (the nvme tier: its swap files, engine and directory), the pinned arena and the device tier. Every step runs;
     the first failure is raised at the end."""
-    pool, storage, arena, dev = parts
+    pool, storage, cpu, dev = parts
     steps = [
         lambda: pool and pool.shutdown(wait=wait),
         *[(lambda t=t: t.close()) for t in list(storage.values())],
-        lambda: arena and arena.close(),
+        lambda: cpu and cpu.close(),
         lambda: dev and dev.close(),
     ]
     try:
