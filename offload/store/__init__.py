@@ -8,8 +8,11 @@ Knows nothing about modules or optimizers.
     PinnedArena                arena.py         (one page-locked allocation, exact sub-allocation)
     parse_size, format_bytes   sizes.py         ("60GiB")
     resolve_budget, ...        budget.py        ("auto" budgets, the swap rule, budgets vs the machine)
+    HomeTier                   home_tier.py     (what every home tier does: a budget of slots; docs/tiers.md)
+    CpuMemoryTier              cpu_tier.py      (the cpu tier: the pinned arena, staging slots; a MemoryTier,
+    DeviceMemoryTier           device_tier.py    memory_tier.py; the device tier: its budget and copies)
     StorageTier, register_storage_tier
-                               storage_tier.py  (what a home tier below cpu does, and the registry: docs/tiers.md)
+                               storage_tier.py  (what a home tier below cpu does, and the registry)
     NvmeTier                   nvme_tier.py     (the nvme tier: swap files through the aio engine)
     SwapDir, SwapFile          swap_file.py     (preallocated swap files)
     AioEngine                  aio.py           (async O_DIRECT engine)

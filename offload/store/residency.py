@@ -11,7 +11,8 @@ __all__ = ["Residency", "Tier", "TRANSITIONS"]
 
 
 class Tier(str, enum.Enum):
-    """Memory tiers, fastest first; NVME is also the level of every storage tier (storage_tier.py). On a machine
+    """The levels of the tiers, fastest first (HomeTier.level): DEVICE and CPU are the memory tiers' (cpu_tier.py,
+    device_tier.py), NVME is also the level of every storage tier (storage_tier.py). On a machine
     without a GPU the device tier is a budgeted region of host memory and the compute device is
     torch.device("cpu")."""
 

@@ -12,7 +12,7 @@ the order of moves, residency, the checksums of what was written (StoreConfig.ch
     TieredStore(StoreConfig(tiers={"mine": {...settings}})).register("x", n, home="mine")
 
 The built-in nvme tier (nvme_tier.py) is the one the store builds from StoreConfig.nvme_path; how to add one:
-docs/tiers.md.
+docs/tiers.md. The memory tiers above (memory_tier.py) implement the same HomeTier (home_tier.py).
 """
 from __future__ import annotations
 

@@ -16,7 +16,9 @@ Shard names are strings or small frozen records (any hashable; str() of it appea
 
 Every shard has a home tier that always holds a copy (the *home copy*: a swap-file slot, a cpu buffer
 in the pinned arena, or a device buffer; or a slot of another storage tier named in StoreConfig.tiers, which
-the state machine treats as it does nvme: storage_tier.py, docs/tiers.md). fetch(name, tier) makes a
+the state machine treats as it does nvme). Every home is a HomeTier (home_tier.py) and a shard's home is
+(tier, slot): a MemoryTier (cpu_tier.py, device_tier.py) whose slot is a block read as a view, or a
+StorageTier (storage_tier.py, nvme_tier.py) read into and written from a cpu buffer; docs/tiers.md. fetch(name, tier) makes a
 *working copy* in a faster tier and returns it; writeback copies the working copy to the home copy;
 release frees the working copy (release(name, writeback=True) does both). fetch to the home tier returns
 the home copy itself. A shard has at most one working copy: fetching it to another tier moves the working
@@ -32,8 +34,9 @@ Guarantees
   arena hands a range out again only after it was freed: no buffer is reused while a move into or out
   of it is in flight. A tensor returned by fetch is valid until that shard's next release or fetch to
   another tier; do not touch it while a writeback of that shard is in flight.
-- Budgets: cpu buffers come from one PinnedArena whose capacity is the cpu budget; device buffers from
-  a DeviceTier of the device budget; swap slots are counted against the nvme budget at register time.
+- Budgets: cpu buffers come from the cpu tier's PinnedArena whose capacity is the cpu budget; device buffers
+  from the device tier's budget (memory_tier.py); swap slots are counted against their storage tier's budget at
+  register time.
   A request that can never fit raises (naming the size and the budget); one that does not fit *now*
   blocks in the calling thread until a release frees space (`timeout`, else StoreConfig.alloc_timeout),
   or with timeout=0 raises ArenaBusyError at once (a prefetch backs off instead of stalling).
