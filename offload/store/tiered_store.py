@@ -79,6 +79,7 @@ from .device_tier import DeviceMemoryTier
 from .home_tier import HomeTier
 from .lease import Lease, LeaseMode, resolved
 from .links import Link, LinkMeter
+from .moves import TO_WORKER, Moves, drop_unused
 from . import nvme_tier  # noqa: F401  (registers the "nvme" storage tier)
 from .residency import TRANSITIONS, Residency, Tier
 from .storage_tier import StorageTier, build_storage_tier, run_every
@@ -87,7 +88,6 @@ from .swap_file import SLOT_ALIGN
 __all__ = ["TieredStore", "StoreConfig", "StoreError", "ShardInfo"]
 
 R = Residency
-_TO_WORKER = object()  # yielded by a move before work that must run in a worker thread
 
 
 def _digest(t: torch.Tensor) -> int:
@@ -184,14 +184,12 @@ class TieredStore:
         # Re-entrant: a future's done-callbacks (which take the lock) can fire inside _chain, which holds it.
         self._lock = threading.RLock()
         self._closed = False
-        self._cancelling = False
         self._shards: dict[str, _Shard] = {}
-        self._inflight: set[cf.Future] = set()
+        self._moves = Moves(self._lock, StoreError)  # the moves in flight and their workers (moves.py)
         self._links = LinkMeter()
         self._storage: dict[str, StorageTier] = {}  # the storage tiers by name (nvme when nvme_path is set)
         self._cpu: CpuMemoryTier | None = None  # the memory tiers (memory_tier.py)
         self._dev: DeviceMemoryTier | None = None
-        self._pool: cf.ThreadPoolExecutor | None = None
         try:
             page = SLOT_ALIGN
             cpu_cap = resolve_budget(cfg.cpu_budget, "cpu") // page * page
@@ -205,8 +203,7 @@ class TieredStore:
                 self._links.add(tier.write_link)
             self._cpu = CpuMemoryTier(cpu_cap, self.device, cfg.lock_memory, cfg.numa_node)
             self._dev = DeviceMemoryTier(dev_cap, self.device)
-            self._pool = cf.ThreadPoolExecutor(max(1, cfg.io_workers), thread_name_prefix="offload-store",
-                                               initializer=thread_initializer(self.device))
+            self._moves.start(cfg.io_workers, thread_initializer(self.device))
         except BaseException:
             self._teardown()
             raise
@@ -469,7 +466,7 @@ class TieredStore:
     def wait_all(self, timeout: float | None = None) -> None:
         """Waits for every move asked for so far; raises the first failure among them."""
         with self._lock:
-            futs = list(self._inflight)
+            futs = list(self._moves.inflight)
         done, pending = cf.wait(futs, timeout)  # the caller asked to drain the queues
         if pending:
             raise TimeoutError(f"{len(pending)} moves still in flight after {timeout}s")
@@ -481,7 +478,7 @@ class TieredStore:
         """Bytes in use / peak / capacity per tier and bytes moved per direction (cheap: no walk over shards)."""
         links = self._links.snapshot()
         with self._lock:
-            inflight = len(self._inflight)
+            inflight = len(self._moves.inflight)
             storage = {"nvme": {"capacity": self._nvme_budget, "bytes_in_use": 0, "peak_bytes": 0}}  # (no nvme_path)
             for tier_name, tier in self._storage.items():
                 used = tier.bytes_in_use
@@ -561,8 +558,8 @@ class TieredStore:
             if self._closed:
                 return
             self._closed = True
-            self._cancelling = cancel
-            futs = list(self._inflight)
+            self._moves.cancelling = cancel
+            futs = list(self._moves.inflight)
         if cancel:
             for f in futs:
                 f.cancel()  # only moves that have not started; running ones finish below
@@ -633,94 +630,9 @@ class TieredStore:
         return new
 
     def _chain(self, s: _Shard, make: Callable, new: dict):
-        """Queues a move as the shard's next; returns (future, kick), and the caller calls kick() once it
-        has released self._lock (called with it held).
-
-        A move is a generator (make() creates it): it runs until it has submitted an I/O and yields the
-        handle, or yields _TO_WORKER before work that must not run in the caller (a copy); a worker waits
-        for the handle and resumes it. When nothing of this shard is queued before it, kick() runs the
-        first step in the calling thread, so the I/O is in the engine's queue at once and a worker only
-        finishes it: the disk stays busy however slowly Python threads get the GIL."""
-        fut: cf.Future = cf.Future()
-        prev, s.last = s.last, fut
-        self._inflight.add(fut)
-        fut.add_done_callback(self._forget)
-
-        def failed(e: BaseException) -> None:
-            with self._lock:
-                if s.last is fut:  # nothing queued behind: the plan is where the bytes really are
-                    s.target = self._working_tier(s)
-            self._finish(fut, exc=e)
-
-        def drive(gen, pending) -> None:  # in a worker, to the end of the move
-            try:
-                while True:
-                    if pending is not _TO_WORKER:
-                        try:
-                            pending.wait()  # the move resumes only once its I/O is over
-                        except Exception:
-                            pass  # the move calls wait() again and handles the error where it can undo its state
-                    pending = gen.send(None)
-            except StopIteration as stop:
-                self._finish(fut, result=stop.value)
-            except BaseException as e:
-                failed(e)
-
-        def begin(in_worker: bool) -> None:  # the first step, up to the move's first wait
-            if self._cancelling:
-                fut.cancel()  # close(cancel=True): nothing new starts, even if queued behind a cancelled move
-            if not fut.set_running_or_notify_cancel():
-                self._drop_unused(new)
-                return
-            gen = make()
-            try:
-                pending = gen.send(None)
-            except StopIteration as stop:
-                self._finish(fut, result=stop.value)
-                return
-            except BaseException as e:
-                failed(e)
-                return
-            if in_worker:
-                drive(gen, pending)
-                return
-            try:
-                self._pool.submit(drive, gen, pending)
-            except RuntimeError as e:  # cannot happen while open (close waits for running moves); be safe
-                gen.close()
-                failed(StoreError(f"shard {s.name!r}: no worker to finish the move ({e})"))
-
-        def after_prev(_=None) -> None:
-            try:
-                self._pool.submit(begin, True)
-            except RuntimeError:  # pool shut down by close(): this move never runs
-                self._drop_unused(new)
-                self._finish(fut, exc=StoreError(f"shard {s.name!r}: the store closed before this move ran"))
-
-        if prev is None or prev.done():
-            return fut, (lambda: begin(False))
-        # moves of one shard run in the order they were asked for
-        return fut, (lambda: prev.add_done_callback(after_prev))
-
-    def _forget(self, fut: cf.Future) -> None:
-        with self._lock:
-            self._inflight.discard(fut)
-
-    @staticmethod
-    def _finish(fut: cf.Future, result=None, exc: BaseException | None = None) -> None:
-        if fut.cancelled():
-            return
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-
-    @staticmethod
-    def _drop_unused(new: dict) -> None:
-        for k, b in list(new.items()):
-            if b is not None and not b.freed:
-                b.free()
-            new[k] = None
+        """Queues a move as the shard's next (moves.py); returns (future, kick), kick() called once the caller
+        has released self._lock. A failed move with nothing queued behind leaves the plan where the bytes are."""
+        return self._moves.chain(s, make, new, settle=lambda: setattr(s, "target", self._working_tier(s)))
 
     def _working_tier(self, s: _Shard) -> Tier | None:
         if s.home is not Tier.DEVICE and s.dev_block is not None:
@@ -760,7 +672,7 @@ class TieredStore:
             raise
 
     # Moves are generators (see _chain): `yield handle` submits an I/O and is resumed once it is over;
-    # `yield _TO_WORKER` hands the rest to a worker thread. Each undoes its residency on failure.
+    # `yield TO_WORKER` hands the rest to a worker thread. Each undoes its residency on failure.
 
     def _read(self, s: _Shard, blk):
         if blk.reserved == 0:
@@ -829,7 +741,7 @@ class TieredStore:
                     # A device copy kept by a release for this lease (unless_leased), which wants the home copy: it
                     # goes, coming home first, or the holder's writes home would be overwritten by its write-back.
                     if read:
-                        yield _TO_WORKER  # copies run in a worker, never in the caller
+                        yield TO_WORKER  # copies run in a worker, never in the caller
                         self._copy_down(s, s.slot, after)
                         self._transition(s, R.TO_CPU, R.CPU)
                     else:
@@ -853,7 +765,7 @@ class TieredStore:
                     return _view(s.cpu_block, s)
                 # st is DEVICE: the working copy comes down to cpu
                 if read:
-                    yield _TO_WORKER  # copies run in a worker, never in the caller
+                    yield TO_WORKER  # copies run in a worker, never in the caller
                     self._copy_down(s, blk, after)
                     self._transition(s, R.TO_CPU, R.CPU)
                 else:
@@ -878,7 +790,7 @@ class TieredStore:
             if st is R.NVME:
                 yield from self._nvme_to_cpu(s, new)
             src = s.cpu_block if s.home is Tier.NVME else s.slot
-            yield _TO_WORKER  # copies run in a worker, never in the caller
+            yield TO_WORKER  # copies run in a worker, never in the caller
             self._transition(s, R.CPU, R.TO_DEVICE)
             try:
                 self._copy(s, Link.CPU_TO_DEVICE, _view(dev, s), _view(src, s))
@@ -892,7 +804,7 @@ class TieredStore:
                 stg.free()
             return _view(s.dev_block, s)
         finally:
-            self._drop_unused(new)
+            drop_unused(new)
 
     def _writeback_now(self, s: _Shard, new: dict, after=None):
         try:
@@ -914,7 +826,7 @@ class TieredStore:
                 self._transition(s, R.WRITING, R.CPU)
             return
         # st is DEVICE
-        yield _TO_WORKER  # copies run in a worker, never in the caller
+        yield TO_WORKER  # copies run in a worker, never in the caller
         if s.home is Tier.CPU:
             self._transition(s, R.DEVICE, R.TO_CPU)
             try:
@@ -936,7 +848,7 @@ class TieredStore:
         try:
             yield from self._writeback_now(s, new, after)
         finally:
-            self._drop_unused(new)
+            drop_unused(new)
 
     def _do_release(self, s: _Shard, writeback: bool, new: dict, after=None, keep: bool = False):
         try:
@@ -954,7 +866,7 @@ class TieredStore:
                 blk, s.dev_block = s.dev_block, None
                 blk.free()
         finally:
-            self._drop_unused(new)
+            drop_unused(new)
 
     def _do_unregister(self, s: _Shard):
         yield from ()  # a move (see _chain) with nothing to wait for
@@ -972,7 +884,7 @@ class TieredStore:
 
     def _parts(self) -> tuple:
         """What _release frees, in its order (held by the finalizer: never the store itself)."""
-        return (self._pool, self._storage, self._cpu, self._dev)
+        return (self._moves.pool, self._storage, self._cpu, self._dev)
 
     def _teardown(self) -> None:
         """Frees everything the store holds, waiting for its threads; each step runs even if an earlier one
