@@ -1,8 +1,8 @@
 """The tiered store on a GPU: the pinned arena registered with CUDA, round trips bitwise equal to the leases replayed
 one at a time with hundreds of moves in flight, and the stream ordering of its copies (device.py,
-tiered_store._copy_now, Lease.release): a write-back sees the caller's queued kernel, a released block is not reused
-under a kernel still reading it, a fetch is not queued behind compute submitted before it, and a prefetch backs off
-when the device tier is full.
+device_tier.DeviceMemoryTier.copy, Lease.release): a write-back sees the caller's queued kernel, a released block
+is not reused under a kernel still reading it, a fetch is not queued behind compute submitted before it, and a
+prefetch backs off when the device tier is full.
 
 Ordering is checked with torch.cuda._sleep: a kernel that spins on the GPU for hundreds of milliseconds while the
 host goes on. What is asserted is the order of events (a future resolved while an event queued after the sleep is

@@ -18,11 +18,11 @@ Every shard has a home tier that always holds a copy (the *home copy*: a swap-fi
 in the pinned arena, or a device buffer; or a slot of another storage tier named in StoreConfig.tiers, which
 the state machine treats as it does nvme). Every home is a HomeTier (home_tier.py) and a shard's home is
 (tier, slot): a MemoryTier (cpu_tier.py, device_tier.py) whose slot is a block read as a view, or a
-StorageTier (storage_tier.py, nvme_tier.py) read into and written from a cpu buffer; docs/tiers.md. fetch(name, tier) makes a
-*working copy* in a faster tier and returns it; writeback copies the working copy to the home copy;
-release frees the working copy (release(name, writeback=True) does both). fetch to the home tier returns
-the home copy itself. A shard has at most one working copy: fetching it to another tier moves the working
-copy there.
+StorageTier (storage_tier.py, nvme_tier.py) read into and written from a cpu buffer; docs/tiers.md.
+fetch(name, tier) makes a *working copy* in a faster tier and returns it; writeback copies the working copy
+to the home copy; release frees the working copy (release(name, writeback=True) does both). fetch to the
+home tier returns the home copy itself. A shard has at most one working copy: fetching it to another tier
+moves the working copy there.
 
 Guarantees
 - Moves of one shard run in the order they were asked for; moves of different shards run in
