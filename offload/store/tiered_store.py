@@ -479,14 +479,10 @@ class TieredStore:
         links = self._links.snapshot()
         with self._lock:
             inflight = len(self._moves.inflight)
-            storage = {"nvme": {"capacity": self._nvme_budget, "bytes_in_use": 0, "peak_bytes": 0}}  # (no nvme_path)
-            for tier_name, tier in self._storage.items():
-                used = tier.bytes_in_use
-                storage[tier_name] = {"capacity": tier.capacity, "bytes_in_use": used, "peak_bytes": used}
+            homes = {name: tier.stats() for name, tier in self._homes().items()}  # HomeTier.stats()
+            homes.setdefault("nvme", {"capacity": self._nvme_budget, "bytes_in_use": 0, "peak_bytes": 0})  # no path
         return {
-            "device": self._dev.stats(),
-            "cpu": self._cpu.stats(),
-            **storage,
+            **homes,
             "moved": {link: nbytes for link, (nbytes, _) in links.items()},
             "busy_s": {link: busy for link, (_, busy) in links.items()},
             "shards": len(self._shards),
