@@ -667,6 +667,18 @@ class TieredStore:
             self._transition(s, R.TO_CPU, R.DEVICE)
             raise
 
+    def _device_down(self, s: _Shard, dst_block, read: bool, after=None):
+        """The device working copy comes down into dst_block, a cpu block (read=False: dropped, the caller
+        overwrites dst_block whole): DEVICE -> CPU, the device block freed. The caller keeps dst_block."""
+        if read:
+            yield TO_WORKER  # copies run in a worker, never in the caller
+            self._copy_down(s, dst_block, after)
+            self._transition(s, R.TO_CPU, R.CPU)
+        else:
+            self._transition(s, R.DEVICE, R.CPU)
+        dev, s.dev_block = s.dev_block, None
+        dev.free()
+
     # Moves are generators (see _chain): `yield handle` submits an I/O and is resumed once it is over;
     # `yield TO_WORKER` hands the rest to a worker thread. Each undoes its residency on failure.
 
@@ -736,15 +748,8 @@ class TieredStore:
                 if st is R.DEVICE and s.home is Tier.CPU:
                     # A device copy kept by a release for this lease (unless_leased), which wants the home copy: it
                     # goes, coming home first, or the holder's writes home would be overwritten by its write-back.
-                    if read:
-                        yield TO_WORKER  # copies run in a worker, never in the caller
-                        self._copy_down(s, s.slot, after)
-                        self._transition(s, R.TO_CPU, R.CPU)
-                    else:
-                        self._transition(s, R.DEVICE, R.CPU)
+                    yield from self._device_down(s, s.slot, read, after)
                     s.unsaved = None  # saved now, or about to be overwritten whole
-                    dev, s.dev_block = s.dev_block, None
-                    dev.free()
                 return _home_view(s) if s.home is not Tier.NVME else None
             if tier is Tier.CPU:  # home nvme
                 if st is R.CPU:
@@ -759,16 +764,8 @@ class TieredStore:
                         s.cpu_block, new["cpu"] = blk, None
                         self._transition(s, R.NVME, R.CPU)
                     return _view(s.cpu_block, s)
-                # st is DEVICE: the working copy comes down to cpu
-                if read:
-                    yield TO_WORKER  # copies run in a worker, never in the caller
-                    self._copy_down(s, blk, after)
-                    self._transition(s, R.TO_CPU, R.CPU)
-                else:
-                    self._transition(s, R.DEVICE, R.CPU)
+                yield from self._device_down(s, blk, read, after)  # st is DEVICE
                 s.cpu_block, new["cpu"] = blk, None
-                dev, s.dev_block = s.dev_block, None
-                dev.free()
                 return _view(s.cpu_block, s)
             # tier is DEVICE
             if st is R.DEVICE:
@@ -824,11 +821,8 @@ class TieredStore:
         # st is DEVICE
         yield TO_WORKER  # copies run in a worker, never in the caller
         if s.home is Tier.CPU:
-            self._transition(s, R.DEVICE, R.TO_CPU)
-            try:
-                self._copy(s, Link.DEVICE_TO_CPU, _home_view(s), _view(s.dev_block, s), after)
-            finally:
-                self._transition(s, R.TO_CPU, R.DEVICE)
+            self._copy_down(s, s.slot, after)
+            self._transition(s, R.TO_CPU, R.DEVICE)
             return
         stg = new.get("cpu")
         if stg is None:
