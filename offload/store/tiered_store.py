@@ -88,6 +88,7 @@ __all__ = ["TieredStore", "StoreConfig", "StoreError", "ShardInfo"]
 
 R = Residency
 _TO_WORKER = object()  # yielded by a move before work that must run in a worker thread
+_DONE = resolved()  # what a release with nothing to do returns (a finished future: safe to share)
 
 
 def _digest(t: torch.Tensor) -> int:
@@ -365,6 +366,8 @@ class TieredStore:
             # counted before its fetch is queued: a release of another lease asked meanwhile keeps the working copy
             s.leases += 1  # this fetch may return (release, unless_leased)
             s.lease_tier = tier
+            if tier is s.home and self._at_rest_home(s):  # the home copy as it is: no move to queue
+                return Lease(self, name, tier, mode, resolved(_view(s.home_block, s)))
         try:
             ready = self.fetch(name, tier, timeout=None if block else 0, read=mode is not LeaseMode.OVERWRITE,
                                resident=resident)
@@ -383,6 +386,8 @@ class TieredStore:
         with self._lock:
             s.leases = max(0, s.leases - 1)
             shared = s.leases > 0
+            if self._at_rest_home(s) and s.unsaved is None:  # nothing to write home, no working copy to free
+                return _DONE
         try:
             if shared:
                 return self.writeback(name) if writeback else resolved()
@@ -734,6 +739,14 @@ class TieredStore:
             return fut, (lambda: begin(False))
         # moves of one shard run in the order they were asked for
         return fut, (lambda: prev.add_done_callback(after_prev))
+
+    def _at_rest_home(self, s: _Shard) -> bool:
+        """A memory-homed shard with no working copy and no move queued or running (called with self._lock
+        held): a lease of its home tier is its home copy as it is, and that lease's release moves nothing. The
+        per-unit fast path: a fetch or release here queued a move that did nothing (see _do_fetch, _do_release),
+        a future and a chain step each, several times a unit a step."""
+        return ((s.home is Tier.CPU and s.residency is R.CPU or s.home is Tier.DEVICE)
+                and (s.last is None or s.last.done()) and not self._cancelling)
 
     def _forget(self, fut: cf.Future) -> None:
         with self._lock:
