@@ -344,3 +344,30 @@ def test_a_home_lease_counted_while_the_device_lease_is_being_released_gets_the_
     home.release().result()
     store.wait_all()
     assert torch.equal(_read(store, "a"), torch.full((N,), 2.0)) and store.stats()["device"]["bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("home", ["cpu", "device"])
+def test_a_home_lease_with_nothing_moving_is_the_home_copy_and_queues_no_move(store, home):
+    """The per-unit fast path (issue 42): a memory-homed shard with no working copy and no move in flight, leased in
+    its home tier, is handed its home copy at once and released at once: no move is queued for either (they queued
+    two moves that did nothing, a future and a chain step each, several times a unit a step). Once a move is in
+    flight (a device working copy), the home lease waits behind it as before."""
+    store.register("a", N, home=home, init=torch.zeros(N)).result()
+    shard = store._get("a")
+    before = shard.last
+    lease = store.lease("a", home, LeaseMode.UPDATE)
+    assert lease.ready()
+    lease.wait().add_(1)
+    assert lease.release().done() and shard.last is before  # nothing queued
+    again = store.lease("a", home, LeaseMode.READ)
+    assert torch.equal(again.wait(), torch.ones(N))
+    again.release()
+    if home == "cpu":  # a device working copy: the next home lease is queued behind its write-back and sees it
+        with inject.delay(Queue.COPY, 0.05):
+            dev = store.lease("a", "device", LeaseMode.UPDATE)
+            dev.wait().add_(1)
+            dev.release()
+            back = store.lease("a", "cpu", LeaseMode.UPDATE)
+            assert torch.equal(back.wait(), torch.full((N,), 2.0))
+            back.release().result()
+    assert store.stats()["device"]["bytes_in_use"] == (page_bytes(4 * N) if home == "device" else 0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Container, Hashable, Sequence
 
 from .cost import CostTable
 from .trace import Phase, Trace
@@ -132,11 +132,13 @@ def gather_ahead(trace: Trace, i: int) -> int | None:
     return None
 
 
-def reshard_after_forward(trace: Trace, i: int, unit: str, gathered: frozenset) -> bool:
+def reshard_after_forward(trace: Trace, i: int, unit: str, gathered: Container[str]) -> bool:
     """At the end of `unit`'s forward, with use i the last use reached: free its gathered parameter (True),
     or keep it for its backward (False) when the uses before that backward need no other gather (only
-    backward uses of units in `gathered`)."""
-    for use in trace.uses[i + 1:]:
+    backward uses of units in `gathered`). Reads only the uses up to the answer (asked once a unit a forward)."""
+    uses = trace.uses
+    for k in range(i + 1, len(uses)):
+        use = uses[k]
         if use.phase is Phase.BACKWARD and use.unit == unit:
             return False
         if use.phase is not Phase.BACKWARD or use.unit not in gathered:

@@ -88,6 +88,7 @@ from .swap_file import SLOT_ALIGN
 __all__ = ["TieredStore", "StoreConfig", "StoreError", "ShardInfo"]
 
 R = Residency
+_DONE = resolved()  # what a release with nothing to do returns (a finished future: safe to share)
 
 
 def _digest(t: torch.Tensor) -> int:
@@ -358,6 +359,8 @@ class TieredStore:
             # counted before its fetch is queued: a release of another lease asked meanwhile keeps the working copy
             s.leases += 1  # this fetch may return (release, unless_leased)
             s.lease_tier = tier
+            if tier is s.home and self._at_rest_home(s):  # the home copy as it is: no move to queue
+                return Lease(self, name, tier, mode, resolved(_home_view(s)))
         try:
             ready = self.fetch(name, tier, timeout=None if block else 0, read=mode is not LeaseMode.OVERWRITE,
                                resident=resident)
@@ -376,6 +379,8 @@ class TieredStore:
         with self._lock:
             s.leases = max(0, s.leases - 1)
             shared = s.leases > 0
+            if self._at_rest_home(s) and s.unsaved is None:  # nothing to write home, no working copy to free
+                return _DONE
         try:
             if shared:
                 return self.writeback(name) if writeback else resolved()
@@ -629,6 +634,14 @@ class TieredStore:
         """Queues a move as the shard's next (moves.py); returns (future, kick), kick() called once the caller
         has released self._lock. A failed move with nothing queued behind leaves the plan where the bytes are."""
         return self._moves.chain(s, make, new, settle=lambda: setattr(s, "target", self._working_tier(s)))
+
+    def _at_rest_home(self, s: _Shard) -> bool:
+        """A memory-homed shard with no working copy and no move queued or running (called with self._lock
+        held): a lease of its home tier is its home copy as it is, and that lease's release moves nothing. The
+        per-unit fast path: a fetch or release here queued a move that did nothing (see _do_fetch, _do_release),
+        a future and a chain step each, several times a unit a step."""
+        return ((s.home is Tier.CPU and s.residency is R.CPU or s.home is Tier.DEVICE)
+                and (s.last is None or s.last.done()) and not self._moves.cancelling)
 
     def _working_tier(self, s: _Shard) -> Tier | None:
         if s.home is not Tier.DEVICE and s.dev_block is not None:

@@ -19,6 +19,7 @@ move.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -32,7 +33,7 @@ from ..prefetch.schedule import Read
 from ..prefetch.trace import TraceRecorder
 from ..store import LeaseMode, Tier
 from ..store.swap_file import page_bytes
-from ..telemetry import span
+from ..telemetry import recording, span
 from .lanes import LaneContext
 from .units.shards import ShardKey, StateKind
 from .units.state import TRAINING_MOVES, TrainingState, UnitState
@@ -233,7 +234,7 @@ class Schedule:
         if i < len(trace) and trace.uses[i] == use:
             self._cursor = i
             if issue:
-                with span(f"prefetch:{use}"):
+                with span(f"prefetch:{use}") if recording() else _NO_SPAN:
                     self._issue(i)
             return
         self._following = False  # the step left the plan: no more reads or gathers ahead this step
@@ -241,7 +242,7 @@ class Schedule:
         self.release_prefetched()
 
     def _total_wait(self) -> float:
-        return sum(self.ctx.meter.snapshot().wait_s.values())
+        return self.ctx.meter.total_wait()
 
     # ---- following the plan --------------------------------------------------------------------
     def _issue(self, i: int) -> None:
@@ -323,8 +324,7 @@ class Schedule:
     def reshard_after_forward(self, unit) -> bool:
         if not (self.prefetch and self._following):
             return True
-        gathered = frozenset(u.uid for u in self.units.values() if u.fresh) | self._backed_off
-        return planner.reshard_after_forward(self.plan.trace, self._cursor, unit.uid, gathered)
+        return planner.reshard_after_forward(self.plan.trace, self._cursor, unit.uid, _Gathered(self))
 
     # ---- the step: end of a trace, maybe a new plan -----------------------------------------------
     def before_step(self, units: list) -> list:
@@ -473,3 +473,19 @@ def _class_of(kind: StateKind, compute_dtype: torch.dtype) -> planner.StateClass
 def _encloses(outer, inner) -> bool:
     """`outer`'s module holds `inner`'s (its forward runs inside outer's). Only on a failed forward: a walk."""
     return outer is not inner and any(m is inner.module for m in outer.module.modules())
+
+
+_NO_SPAN = contextlib.nullcontext()  # (a label's name is formatted only when a profiler or a trace records it)
+
+
+class _Gathered:
+    """The units reshard_after_forward may count as gathered: their gathered bytes are current, or their gather
+    ahead backed off. Asked unit by unit as the planner walks the trace (it stops at the first forward use, so
+    it asks about a few units, not all of them once a unit a forward)."""
+
+    def __init__(self, schedule: "Schedule"):
+        self._units, self._backed_off = schedule.units, schedule._backed_off
+
+    def __contains__(self, uid) -> bool:
+        u = self._units.get(uid)
+        return (u is not None and u.fresh) or uid in self._backed_off
