@@ -272,7 +272,7 @@ def axes(case: Case) -> dict:
             "family": case.family, "slowed": case.delay.partition("=")[0]}
 
 
-# Seconds a case takes on the 2-core CI box, measured (one rank: 0.8; more: every rank's share of 2 cores)
+# Seconds a case takes on 2 cores, measured quiet (one rank: 0.8; more ranks share the 2 cores): the cover's costs
 CASE_SECONDS = {1: 0.8, 2: 2.0, 3: 2.8, 8: 10.0}
 
 
