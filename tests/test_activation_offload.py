@@ -388,23 +388,48 @@ def test_bad_settings_are_named():
         offload.Config(activations="cpu", activations_min_size="lots")
 
 
-def test_two_ranks_train_bitwise_as_without(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """One 2-rank launch for the two tests below (each writes its own files): with and without offloaded
+    activations from one init (bitwise/), and ranks whose sequences differ in length (lengths/)."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    for sub in ("bitwise/a", "bitwise/b", "lengths"):
+        (tmp / sub).mkdir(parents=True)
     code = textwrap.dedent(f"""
         import os, sys, torch
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_activation_offload import train
+        import offload
+        from test_activation_offload import batches, checkpoint_blocks, llama, train
         rank = int(os.environ["RANK"])
-        torch.distributed.init_process_group("gloo")  # one group for both runs (each runtime makes its own sub-groups)
-        ref = train({str(tmp_path / 'a')!r}, "none", rank=rank)
-        run = train({str(tmp_path / 'b')!r}, "nvme", rank=rank)
+        torch.distributed.init_process_group("gloo")  # one group for every run (each runtime makes its own sub-groups)
+        # bitwise: the same training without and with the activations on nvme
+        ref = train({str(tmp / 'bitwise' / 'a')!r}, "none", rank=rank)
+        run = train({str(tmp / 'bitwise' / 'b')!r}, "nvme", rank=rank)
         same = run[0] == ref[0] and all(torch.equal(run[1][k], ref[1][k]) for k in ref[1])
-        with open(os.path.join({str(tmp_path)!r}, f"rank{{rank}}.txt"), "w") as f:  # (two ranks' stdout interleave)
+        with open(os.path.join({str(tmp / 'bitwise')!r}, f"rank{{rank}}.txt"), "w") as f:  # (stdouts interleave)
             f.write(f"RANK {{rank}} SAME {{same}} MOVED {{run[2]['activations']['moved_tensors']}}")
+        # lengths: rank 0's sequences 64 tokens long, rank 1's 16
+        lengths = {str(tmp / 'lengths')!r}
+        cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path=lengths, cpu_budget="3MiB",
+                             device_budget="256MiB", activations="cpu", activations_min_size="4KiB")
+        with offload.init(cfg) as rt:
+            model = llama()
+            checkpoint_blocks(model)
+            opt = offload.AdamW(model.parameters(), lr=1e-3)
+            for ids in batches(4, rank, seq=64 if rank == 0 else 16):
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            moved = rt.stats()["activations"]["moved_bytes"]
+        with open(os.path.join(lengths, f"rank{{rank}}.txt"), "w") as f:
+            f.write(str(moved))
     """)
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    run_torchrun(code, tmp_path)
-    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    run_torchrun(code, tmp)
+    return tmp
+
+
+def test_two_ranks_train_bitwise_as_without(two_ranks):
+    lines = [(two_ranks / "bitwise" / f"rank{r}.txt").read_text() for r in range(2)]
     assert all(" SAME True " in x for x in lines), lines
     assert all(int(x.split()[-1]) > 0 for x in lines), lines
 
@@ -667,32 +692,11 @@ def test_a_forward_cut_short_by_keyboard_interrupt_leaves_no_hooks_open():
         assert rt.activations.in_store() == 0
 
 
-def test_two_ranks_with_sequences_of_other_lengths_issue_the_same_collectives(tmp_path):
+def test_two_ranks_with_sequences_of_other_lengths_issue_the_same_collectives(two_ranks):
     """Rank 0's batches are 64 tokens long and rank 1's 16 (a length-grouped sampler, the last batch of an
     epoch): their saved activations, and with them the cpu room the schedule leaves the offloaded activations
     beside the resident states, differ. What each rank gathers and reduces must not: the ranks compare it at the
     end of every backward (collectives/divergence.py) and their recorded sequences are compared at exit
-    (run_torchrun)."""
-    code = textwrap.dedent(f"""
-        import os, sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        import offload
-        from test_activation_offload import batches, checkpoint_blocks, llama
-        rank = int(os.environ["RANK"])
-        cfg = offload.Config(params="nvme", optimizer="nvme", nvme_path={str(tmp_path)!r}, cpu_budget="3MiB",
-                             device_budget="256MiB", activations="cpu", activations_min_size="4KiB")
-        with offload.init(cfg) as rt:
-            model = llama()
-            checkpoint_blocks(model)
-            opt = offload.AdamW(model.parameters(), lr=1e-3)
-            for ids in batches(4, rank, seq=64 if rank == 0 else 16):
-                model(input_ids=ids, labels=ids).loss.backward()
-                opt.step()
-                opt.zero_grad()
-            moved = rt.stats()["activations"]["moved_bytes"]
-        with open(os.path.join({str(tmp_path)!r}, f"rank{{rank}}.txt"), "w") as f:
-            f.write(str(moved))
-    """)
-    run_torchrun(code, tmp_path)
-    moved = [int((tmp_path / f"rank{r}.txt").read_text()) for r in range(2)]
+    (run_torchrun, in the two_ranks fixture)."""
+    moved = [int((two_ranks / "lengths" / f"rank{r}.txt").read_text()) for r in range(2)]
     assert moved[0] > moved[1] > 0, moved  # the ranks' activations did differ

@@ -71,9 +71,28 @@ def _flats(ckpt: Path) -> dict:
 
 
 # ---- exact resume ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def full_8_steps(tmp_path_factory) -> dict:
+    """One rank's uninterrupted 8 fp32 steps, never saved: what the resumed runs below must equal (one launch
+    for the tests that resume this same run)."""
+    tmp = tmp_path_factory.mktemp("full8")
+    return _worker(tmp, "full", steps=8, ckpt=str(tmp / "unused"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks_saved_at_4(tmp_path_factory) -> tuple[dict, Path]:
+    """Two ranks' uninterrupted 7 steps (never saved) and, from a second run, a checkpoint after step 4 (no
+    resuming run writes into it): what the 2-rank resume and the resharding chains start from."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    full = _worker(tmp, "full", world=2, steps=7, ckpt=str(tmp / "unused"))
+    _worker(tmp, "first", world=2, steps=4, save_at=[4], ckpt=str(tmp / "ckpt"))
+    return full, tmp / "ckpt"
+
+
 @pytest.mark.parametrize("compute_dtype", ["fp32", "bf16"])
-def test_resume_is_exact_one_rank(tmp_path, compute_dtype):
-    full = _worker(tmp_path, "full", steps=8, ckpt=str(tmp_path / "unused"), compute_dtype=compute_dtype)
+def test_resume_is_exact_one_rank(tmp_path, compute_dtype, request):
+    full = request.getfixturevalue("full_8_steps") if compute_dtype == "fp32" else \
+        _worker(tmp_path, "full", steps=8, ckpt=str(tmp_path / "unused"), compute_dtype=compute_dtype)
     ckpt = tmp_path / "ckpt"
     first = _worker(tmp_path, "first", steps=5, save_at=[3, 5], keep_last=1, ckpt=str(ckpt),
                     compute_dtype=compute_dtype)
@@ -156,10 +175,8 @@ def test_without_reflinks_the_slots_bytes_are_written_and_the_manifest_says_why(
         assert t["reflinked_bytes"] == t["from_nvme_bytes"], t
 
 
-def test_resume_is_exact_two_ranks_and_reshards(tmp_path):
-    full = _worker(tmp_path, "full", world=2, steps=7, ckpt=str(tmp_path / "unused"))
-    ckpt = tmp_path / "ckpt"
-    _worker(tmp_path, "first", world=2, steps=4, save_at=[4], ckpt=str(ckpt))
+def test_resume_is_exact_two_ranks_and_reshards(tmp_path, two_ranks_saved_at_4):
+    full, ckpt = two_ranks_saved_at_4
     resumed = _worker(tmp_path, "resumed", world=2, steps=7, resume=True, ckpt=str(ckpt))
     _same(full, resumed, range(4, 7))
     # 2 ranks (nvme) -> 1 rank (cpu) -> 2 ranks (nvme): every master and moment element lands where it was
@@ -175,12 +192,11 @@ def test_resume_is_exact_two_ranks_and_reshards(tmp_path):
         assert torch.equal(original[k], via_one[k]) and torch.equal(original[k], back[k]), k
 
 
-def test_reshards_through_uneven_world_sizes(tmp_path):
+def test_reshards_through_uneven_world_sizes(tmp_path, two_ranks_saved_at_4):
     """2 ranks (nvme) -> 3 (nvme: every shard boundary moves) -> 8 (cpu) -> 1: every master and moment element
     lands where it was, and rank 0's first loss after the load at 3 ranks is the 2-rank run's bit for bit (the same
     parameters, and rank 0's RNG restored: the same batch)."""
-    ckpt = tmp_path / "ckpt"
-    first = _worker(tmp_path, "first", world=2, steps=5, save_at=[4], ckpt=str(ckpt))
+    first, ckpt = two_ranks_saved_at_4  # (the uninterrupted run: the saved one stopped at the save)
     three, eight, one = tmp_path / "three", tmp_path / "eight", tmp_path / "one"
     on3 = _worker(tmp_path, "to3", world=3, steps=5, resume=True, ckpt=str(ckpt), save_loaded_to=str(three))
     _worker(tmp_path, "to8", world=8, steps=4, resume=True, ckpt=str(three), save_loaded_to=str(eight),
@@ -254,10 +270,11 @@ def test_ranks_the_checkpoint_had_no_streams_for_get_streams_of_their_own(tmp_pa
 
 def test_a_rank_without_moments_for_a_unit_resumes_and_reshards(tmp_path):
     """At 2 ranks rank 0's shard of each block is all frozen (no moments there), rank 1's is not: the
-    checkpoint says which rank has what; resuming is exact, and loading at 1 rank takes rank 1's moments."""
-    full = _worker(tmp_path, "full", world=2, steps=5, model="frozen_front", ckpt=str(tmp_path / "unused"))
+    checkpoint says which rank has what; resuming is exact, and loading at 1 rank takes rank 1's moments.
+    (The resume is compared with the saving run itself, which went on: that a save leaves a 2-rank run as it was
+    is test_resume_is_exact_two_ranks_and_reshards'.)"""
     ckpt = tmp_path / "ckpt"
-    _worker(tmp_path, "first", world=2, steps=3, save_at=[3], model="frozen_front", ckpt=str(ckpt))
+    full = _worker(tmp_path, "full", world=2, steps=5, save_at=[3], model="frozen_front", ckpt=str(ckpt))
     manifest = json.loads((ckpt / "step-3" / "manifest.json").read_text())
     on = manifest["moments_on"]
     assert not any(u.startswith("blocks.") for u in on[rank_file(0, 2)])
@@ -318,8 +335,8 @@ def _wait_for(cond, what: str, timeout: float = 120.0) -> None:
 
 
 @pytest.mark.parametrize("when", ["during_checkpoint_write", "during_step"])
-def test_kill_9_loses_nothing_checkpointed(tmp_path, when):
-    full = _worker(tmp_path, "full", steps=8, ckpt=str(tmp_path / "unused"))
+def test_kill_9_loses_nothing_checkpointed(tmp_path, when, full_8_steps):
+    full = full_8_steps
     ckpt = tmp_path / "ckpt"
     if when == "during_checkpoint_write":  # a slow disk: each chunk of the second save takes 0.5 s
         proc = _spawn(tmp_path, "victim", {"OFFLOAD_INJECT_DELAY": "checkpoint=0.5"}, steps=8, save_at=[3, 5],

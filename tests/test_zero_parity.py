@@ -11,6 +11,9 @@ offload.AdamW: its kernel is not bit-identical to torch's, and a 1-ulp master di
 copy grows, through Adam, past any tolerance that would still catch a runtime bug.
 World size 2 runs every case in one torchrun-launched gloo group (tests/zero_worker.py); a slice of the grid
 runs at 3 ranks (shards split where no two-way split puts a boundary) and at 8 (the users' node), wide_grid().
+What runs is an all-pairs cover of all those lists (RUN, tests/covering.py): every pair of axis values that any
+listed case has together (tier x queue slowed, bf16 x 3 ranks, Lion x update in backward, ...) runs in at least
+one case, and the cases users run by default or that once failed run as listed (kept()).
 
 Every case also runs the runtime twice: synchronous (Config.pipeline=False, every move waited where it is
 asked for) and pipelined (read-ahead, gather-ahead, background reduce and optimizer). They must agree bit for
@@ -29,6 +32,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rank_sequences  # noqa: E402
+from covering import all_pairs_cover, pairs_of  # noqa: E402
 from zero_common import Case, step_flow, inblock_values_check, run_case, transformers_available  # noqa: E402
 
 
@@ -160,6 +164,42 @@ def delay_cases(world):
     return out
 
 
+# ---- more ranks than two ------------------------------------------------------------------------------------
+WIDE_WORLDS = (3, 8)
+
+
+def wide_grid(world):
+    """A slice of the grid at more ranks than this machine's two: 3, where every unit's shards are padded and split
+    where no two-way split puts a boundary, and 8, the users' node (8 gloo processes on 2 cores, so the slice is
+    small). Each tier pair, accumulation, bf16 and fp16, a Llama, slowed queues, the other families, the
+    backward's updates and speculation. Not Config.reduce_dtype="bf16": from 3 ranks on, the backend adds the
+    bf16 gradients in its own order (gloo's ring differs from the reference's rank order, as NCCL's would),
+    and Adam grows one rounding past any useful tolerance; the runtime's part of it is the same as on 2 ranks."""
+    spec = {"params": "nvme", "optimizer": "nvme"}
+    if world == 8:
+        return [Case(world=8, accum=4, **spec),
+                Case(world=8, dtype="bf16", grads="nvme", clip=1e9, delay="gather=0.005", snapshot_every=10,
+                     cpu_budget="128KiB", **spec),
+                Case(world=8, dtype="fp16", clip=1e9, **spec),
+                Case(world=8, family="adamw8bit", **spec),
+                *([Case(world=8, model="llama", params="cpu", optimizer="nvme")] if transformers_available() else [])]
+    cases = [Case(world=world, params=p, optimizer=o, accum=a)
+             for p, o in (("device", "device"), ("cpu", "nvme"), ("nvme", "cpu"), ("nvme", "nvme")) for a in (1, 4)]
+    cases += [Case(world=world, dtype="bf16", accum=4, grads="nvme", clip=1e9, **spec),
+              Case(world=world, dtype="fp16", clip=1e9, **spec),
+              Case(world=world, family="lion", **spec),
+              Case(world=world, family="adamw8bit", accum=4, grads="nvme", **spec),
+              Case(world=world, update_in_backward=True, **spec),
+              Case(world=world, flow="skip", **spec)]
+    cases += [Case(world=world, grads="nvme", delay=f"{queue}=0.005", snapshot_every=10, clip=None,
+                   cpu_budget="128KiB", **spec) for queue in ("nvme_read", "gather", "reduce", "optimizer")]
+    cases += speculation_cases(world)[:2]  # commits and misses, alone and with accumulation
+    if transformers_available():
+        cases += [Case(world=world, model="llama", dtype="bf16", accum=4, params="nvme", optimizer="cpu", clip=1e9),
+                  Case(world=world, model="llama-ckpt-reentrant", params="nvme", optimizer="cpu")]
+    return cases
+
+
 def check(result, case):
     assert "error" not in result, result.get("error")
     assert result["pipeline_mismatches"] == 0, result  # pipelined == synchronous, bit for bit
@@ -205,18 +245,79 @@ def check(result, case):
         assert result["nvme_read"] == result["nvme_written"] == 0, result
 
 
-@pytest.mark.parametrize("case", grid(1), ids=lambda c: c.name)
+def device_tier_cases_world1():
+    """The one-rank grid with the gathers' and the device accumulation's leases paging through the device tier as
+    on a GPU (Config.compute_through_device_tier; a CPU run otherwise lends them the home copy): the store's device
+    working copies of cpu- and nvme-homed shards, which only a GPU run makes, run here, with every queue slowed in
+    turn."""
+    return [dataclasses.replace(c, device_tier=True) for c in grid(1)]
+
+
+def device_tier_cases_world2():
+    """Two ranks with compute leases in the device tier (as the one-rank grid above): the tiers, accumulation, and
+    every queue slowed in turn."""
+    cases = [Case(world=2, params=p, optimizer=o, accum=4) for p, o in (("cpu", "cpu"), ("nvme", "nvme"))] + \
+        [Case(world=2, params="cpu", optimizer="cpu", grads="device")] + delay_cases(2)
+    return [dataclasses.replace(c, device_tier=True) for c in cases]
+
+
+def axes(case: Case) -> dict:
+    """The axes a case is a point of, for the all-pairs cover (grads and clipping as the runtime sees them)."""
+    grads = case.grads if case.grads != "auto" else ("device" if case.optimizer == "nvme" else case.optimizer)
+    clip = "none" if case.clip is None else "some" if case.clip_some else "off" if case.clip >= 1e9 else "on"
+    return {"world": case.world, "device_tier": case.device_tier, "params": case.params, "optimizer": case.optimizer,
+            "grads": grads, "accum": (case.accum, case.no_sync if case.accum > 1 else None), "dtype": case.dtype,
+            "model": case.model, "clip": clip, "chunk": case.chunk_size, "cpu_budget": case.cpu_budget,
+            "flow": case.flow, "update_in_backward": case.update_in_backward, "reduce_dtype": case.reduce_dtype,
+            "family": case.family, "slowed": case.delay.partition("=")[0]}
+
+
+# Seconds a case takes on 2 cores, measured quiet (one rank: 0.8; more ranks share the 2 cores): the cover's costs
+CASE_SECONDS = {1: 0.8, 2: 2.0, 3: 2.8, 8: 10.0}
+
+
+def kept(case: Case) -> bool:
+    """Cases run whatever the cover picks: what users run by default (fp32 or, on a bf16 CPU, bf16 with the states
+    in host memory; states paging through nvme with speculative updates) and what once failed (AdamW8bit's bf16
+    2-rank speculation case, under the AVX2 cap; a 2-rank device-tier run that aborted once)."""
+    clip = 0.5 if case.world == 1 else 1e9
+    plain = dataclasses.replace(case, device_tier=False)
+    defaults = [Case(world=case.world), Case(world=case.world, dtype="bf16", clip=clip),
+                Case(world=case.world, params="nvme", optimizer="nvme"), *speculation_cases(case.world)[:1]]
+    if case.world == 2:
+        defaults.append(speculation_cases(2)[4])  # (AdamW8bit)
+    if case.device_tier:
+        return case.world == 2 and not case.delay
+    return plain in defaults
+
+
+def full_lists() -> list:
+    return grid(1) + device_tier_cases_world1() + grid(2) + device_tier_cases_world2() + wide_grid(3) + wide_grid(8)
+
+
+# Taken once, at import (the parametrizations below read it)
+RUN = all_pairs_cover(full_lists(), axes, lambda c: CASE_SECONDS[c.world], keep=kept)
+
+
+def cases_run(world: int, device_tier: bool = False) -> list:
+    return [c for c in RUN if c.world == world and c.device_tier == device_tier]
+
+
+def test_the_cases_run_cover_every_pair_the_full_lists_have():
+    full = full_lists()
+    missing = set().union(*map(pairs_of, map(axes, full))) - set().union(*map(pairs_of, map(axes, RUN)))
+    assert not missing, sorted(missing)[:5]
+    assert all(c in RUN for c in full if kept(c)) and len(RUN) < len(full) / 2, (len(RUN), len(full))
+
+
+@pytest.mark.parametrize("case", cases_run(1), ids=lambda c: c.name)
 def test_parity_world1(case, tmp_path):
     check(run_case(case, str(tmp_path)), case)
 
 
-@pytest.mark.parametrize("case", grid(1), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", cases_run(1, device_tier=True), ids=lambda c: c.name)
 def test_parity_world1_with_compute_leases_in_the_device_tier(case, tmp_path):
-    """The same cases with the gathers' and the device accumulation's leases paging through the device tier as on
-    a GPU (Config.compute_through_device_tier; a CPU run otherwise lends them the home copy): the store's device
-    working copies of cpu- and nvme-homed shards, which only a GPU run makes, run here, with every queue slowed in
-    turn."""
-    case = dataclasses.replace(case, device_tier=True)
+    """See device_tier_cases_world1."""
     result = run_case(case, str(tmp_path))
     check(result, case)
     if case.params != "device":
@@ -245,30 +346,18 @@ def run_ranks(tmp: Path, cases: list, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def world2_results(tmp_path_factory):
-    return run_ranks(tmp_path_factory.mktemp("w2"), grid(2), 2)
+    """The 2-rank cases, with and without the device tier, in one launch (names differ: one result dict)."""
+    return run_ranks(tmp_path_factory.mktemp("w2"), cases_run(2) + cases_run(2, device_tier=True), 2)
 
 
-@pytest.mark.parametrize("case", grid(2), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", cases_run(2), ids=lambda c: c.name)
 def test_parity_world2(case, world2_results):
     check(world2_results[case.name], case)
 
 
-def device_tier_cases_world2():
-    """Two ranks with compute leases in the device tier (as the one-rank grid above): the tiers, accumulation, and
-    every queue slowed in turn."""
-    cases = [Case(world=2, params=p, optimizer=o, accum=4) for p, o in (("cpu", "cpu"), ("nvme", "nvme"))] + \
-        [Case(world=2, params="cpu", optimizer="cpu", grads="device")] + delay_cases(2)
-    return [dataclasses.replace(c, device_tier=True) for c in cases]
-
-
-@pytest.fixture(scope="module")
-def world2_device_tier_results(tmp_path_factory):
-    return run_ranks(tmp_path_factory.mktemp("w2dev"), device_tier_cases_world2(), 2)
-
-
-@pytest.mark.parametrize("case", device_tier_cases_world2(), ids=lambda c: c.name)
-def test_parity_world2_with_compute_leases_in_the_device_tier(case, world2_device_tier_results):
-    result = world2_device_tier_results[case.name]
+@pytest.mark.parametrize("case", cases_run(2, device_tier=True), ids=lambda c: c.name)
+def test_parity_world2_with_compute_leases_in_the_device_tier(case, world2_results):
+    result = world2_results[case.name]
     check(result, case)
     assert result["h2d_bytes"] > 0, result  # the params came to the compute device through the device tier
 
@@ -290,58 +379,22 @@ def test_state_dict_round_trip_on_every_rank(world2_results):
     assert r["shapes_ok"] and r["tensors"] >= 20 and r["max_abs_diff"] == 0.0, r
 
 
-# ---- more ranks than two ------------------------------------------------------------------------------------
-WIDE_WORLDS = (3, 8)
-
-
-def wide_grid(world):
-    """A slice of the grid at more ranks than this machine's two: 3, where every unit's shards are padded and split
-    where no two-way split puts a boundary, and 8, the users' node (8 gloo processes on 2 cores, so the slice is
-    small). Each tier pair, accumulation, bf16 and fp16, a Llama, slowed queues, the other families, the
-    backward's updates and speculation. Not Config.reduce_dtype="bf16": from 3 ranks on, the backend adds the
-    bf16 gradients in its own order (gloo's ring differs from the reference's rank order, as NCCL's would),
-    and Adam grows one rounding past any useful tolerance; the runtime's part of it is the same as on 2 ranks."""
-    spec = {"params": "nvme", "optimizer": "nvme"}
-    if world == 8:
-        return [Case(world=8, accum=4, **spec),
-                Case(world=8, dtype="bf16", grads="nvme", clip=1e9, delay="gather=0.005", snapshot_every=10,
-                     cpu_budget="128KiB", **spec),
-                Case(world=8, dtype="fp16", clip=1e9, **spec),
-                Case(world=8, family="adamw8bit", **spec),
-                *([Case(world=8, model="llama", params="cpu", optimizer="nvme")] if transformers_available() else [])]
-    cases = [Case(world=world, params=p, optimizer=o, accum=a)
-             for p, o in (("device", "device"), ("cpu", "nvme"), ("nvme", "cpu"), ("nvme", "nvme")) for a in (1, 4)]
-    cases += [Case(world=world, dtype="bf16", accum=4, grads="nvme", clip=1e9, **spec),
-              Case(world=world, dtype="fp16", clip=1e9, **spec),
-              Case(world=world, family="lion", **spec),
-              Case(world=world, family="adamw8bit", accum=4, grads="nvme", **spec),
-              Case(world=world, update_in_backward=True, **spec),
-              Case(world=world, flow="skip", **spec)]
-    cases += [Case(world=world, grads="nvme", delay=f"{queue}=0.005", snapshot_every=10, clip=None,
-                   cpu_budget="128KiB", **spec) for queue in ("nvme_read", "gather", "reduce", "optimizer")]
-    cases += speculation_cases(world)[:2]  # commits and misses, alone and with accumulation
-    if transformers_available():
-        cases += [Case(world=world, model="llama", dtype="bf16", accum=4, params="nvme", optimizer="cpu", clip=1e9),
-                  Case(world=world, model="llama-ckpt-reentrant", params="nvme", optimizer="cpu")]
-    return cases
-
-
 @pytest.fixture(scope="module")
 def world3_results(tmp_path_factory):
-    return run_ranks(tmp_path_factory.mktemp("w3"), wide_grid(3), 3)
+    return run_ranks(tmp_path_factory.mktemp("w3"), cases_run(3), 3)
 
 
 @pytest.fixture(scope="module")
 def world8_results(tmp_path_factory):
-    return run_ranks(tmp_path_factory.mktemp("w8"), wide_grid(8), 8)
+    return run_ranks(tmp_path_factory.mktemp("w8"), cases_run(8), 8)
 
 
-@pytest.mark.parametrize("case", wide_grid(3), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", cases_run(3), ids=lambda c: c.name)
 def test_parity_world3(case, world3_results):
     check(world3_results[case.name], case)
 
 
-@pytest.mark.parametrize("case", wide_grid(8), ids=lambda c: c.name)
+@pytest.mark.parametrize("case", cases_run(8), ids=lambda c: c.name)
 def test_parity_world8(case, world8_results):
     check(world8_results[case.name], case)
 
