@@ -17,7 +17,8 @@ as FSDP2 issues them.
   training thread's small host values (flags, norms, losses) and the state dict's host shards go through the
   `*_host` helpers, which stage them on the device and back.
 
-World size 1 needs no process group: every function degrades to a local copy and a done Pending.
+World size 1 needs no process group: every function degrades to a local copy and a done Pending (unless
+`Group.collectives_at_world_size_1`, a test mode: one rank then issues every collective through its group).
 """
 from __future__ import annotations
 
@@ -205,10 +206,12 @@ class Group:
     # issued by the thread that asks (the training thread), after every lane collective asked for before it: the
     # main group's flags, norms and losses, on another communicator than the lanes' (NCCL: one order across them)
     inline: bool = False
+    # Config.collectives_at_world_size_1 (a test mode): one rank issues every collective through `pg` as 8 would
+    collectives_at_world_size_1: bool = False
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        return self.world_size > 1 or self.collectives_at_world_size_1
 
     def ticket(self, key: int = -1) -> int | None:
         """The next collective's place in the lanes' program order (training thread, when it asks); `key`: what
@@ -229,7 +232,7 @@ def sub_group(group: Group, name: str, order: ProgramOrder, timeout_s: float | N
         return Group(group.rank, group.world_size, name=name, device=group.device, order=order)
     kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     return Group(group.rank, group.world_size, dist.new_group(backend=dist.get_backend(), **kwargs), name,
-                 group.watchdog, group.device, order)
+                 group.watchdog, group.device, order, collectives_at_world_size_1=group.collectives_at_world_size_1)
 
 
 class Pending:
