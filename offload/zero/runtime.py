@@ -48,7 +48,7 @@ from ..store import Tier, check_fits_machine, ranks_on_this_node, resolve_budget
 from ..store import host_pool
 from ..store.links import Link
 from ..telemetry import Lane, Meter, Queue
-from .collectives import comm, divergence, warm
+from .collectives import comm, divergence, user_calls, warm
 from . import placement
 from .activations import ActivationOffloader
 from .active import ACTIVE as _ACTIVE, current  # noqa: F401 - (current: offload.zero.runtime's name too)
@@ -229,6 +229,8 @@ class Runtime:
         self._hooks.append(DDPGuard())  # DistributedDataParallel over a wrapped model, refused (ddp_guard.py)
         if "transformers" in sys.modules:  # from_pretrained in the block streams into the store (not imported else)
             importlib.import_module("offload.integrations.hf_loading")
+        if self.group.distributed:  # the program's own torch.distributed calls take their place in the order
+            self._hooks.append(user_calls.UserCollectivesInOrder(self.group))
         self.is_open = True
         self._sync_generate()
         _ACTIVE.append(self)

@@ -56,6 +56,11 @@ def lane_work(name: str):
         _lane.name = previous
 
 
+def in_turn() -> bool:
+    """This thread is enqueueing a collective of the runtime's now (inside ProgramOrder.turn) or runs a lane's work."""
+    return getattr(_lane, "turns", 0) > 0 or getattr(_lane, "name", None) is not None
+
+
 class ProgramOrder:
     """One issue order for the collectives of the gather and reduce lanes (their groups share it): a ticket per
     collective, handed out in program order by the training thread when it asks for the work (the same on
@@ -112,9 +117,11 @@ class ProgramOrder:
                     raise OrderError(f"offload: {what}: waited {self.wait_s:g} s for the {self._pending[first]} "
                                      f"lane's collective #{first}, asked for earlier, to be issued")
                 self._cond.wait(left)
+        _lane.turns = getattr(_lane, "turns", 0) + 1  # (user_calls.py: torch calls inside are the runtime's own)
         try:
             yield
         finally:  # enqueued (or failed): the next ticket's turn
+            _lane.turns -= 1
             with self._cond:
                 del self._pending[ticket]
                 self._cond.notify_all()
