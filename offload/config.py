@@ -147,6 +147,11 @@ class Config:
       tier (on a CPU, a region of host memory), as a GPU run's do, instead of reading the home copy in place:
       the GPU's data path (device working copies of cpu- and nvme-homed shards, their write-back) runs and is
       checked on a CPU. Slower, results bitwise the same (tests/test_zero_parity.py).
+    collectives_at_world_size_1: a test mode, off by default (at world size > 1 it changes nothing). One rank
+      issues every collective through a real one-rank process group (the default group, or one offload.init
+      starts in memory and ends at close: gloo on the CPU, NCCL on a GPU) instead of copying locally, with every
+      lane, ticket, stream and check as at world size 8: the multi-rank path runs on one GPU. Results are bitwise
+      the same, except with reduce_dtype="bf16", which then rounds the gradients as several ranks do.
     """
 
     params: str = "auto"
@@ -175,6 +180,7 @@ class Config:
     activations_min_size: str | int = "1MiB"
     optimizer_states: str = "adamw"
     compute_through_device_tier: bool = False
+    collectives_at_world_size_1: bool = False
     # Keys of an imported DeepSpeed config that have no effect here (filled by from_deepspeed).
     deepspeed_ignored: tuple = dataclasses.field(default=(), compare=False, repr=False)
     # An imported DeepSpeed config's training sections (optimizer, scheduler, gradient_clipping, batch sizes), which
@@ -241,6 +247,9 @@ class Config:
         if not isinstance(self.compute_through_device_tier, bool):
             raise ValueError("offload.Config.compute_through_device_tier: expected True or False, got "
                              f"{self.compute_through_device_tier!r}")
+        if not isinstance(self.collectives_at_world_size_1, bool):
+            raise ValueError("offload.Config.collectives_at_world_size_1: expected True or False, got "
+                             f"{self.collectives_at_world_size_1!r}")
         if not isinstance(self.pipeline, bool):
             raise ValueError(f"offload.Config.pipeline: expected True or False, got {self.pipeline!r}")
         if self.chunk_size is not None and parse_size(self.chunk_size, "chunk_size") < 8192:

@@ -44,7 +44,8 @@ def main() -> int:
         for queue, seconds in SKEW[rank].items():
             stack.enter_context(inject.delay(queue, seconds))
         skewed = offload_run(case, model, data, nvme_dir, pipeline=True)[:3]
-    result = {"rank": rank, "steps": len(skewed[0]), "mismatches": _bitwise_mismatches(skewed, reference)}
+    result = {"rank": rank, "steps": len(skewed[0]), "mismatches": _bitwise_mismatches(skewed, reference),
+              "debug_level": str(dist.get_debug_level())}  # (the test sets TORCH_DISTRIBUTED_DEBUG=DETAIL)
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

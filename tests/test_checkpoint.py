@@ -50,6 +50,12 @@ def _worker(tmp: Path, name: str, world: int = 1, env: dict | None = None, **spe
     return out
 
 
+def _checkpoint_collectives(tmp: Path, name: str, world: int) -> list:
+    """What run `name`'s ranks issued for the checkpoint (the same on every rank: _worker compared them), in order."""
+    seq = rank_sequences.load(str(tmp / f"{name}.json.collectives"), world)[0]
+    return [(tuple(e), w) for e, w in zip(seq["entries"], seq["whats"]) if w.startswith("checkpoint: ")]
+
+
 def _same(a: dict, b: dict, steps) -> None:
     assert [a["losses"][str(s)] for s in steps] == [b["losses"][str(s)] for s in steps]  # bit for bit
     assert a["params"].keys() == b["params"].keys()
@@ -179,6 +185,13 @@ def test_resume_is_exact_two_ranks_and_reshards(tmp_path, two_ranks_saved_at_4):
     full, ckpt = two_ranks_saved_at_4
     resumed = _worker(tmp_path, "resumed", world=2, steps=7, resume=True, ckpt=str(ckpt))
     _same(full, resumed, range(4, 7))
+    # the checkpoint's own collectives are in the runtime's order and recorded (collectives/objects.py)
+    gather = ("main", "all_gather_object", 0, "uint8")
+    saved = _checkpoint_collectives(tmp_path, "first", 2)
+    assert (gather, "checkpoint: each rank's file written") in saved and all(e == gather for e, _ in saved), saved
+    loaded = _checkpoint_collectives(tmp_path, "resumed", 2)
+    assert loaded == [(gather, "checkpoint: each rank's files checked"),
+                      (("main", "all_reduce", 1, "float32"), "checkpoint: every rank loaded")], loaded
     # 2 ranks (nvme) -> 1 rank (cpu) -> 2 ranks (nvme): every master and moment element lands where it was
     one = tmp_path / "one"
     _worker(tmp_path, "to1", steps=4, resume=True, ckpt=str(ckpt), save_loaded_to=str(one), params="cpu",

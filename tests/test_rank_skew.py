@@ -1,6 +1,8 @@
 """Ranks whose lanes run at different speeds (tests/skew_worker.py): 20 steps on 2 gloo ranks, params and
 optimizer states on nvme, accumulation that reduces every micro-batch, rank 0's gathers and copies slowed and
-rank 1's reduces and disk reads: no hang (the launch has a deadline) and bit for bit the synchronous run."""
+rank 1's reduces and disk reads: no hang (the launch has a deadline) and bit for bit the synchronous run. The ranks
+run under TORCH_DISTRIBUTED_DEBUG=DETAIL: torch wraps every group and checks before each collective that the ranks
+call the same op on the same shapes, so a mispaired one raises there instead of pairing silently."""
 import json
 import os
 import subprocess
@@ -12,7 +14,8 @@ import rank_sequences
 
 def test_skewed_lanes_on_two_ranks_finish_bitwise(tmp_path):
     out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent),
+               TORCH_DISTRIBUTED_DEBUG="DETAIL")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(Path(__file__).with_name("skew_worker.py")), str(out), str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)  # a hang fails here
@@ -21,3 +24,4 @@ def test_skewed_lanes_on_two_ranks_finish_bitwise(tmp_path):
     for r in range(2):
         result = json.loads(Path(f"{out}.{r}").read_text())
         assert result["steps"] == 20 and result["mismatches"] == 0, result
+        assert result["debug_level"].endswith("DETAIL"), result

@@ -48,6 +48,7 @@ def test_defaults_and_dtypes():
     (dict(unit_classes=("Block",), unit_min_bytes="1MiB"), "unit_min_bytes"),
     (dict(unit_classes=(3,)), "unit_classes"),
     (dict(compute_through_device_tier="1"), "compute_through_device_tier"),  # (it was an environment variable)
+    (dict(collectives_at_world_size_1=1), "collectives_at_world_size_1"),
 ])
 def test_invalid_fields_are_named(fields, field):
     with pytest.raises(ValueError, match=field):

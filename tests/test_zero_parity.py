@@ -332,10 +332,11 @@ def first_failure(stderr: str) -> str:
     return head + "\n...\n" + stderr[-2000:]
 
 
-def run_ranks(tmp: Path, cases: list, world: int) -> dict:
-    """Every case in one torchrun-launched gloo group of `world` ranks (tests/zero_worker.py): {name: result}."""
+def run_ranks(tmp: Path, cases: list, world: int, env: dict | None = None) -> dict:
+    """Every case in one torchrun-launched gloo group of `world` ranks (tests/zero_worker.py): {name: result}.
+    `env`: set in the ranks' environment (this launch only)."""
     (tmp / "cases.json").write_text(json.dumps([dataclasses.asdict(c) for c in cases]))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent), **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
            str(Path(__file__).with_name("zero_worker.py")), str(tmp / "cases.json"), str(tmp / "out.json"), str(tmp)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -353,6 +354,24 @@ def world2_results(tmp_path_factory):
 @pytest.mark.parametrize("case", cases_run(2), ids=lambda c: c.name)
 def test_parity_world2(case, world2_results):
     check(world2_results[case.name], case)
+
+
+DETAIL_CASES = [
+    Case(world=2, params="nvme", optimizer="nvme", accum=4, no_sync=False),
+    Case(world=2, params="nvme", optimizer="nvme", grads="nvme", delay="reduce=0.005", snapshot_every=10, clip=None,
+         cpu_budget="128KiB"),
+]
+
+
+def test_parity_world2_under_torch_distributed_debug_detail(tmp_path):
+    """Two cases of the grid with TORCH_DISTRIBUTED_DEBUG=DETAIL in the ranks' environment (this launch only): torch
+    wraps every group, the lanes' too, and checks before each collective that both ranks call the same op on the
+    same shapes and dtypes, raising at the first mispaired one (gloo would else pair a float32 all-reduce with an
+    int32 one of the same bytes). Bitwise as without (check)."""
+    results = run_ranks(tmp_path, DETAIL_CASES, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert results["debug_level"]["level"].endswith("DETAIL"), results["debug_level"]
+    for case in DETAIL_CASES:
+        check(results[case.name], case)
 
 
 @pytest.mark.parametrize("case", cases_run(2, device_tier=True), ids=lambda c: c.name)

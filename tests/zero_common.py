@@ -166,6 +166,8 @@ class Case:
     scaler_growth_interval: int = 2
     # Config.compute_through_device_tier: a CPU run's gathers page through the device tier as a GPU run's do
     device_tier: bool = False
+    # Config.collectives_at_world_size_1: one rank issues every collective through a one-rank group, as 8 would
+    collectives_at_one: bool = False
 
     @property
     def name(self) -> str:
@@ -180,7 +182,8 @@ class Case:
                 f"{'-reduce_' + self.reduce_dtype if self.reduce_dtype != 'fp32' else ''}"
                 f"{'-' + self.family if self.family != 'adamw' else ''}"
                 f"{'-slow_' + self.delay.replace('=', '') if self.delay else ''}"
-                f"{'-device_tier' if self.device_tier else ''}")
+                f"{'-device_tier' if self.device_tier else ''}"
+                f"{'-collectives_at_one' if self.collectives_at_one else ''}")
 
 
 def max_norm(case: Case, s: int) -> float:
@@ -368,7 +371,8 @@ def offload_run(case: Case, model: nn.Module, data: torch.Tensor, nvme_dir: str,
                          device_budget="256MiB", cpu_budget=case.cpu_budget, pipeline=pipeline,
                          update_in_backward=case.update_in_backward, reduce_dtype=case.reduce_dtype,
                          optimizer_states=case.family, chunk_size=case.chunk_size,
-                         compute_through_device_tier=case.device_tier)
+                         compute_through_device_tier=case.device_tier,
+                         collectives_at_world_size_1=case.collectives_at_one)
     losses, snaps, norms = [], {}, []
     mine = slice(rank * MICRO, (rank + 1) * MICRO)
     with offload.init(cfg) as rt:

@@ -37,6 +37,7 @@ def main() -> int:
             results.append(check())
         except Exception:  # noqa: BLE001
             results.append({"case": name, "error": traceback.format_exc()})
+    results.append({"case": "debug_level", "level": str(dist.get_debug_level())})  # (TORCH_DISTRIBUTED_DEBUG)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

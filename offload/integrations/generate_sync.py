@@ -43,7 +43,7 @@ def _runtime_of(model):
 def _generate(self, *args, **kwargs):
     if kwargs.get("synced_gpus") is None and len(args) < _SYNCED_AT:
         rt = _runtime_of(self)
-        if rt is not None and rt.is_open and rt.world_size > 1:
+        if rt is not None and rt.is_open and rt.group.distributed:
             kwargs["synced_gpus"] = True  # every rank runs forwards until all are done (the module's docstring)
     return _ORIGINAL(self, *args, **kwargs)
 

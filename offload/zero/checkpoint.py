@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ..checkpoint.files import (CheckpointError, TensorFileWriter, atomic_write_text, check_owned_dir, fsync_dir,
                                 make_private_dir, open_private, safe_member, sha256_of)
@@ -42,6 +41,7 @@ from ..store.sizes import format_bytes
 from .. import inject
 from ..store import LeaseMode, Tier
 from ..telemetry import Queue
+from .collectives import objects
 from .update import optim_states
 from ..optim.schema import by_name as schema_by_name
 from .units.shards import StateKind
@@ -55,24 +55,9 @@ def _param_key(p) -> str:
     return f"{unit.uid}:{unit.layout.slots[p._offload_slot].fqn}"
 
 
-def _watched(rt, collective: str, fn):
-    """A checkpoint's own collectives run through the watchdog like every other (a stalled rank is named)."""
-    return fn() if rt.watchdog is None else rt.watchdog.run("main", collective, "checkpoint", fn)
-
-
-def _all_gather(rt, obj) -> list:
-    if not rt.group.distributed:
-        return [obj]
-    out = [None] * rt.world_size
-    _watched(rt, "all_gather_object", lambda: dist.all_gather_object(out, obj))
-    return out
-
-
-def _barrier(rt) -> None:
-    if rt.group.distributed:
-        # NCCL: the barrier's tensor on this rank's GPU (without device_ids it guesses one from the rank)
-        ids = {"device_ids": [rt.device.index]} if rt.device.type == "cuda" else {}
-        _watched(rt, "barrier", lambda: dist.barrier(**ids))
+def _all_gather(rt, obj, what: str) -> list:
+    """Every rank's `obj`: in the runtime's one order, watched and recorded (collectives/objects.py)."""
+    return objects.all_gather_object(rt.group, obj, f"checkpoint: {what}")
 
 
 def _rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
@@ -130,7 +115,7 @@ def _agree(rt, what: str, fn) -> object:
         result, error = fn(), None
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         result, error = None, f"rank {rt.rank}: {what}: {exc}"
-    errors = [e for e in _all_gather(rt, error) if e]
+    errors = [e for e in _all_gather(rt, error, what) if e]
     if errors:
         raise CheckpointError("; ".join(errors))
     return result
@@ -185,7 +170,7 @@ def save_checkpoint(rt, root, extra: dict | None = None, lr_schedulers=(), keep_
                            "checkpoint is untouched")
     except Exception as exc:  # noqa: BLE001 - a corrupt swap slot, a refused path: every rank must hear of it
         status["error"] = f"rank {rt.rank}: writing {tmp / name} failed: {exc}"
-    statuses = _all_gather(rt, status)
+    statuses = _all_gather(rt, status, "each rank's file written")
     errors = [s["error"] for s in statuses if "error" in s]
     if errors:
         if rt.rank == 0:
@@ -464,7 +449,7 @@ def load_checkpoint(rt, root, lr_schedulers=()) -> dict:
             loaded, error = check(), None
         except Exception as exc:  # noqa: BLE001 - every rank hears of it below
             loaded, error = None, f"rank {rt.rank}: {exc}"
-        errors = [e for e in _all_gather(rt, error) if e]
+        errors = [e for e in _all_gather(rt, error, "each rank's files checked") if e]
         if errors:
             for files in opened:
                 files.close()
@@ -536,7 +521,7 @@ def _load_verified(rt, path: Path, manifest: dict, saved: dict, needed: list, ha
     if rt.rank >= old_world:  # no saved streams of its own: its own, drawn from the last rank's and its rank
         _fork_rng(rt.rank)     # (they were that rank's copy: the same dropout masks, the same random data)
     rt.step_stats.steps = manifest["optimizer_steps"]
-    _barrier(rt)
+    objects.barrier(rt.group, "checkpoint: every rank loaded")
     rt.last_checkpoint_seconds = time.perf_counter() - t0
     return manifest["extra"]
 

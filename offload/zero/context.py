@@ -64,3 +64,8 @@ class UnitContext:
     @property
     def world_size(self) -> int:
         return self.main_group.world_size
+
+    @property
+    def distributed(self) -> bool:
+        """Collectives are issued (several ranks, or one under Config.collectives_at_world_size_1); else local."""
+        return self.main_group.distributed

@@ -48,7 +48,7 @@ from ..store import Tier, check_fits_machine, ranks_on_this_node, resolve_budget
 from ..store import host_pool
 from ..store.links import Link
 from ..telemetry import Lane, Meter, Queue
-from .collectives import comm, divergence, warm
+from .collectives import comm, divergence, user_calls, warm
 from . import placement
 from .activations import ActivationOffloader
 from .active import ACTIVE as _ACTIVE, current  # noqa: F401 - (current: offload.zero.runtime's name too)
@@ -125,7 +125,8 @@ class Runtime:
         self.device_fit: DeviceBudgetFit | None = None  # an "auto" device budget, fitted after the first step
         self._fit_device_budget = False
         self._lane_groups: tuple = ()
-        self.communicators_device_bytes = 0  # what the communicators took of the device at open (warm.py)
+        self._own_default_group = False  # started here for Config.collectives_at_world_size_1: ended at close
+        self.communicators_device_bytes: dict[str, int] = {}  # what each communicator took of the device (warm.py)
 
     # ---- lifetime ---------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -228,6 +229,8 @@ class Runtime:
         self._hooks.append(DDPGuard())  # DistributedDataParallel over a wrapped model, refused (ddp_guard.py)
         if "transformers" in sys.modules:  # from_pretrained in the block streams into the store (not imported else)
             importlib.import_module("offload.integrations.hf_loading")
+        if self.group.distributed:  # the program's own torch.distributed calls take their place in the order
+            self._hooks.append(user_calls.UserCollectivesInOrder(self.group))
         self.is_open = True
         self._sync_generate()
         _ACTIVE.append(self)
@@ -271,6 +274,9 @@ class Runtime:
                         dist.destroy_process_group(g.pg)
                     except Exception as e:  # noqa: BLE001 - closing anyway; reported after everything is freed
                         error = error or e
+            if self._own_default_group:
+                dist.destroy_process_group()
+                self._own_default_group = False
         if self._malloc_mode is not None:
             untune_malloc(self._malloc_mode)  # after the units and the store let their buffers go
             self._malloc_mode = None
@@ -295,7 +301,18 @@ class Runtime:
             # the default group again after destroying it (a rank may still connect to the old one's addresses:
             # pytorch/pytorch#119196, seen here as gloo's "Connection refused")
             atexit.register(_destroy_default_group)
+        at_one = self.config.collectives_at_world_size_1
+        if at_one and world == 1 and dist.is_available() and not dist.is_initialized():
+            # the test mode's one-rank group: in memory (no port, no launcher), ended at close
+            gpu = self.device.type == "cuda"
+            dist.init_process_group("nccl" if gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=timeout),
+                                    **({"device_id": self.device} if gpu else {}))
+            self._own_default_group = True
         if not (dist.is_available() and dist.is_initialized()):
+            if at_one:
+                raise RuntimeError("offload.Config.collectives_at_world_size_1: this torch build has no "
+                                   "torch.distributed to issue them through; set it False")
             return comm.Group(0, 1, device=self.device)
         backend = str(dist.get_backend()).lower()
         if self.device.type == "cuda" and "nccl" not in backend:
@@ -311,7 +328,8 @@ class Runtime:
         self.agreement = Agreement(dist.get_rank(), dist.get_world_size(),
                                    parse_duration(self.config.agreement_timeout, "agreement_timeout"),
                                    self.watchdog._store, self.watchdog)
-        return comm.Group(dist.get_rank(), dist.get_world_size(), watchdog=self.watchdog, device=self.device)
+        return comm.Group(dist.get_rank(), dist.get_world_size(), watchdog=self.watchdog, device=self.device,
+                          collectives_at_world_size_1=at_one)
 
     def _budget(self, field: str, ranks_sharing: int) -> int:
         """A budget in bytes: the setting, else the store's "auto" rule for this rank (store/budget.py: the ranks
@@ -668,7 +686,8 @@ class Runtime:
             "activations": self.activations.report() if self.activations is not None else None,
             "speculation": self.backward_updates.speculation.report(),
             "loss_scale": self.loss_scale.report(),
-            "communicators_device_bytes": self.communicators_device_bytes,  # (collectives/warm.py)
+            "communicators_device_bytes": sum(self.communicators_device_bytes.values()),  # (collectives/warm.py)
+            "communicators_device_bytes_by_group": dict(self.communicators_device_bytes),
             "compute_dtype": {"dtype": self.config.compute_dtype, "auto": self._auto_compute_dtype,
                               "why": self.compute_dtype_reason},
         }

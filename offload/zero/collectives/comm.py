@@ -17,7 +17,8 @@ as FSDP2 issues them.
   training thread's small host values (flags, norms, losses) and the state dict's host shards go through the
   `*_host` helpers, which stage them on the device and back.
 
-World size 1 needs no process group: every function degrades to a local copy and a done Pending.
+World size 1 needs no process group: every function degrades to a local copy and a done Pending (unless
+`Group.collectives_at_world_size_1`, a test mode: one rank then issues every collective through its group).
 """
 from __future__ import annotations
 
@@ -53,6 +54,11 @@ def lane_work(name: str):
         yield
     finally:
         _lane.name = previous
+
+
+def in_turn() -> bool:
+    """This thread is enqueueing a collective of the runtime's now (inside ProgramOrder.turn) or runs a lane's work."""
+    return getattr(_lane, "turns", 0) > 0 or getattr(_lane, "name", None) is not None
 
 
 class ProgramOrder:
@@ -111,9 +117,11 @@ class ProgramOrder:
                     raise OrderError(f"offload: {what}: waited {self.wait_s:g} s for the {self._pending[first]} "
                                      f"lane's collective #{first}, asked for earlier, to be issued")
                 self._cond.wait(left)
+        _lane.turns = getattr(_lane, "turns", 0) + 1  # (user_calls.py: torch calls inside are the runtime's own)
         try:
             yield
         finally:  # enqueued (or failed): the next ticket's turn
+            _lane.turns -= 1
             with self._cond:
                 del self._pending[ticket]
                 self._cond.notify_all()
@@ -205,10 +213,12 @@ class Group:
     # issued by the thread that asks (the training thread), after every lane collective asked for before it: the
     # main group's flags, norms and losses, on another communicator than the lanes' (NCCL: one order across them)
     inline: bool = False
+    # Config.collectives_at_world_size_1 (a test mode): one rank issues every collective through `pg` as 8 would
+    collectives_at_world_size_1: bool = False
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        return self.world_size > 1 or self.collectives_at_world_size_1
 
     def ticket(self, key: int = -1) -> int | None:
         """The next collective's place in the lanes' program order (training thread, when it asks); `key`: what
@@ -229,7 +239,7 @@ def sub_group(group: Group, name: str, order: ProgramOrder, timeout_s: float | N
         return Group(group.rank, group.world_size, name=name, device=group.device, order=order)
     kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     return Group(group.rank, group.world_size, dist.new_group(backend=dist.get_backend(), **kwargs), name,
-                 group.watchdog, group.device, order)
+                 group.watchdog, group.device, order, collectives_at_world_size_1=group.collectives_at_world_size_1)
 
 
 class Pending:

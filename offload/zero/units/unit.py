@@ -193,7 +193,7 @@ class ShardedUnit:
         rank's gathers keep one order, whenever each is issued). Elsewhere the refusal raises, as unshard's: NCCL
         needs one issue order across the lanes' communicators (comm.ProgramOrder), and a gather issued before a
         reduce on one rank and after it on another may hang."""
-        may_back_off = reorders_nothing or self.ctx.world_size == 1
+        may_back_off = reorders_nothing or not self.ctx.distributed
         if may_back_off and not self.fresh and self.state is UnitState.SHARDED:
             try:
                 inject.allocation(inject.Site.GATHER_AHEAD)
@@ -255,7 +255,7 @@ class ShardedUnit:
                 leases.append(lease)
             out = _alias(self.flat)
             gpu = ctx.device.type == "cuda"
-            if ctx.world_size == 1:
+            if not ctx.distributed:
                 for c, lease in zip(self.shards.chunks, leases):
                     out[c.lo:c.hi].copy_(lease.wait(), non_blocking=True)  # GPU: on the gather stream
                 copied = record(ctx.device)
@@ -357,7 +357,7 @@ class ShardedUnit:
             return
         if self.local_grad is not None:
             full, self.local_grad = self.local_grad.add_(grad), None
-        elif self.ctx.world_size == 1:
+        elif not self.ctx.distributed:
             full = grad  # nothing to reduce: cast into the fp32 shard as it is stored (exact, one pass fewer)
         elif grad.dtype == self.ctx.reduce_dtype:
             full = grad  # ranks sum in this dtype already (Config.reduce_dtype="bf16" with bf16 compute)
@@ -392,7 +392,7 @@ class ShardedUnit:
             _result(after_update)  # the last update reads the gradient chunks: it must be over before they change
             stream_wait(written, ctx.device)  # this stream reads what autograd wrote on the compute stream
             send = full_grad
-            if ctx.world_size > 1 and ctx.reduce_dtype != full_grad.dtype:
+            if ctx.distributed and ctx.reduce_dtype != full_grad.dtype:
                 send = full_grad.to(ctx.reduce_dtype)  # Config.reduce_dtype: the ranks sum in it
             shard, pending = comm.reduce_scatter_mean(ctx.reduce_group, send, what=f"gradient of {self.label}",
                                                       ticket=ticket)

@@ -146,7 +146,7 @@ class ShardedOptimizer:
             return None
         check_groups(self.display, self.param_groups)  # (before an update runs in the backward)
         trained = [s.index for s in unit.layout.slots if s.requires_grad]
-        if self.path.world_size > 1 and not checked_at_step and not all(bool(unit.used[i]) for i in trained):
+        if self.path.group.distributed and not checked_at_step and not all(bool(unit.used[i]) for i in trained):
             return None
         unit.check_requires_grad()
         return self._live_runs(unit, plan[0][1], ahead=1)
@@ -255,7 +255,7 @@ class ShardedOptimizer:
             lo, hi = st["shard_range"]
             for k, n in enumerate(names):
                 values[k, offsets[i] + lo:offsets[i] + hi] = st[n]
-        if self.path.world_size > 1:  # each rank holds its pieces: the others' are zeros here
+        if self.path.group.distributed:  # each rank holds its pieces: the others' are zeros here
             from ..collectives import comm
 
             comm.all_reduce_host_(self.path.group, steps, "max", what="optimizer step counts")
