@@ -53,7 +53,7 @@ class UnitContext:
     streams: Streams  # each lane's stream on a GPU (device.py)
     reduce_dtype: torch.dtype = torch.float32  # Config.reduce_dtype: what ranks sum gradients in
     sync_grads: bool = True  # False inside rt.no_sync(): backward accumulates locally
-    max_reduces_in_flight: int = 2  # full gradients queued on the reduce lane at once (bounded memory)
+    max_reduces_in_flight: int = 2  # full gradients held by the reduce lanes at once (bounded memory)
     reduce_window: collections.deque = field(default_factory=collections.deque)  # their futures, oldest first
     on_reduce: Callable | None = None  # (unit) -> None after a unit's reduce is queued (Config.update_in_backward)
 

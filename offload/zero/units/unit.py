@@ -10,7 +10,7 @@ The modules always hold either views of `flat` (UNSHARDED) or meta placeholders 
 
 Work on a unit runs on the runtime's lanes, and every piece that may still be running is a future the next
 reader waits for: `update` (the optimizer lane writing the shard: the next gather waits for it, and so does
-the next write of the gradient, which the update reads) and `grads` (the last reduce-lane work on the
+the next write of the gradient, which the update reads) and `grads` (the last reduce-drain work on the
 gradient chunks: the optimizer and the clip norm wait for it). The training thread waits only in
 wait_for_unshard (the gather it is about to compute with) and where a reader needs finished gradients.
 """
@@ -66,6 +66,15 @@ class IssuedGather:
                     h.release()
 
 
+class LaunchedReduce:
+    """A reduce-scatter the reduce lane has launched, handed to its drain: `shard` (this rank's mean, once
+    `pending` is waited), `issued` (the launch stream's event after the launch: one rank has no collective to
+    order the drain after it), `read` (what the cast and the collective read: retired on the drain's stream)."""
+
+    def __init__(self, shard: torch.Tensor, pending: comm.Pending, issued, read: list):
+        self.shard, self.pending, self.issued, self.read = shard, pending, issued, read
+
+
 def _result(fut: cf.Future | None) -> None:
     """On a lane: the work this depends on must be over (and must have succeeded)."""
     if fut is not None:
@@ -89,8 +98,8 @@ class ShardedUnit:
         self.local_grad: torch.Tensor | None = None  # unsharded fp32 accumulator inside rt.no_sync()
         self.used = torch.zeros(len(layout.slots), dtype=torch.bool)
         self.update: cf.Future | None = None  # the optimizer's pending update of this unit
-        self.grads: cf.Future | None = None  # the last reduce-lane work on the gradient chunks
-        # {slot: L2 norm of this rank's piece of the slot's gradient}, written on the reduce lane when the stored
+        self.grads: cf.Future | None = None  # the last reduce-drain work on the gradient chunks
+        # {slot: L2 norm of this rank's piece of the slot's gradient}, written by the reduce's drain when the stored
         # gradient is one reduce's output (None: accumulated or partly zeroed since, so unknown). rt.clip_grad_norm_
         # uses it instead of reading every gradient chunk back (from disk, when they are paged).
         self.grad_norms: dict[int, torch.Tensor] | None = None
@@ -368,28 +377,31 @@ class ShardedUnit:
     def reduce(self, full_grad: torch.Tensor) -> None:
         """Queue: mean over ranks of the full gradient (fp32, or Config.reduce_dtype; compute dtype on one rank,
         where nothing is summed), this rank's shard added into the stored fp32 gradient (or written over it,
-        the first time since zero_grad). `full_grad` travels with the work, and so does the event after the
-        compute that wrote it (the reduce stream waits for that, not for the whole device)."""
+        the first time since zero_grad). Two pieces of work: the launch on the reduce lane, its drain on the
+        reduce-drain lane (lanes.py), so no later collective's launch waits for this one's host work. `full_grad`
+        travels with the work, and so does the event after the compute that wrote it (the reduce stream waits
+        for that, not for the whole device)."""
         overwrite, self.has_grad = not self.has_grad, True
-        window = self.ctx.reduce_window  # every unit's reduces in flight, oldest first
+        window = self.ctx.reduce_window  # every unit's reduces in flight (their drains), oldest first
         while window and window[0].done():
             window.popleft()
-        while len(window) >= self.ctx.max_reduces_in_flight:  # bound the full gradients held by the lane
+        while len(window) >= self.ctx.max_reduces_in_flight:  # bound the full gradients held by the lanes
             wait(window.popleft(), self.ctx.meter, Queue.REDUCE)
         written = record(self.ctx.device)
-        self.grads = self.ctx.lanes.reduce.submit(f"reduce:{self.uid or '<root>'}", self._reduce_now, full_grad,
-                                                  written, overwrite, self.update,
-                                                  self.ctx.reduce_group.ticket(self.index))
+        name = self.uid or "<root>"
+        launched = self.ctx.lanes.reduce.submit(f"reduce:{name}", self._launch_reduce, full_grad, written,
+                                                self.ctx.reduce_group.ticket(self.index))
+        self.grads = self.ctx.lanes.reduce_drain.submit(f"reduce drain:{name}", self._drain_reduce, launched,
+                                                        overwrite, self.update)
         window.append(self.grads)
         if self.ctx.on_reduce is not None:
             self.ctx.on_reduce(self)
 
-    def _reduce_now(self, full_grad: torch.Tensor, written, overwrite: bool, after_update: cf.Future | None,
-                    ticket: int | None) -> None:
-        """On the reduce lane (its stream on a GPU)."""
+    def _launch_reduce(self, full_grad: torch.Tensor, written, ticket: int | None) -> LaunchedReduce:
+        """On the reduce lane (its stream on a GPU): cast and launch the reduce-scatter, and return; nothing here
+        waits for a collective or touches the gradient chunks (the drain does)."""
         ctx = self.ctx
         try:
-            _result(after_update)  # the last update reads the gradient chunks: it must be over before they change
             stream_wait(written, ctx.device)  # this stream reads what autograd wrote on the compute stream
             send = full_grad
             if ctx.world_size > 1 and ctx.reduce_dtype != full_grad.dtype:
@@ -400,8 +412,19 @@ class ShardedUnit:
             ctx.reduce_group.skip(ticket)  # (if it was not issued) the other lane need not wait for it
             raise
         ctx.counters.add("reduce_scatter_bytes", send.numel() * send.element_size())
-        pending.wait()  # this stream (gloo: this thread) goes on once the sum is here
-        retire(full_grad)  # allocated by autograd on the compute stream, read on this one
+        return LaunchedReduce(shard, pending, record(ctx.device), [full_grad, send])
+
+    def _drain_reduce(self, launched: cf.Future, overwrite: bool, after_update: cf.Future | None) -> None:
+        """On the reduce-drain lane (its stream on a GPU): wait for the launched reduce's sum, then write this
+        rank's shard of it into the gradient chunks (or add it), taking the pieces' norms on the way."""
+        ctx = self.ctx
+        reduced: LaunchedReduce = launched.result()  # issued (a launch that failed fails this too)
+        stream_wait(reduced.issued, ctx.device)  # one rank: the shard is the gradient the launch stream waited for
+        reduced.pending.wait()  # this stream (gloo: this thread) goes on once the sum is here
+        for t in reduced.read:  # the collective and the cast read them on other streams, which this one now follows
+            retire(t)
+        _result(after_update)  # the last update reads the gradient chunks: it must be over before they change
+        shard = reduced.shard
         self.register_grads()
         mode = LeaseMode.OVERWRITE if overwrite else LeaseMode.UPDATE
         where = self._grads_where(accumulate=not overwrite)
@@ -465,8 +488,8 @@ class ShardedUnit:
                 self.local_grad[slot.offset:slot.offset + slot.numel].zero_()
         if self.has_grad:  # other slots keep their gradient: zero these ranges of the stored shard, in order
             ranges = [(p.lo, p.hi) for p in self.layout.pieces(self.ctx.rank) if p.slot in slots]
-            self.grads = self.ctx.lanes.reduce.submit(f"zero_grad:{self.uid or '<root>'}", self._zero_now, ranges,
-                                                      self.update)
+            self.grads = self.ctx.lanes.reduce_drain.submit(f"zero_grad:{self.uid or '<root>'}", self._zero_now,
+                                                            ranges, self.update)
         if set_to_none:
             for s in slots:
                 self.used[s] = False
