@@ -5,7 +5,7 @@
 Trains a 4-block transformer whose shards span several chunks, synchronously (Config.pipeline=False, the
 reference) and pipelined with every reduce's drain slowed by DRAIN_DELAY_S in the last step, whose spans it records
 (telemetry's trace) with the collectives issued in it. Writes OUT.RANK (JSON): the launches of the last step in
-issue order, the spans' ends per work and whether their results are equal bit for bit.
+issue order, the spans' ends per work, both runs' counters and whether their results are equal bit for bit.
 """
 import contextlib
 import json
@@ -55,8 +55,10 @@ def train(pipeline: bool, drain_delay_s: float, rank: int) -> dict:
                     launches = [[op, what] for (_, op, _, _), what in zip(recorder.entries, recorder.whats)]
             losses.append(loss.item())
         state = {k: v.clone() for k, v in rt.full_state_dict(model).items()}
+        stats = rt.stats()
     return {"losses": losses, "state": state, "chunks": chunks, "launches": launches,
-            "spans": [[e["name"], e["tid"], e["ts"], e["ts"] + e["dur"]] for e in spans]}
+            "spans": [[e["name"], e["tid"], e["ts"], e["ts"] + e["dur"]] for e in spans],
+            "gather_copy_bytes": stats["gather_copy_bytes"], "allgather_bytes": stats["allgather_bytes"]}
 
 
 def main() -> int:
@@ -70,7 +72,9 @@ def main() -> int:
     equal = reference["losses"] == piped["losses"] and all(
         torch.equal(reference["state"][k], piped["state"][k]) for k in reference["state"])
     result = {"rank": rank, "bitwise_equal": equal, "chunks": piped["chunks"],
-              "launches": piped["launches"], "spans": piped["spans"], "world": dist.get_world_size()}
+              "launches": piped["launches"], "spans": piped["spans"], "world": dist.get_world_size(),
+              "copies": {name: {"gather_copy_bytes": r["gather_copy_bytes"], "allgather_bytes": r["allgather_bytes"]}
+                         for name, r in (("synchronous", reference), ("pipelined", piped))}}
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

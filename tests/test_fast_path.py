@@ -4,6 +4,8 @@
   norms): with every drain slowed by a second, a gather whose ticket follows the next reduce's is launched
   before the slowed reduce's gradient is stored. Before, the reduce lane ran each launch after the previous
   reduce's drain, and the tickets held every later gather behind it;
+- a shard of several chunks is gathered in place (written into its place in the flat buffer, which the
+  collective sends from): one copy of it per gather, where a send buffer made two;
 - both pipelined (slowed) and synchronous runs alike bit for bit, the ranks' collective sequences equal.
 """
 import json
@@ -13,9 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rank_sequences  # noqa: E402
+
+from offload.zero.collectives import comm  # noqa: E402
 
 DRAIN_DELAY_S = 1.0  # per drain of the recorded step; the next launches need milliseconds
 
@@ -59,3 +64,21 @@ def test_a_slow_drain_does_not_hold_the_next_gathers_launch(ranks):
 
 def test_pipelined_with_slow_drains_equals_synchronous_bitwise(ranks):
     assert all(r["bitwise_equal"] for r in ranks), [r["bitwise_equal"] for r in ranks]
+
+
+def test_a_shard_of_several_chunks_is_gathered_in_place(ranks):
+    for r in ranks:
+        assert max(r["chunks"].values()) > 1, r["chunks"]  # the path that used a send buffer
+        for run, c in r["copies"].items():
+            # one copy of this rank's shard per gather (allgather_bytes counts the full buffer: world x shard)
+            assert c["gather_copy_bytes"] * r["world"] == c["allgather_bytes"] > 0, (run, c)
+
+
+def test_own_place_is_this_ranks_slice_of_the_gathered_buffer():
+    out = torch.arange(12.0)
+    group = comm.Group(rank=1, world_size=3)
+    mine = comm.own_place(group, out)
+    assert torch.equal(mine, torch.arange(4.0, 8.0)) and mine.data_ptr() == out[4:].data_ptr()
+    assert comm.in_place(group, out, mine)
+    assert not comm.in_place(group, out, mine.clone())
+    assert not comm.in_place(comm.Group(rank=0, world_size=3), out, mine)

@@ -24,6 +24,9 @@ class Counters:
 
     allgather_bytes: int = 0
     reduce_scatter_bytes: int = 0
+    # this rank's shard bytes copied on their way into the gathered buffers, as NCCL would copy them: the gather
+    # lane's copies, and the collective's own of a shard not sent from its place (units/unit.py, gather in place)
+    gather_copy_bytes: int = 0
     gathered_bytes: int = 0
     peak_gathered_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

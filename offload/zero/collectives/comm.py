@@ -276,9 +276,23 @@ def _issue(group: Group, ticket: int | None, collective: str, what: str, fn, the
     return Pending(group, work, collective, what, then)
 
 
+def own_place(group: Group, out: torch.Tensor) -> torch.Tensor:
+    """This rank's place in a gather's output (`out`, world_size equal pieces in rank order): a view. Written
+    there and passed as the shard, the gather runs in place (FSDP2's copy-in; NCCL copies nothing itself)."""
+    n = out.numel() // group.world_size
+    return out.view(-1)[group.rank * n:(group.rank + 1) * n]
+
+
+def in_place(group: Group, out: torch.Tensor, shard: torch.Tensor) -> bool:
+    """The shard is its own place in `out` (nothing for the collective to copy locally)."""
+    place = own_place(group, out)
+    return shard.data_ptr() == place.data_ptr() and shard.numel() == place.numel()
+
+
 def all_gather_into(group: Group, out: torch.Tensor, shard: torch.Tensor, what: str = "",
                     ticket: int | None = None) -> Pending:
-    """Issue: out (world_size * shard.numel()) <- every rank's shard, in rank order. Both on group.device."""
+    """Issue: out (world_size * shard.numel()) <- every rank's shard, in rank order. Both on group.device.
+    `shard` may be own_place(group, out), written beforehand: the gather then runs in place."""
     if not group.distributed:
         out.copy_(shard)
         return Pending()

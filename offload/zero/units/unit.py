@@ -269,22 +269,31 @@ class ShardedUnit:
                     out[c.lo:c.hi].copy_(lease.wait(), non_blocking=True)  # GPU: on the gather stream
                 copied = record(ctx.device)
                 issued = IssuedGather(comm.Pending(), copied, [], ctx.device)
+                copies = 1
             else:
-                if len(leases) == 1 and not gpu:
+                copies = 0
+                if len(leases) == 1 and not gpu:  # the lease's own bytes: the collective copies them into place
                     send = leases[0].wait()
-                    held = leases  # gloo reads the lease's bytes until the consumer's wait (the host blocks there)
-                else:  # the collective takes one contiguous shard (on a GPU always a copy: see below)
-                    send = torch.empty(self.shards.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
+                    held = leases  # gloo reads them until the consumer's wait (the host blocks there)
+                else:  # in place, as FSDP2: the chunks straight into this rank's place in the flat buffer, which
+                    # the collective sends from (NCCL sees sendbuff == recvbuff + rank * count and copies nothing
+                    # itself); on a GPU always a copy, never a lease's own bytes (see the sync below)
+                    send = comm.own_place(ctx.gather_group, out)
                     for c, lease in zip(self.shards.chunks, leases):
                         send[c.lo:c.hi].copy_(lease.wait(), non_blocking=True)  # GPU: on the gather stream
+                    copies = 1
                 copied = record(ctx.device)
+                copies += not comm.in_place(ctx.gather_group, out, send)  # else the collective copies it there
                 pending = comm.all_gather_into(ctx.gather_group, out, send, what=f"gather of {self.label}",
                                                ticket=ticket)
-                issued = IssuedGather(pending, None, held or [send], ctx.device)
+                issued = IssuedGather(pending, None, held, ctx.device)
             # GPU: the shard's bytes are read once this future resolves (the copies only, not the collective):
             # the unit's next update, which waits for it, may overwrite them (device homes, resident chunks)
             sync(copied)
             ctx.counters.add("allgather_bytes", self.nbytes_full)
+            # this rank's shard copied on its way into the buffer: by the lane, and by the collective unless sent
+            # from its place (one copy is the least: the home bytes are not the buffer's)
+            ctx.counters.add("gather_copy_bytes", copies * self.shards.shard_numel * self.flat.element_size())
             return issued
         except BaseException:
             held = []  # nothing was issued that reads them: every lease goes back below
