@@ -7,6 +7,7 @@
 - a shard of several chunks is gathered in place (written into its place in the flat buffer, which the
   collective sends from): one copy of it per gather, where a send buffer made two;
 - both pipelined (slowed) and synchronous runs alike bit for bit, the ranks' collective sequences equal.
+The streams' priorities are CUDA-only: tests/test_cuda_collective_priority.py.
 """
 import json
 import os

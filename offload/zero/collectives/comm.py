@@ -227,9 +227,19 @@ def sub_group(group: Group, name: str, order: ProgramOrder, timeout_s: float | N
     same order), issued in `order` (shared by the lanes' groups)."""
     if not group.distributed:
         return Group(group.rank, group.world_size, name=name, device=group.device, order=order)
+    return Group(group.rank, group.world_size, lane_process_group(timeout_s), name, group.watchdog, group.device,
+                 order)
+
+
+def lane_process_group(timeout_s: float | None = None):
+    """A process group over every rank for a lane's collectives. On NCCL its kernels run on NCCL's internal
+    streams (async_op=True), created at high priority here, as FSDP2's collective streams: a gather or
+    reduce the next unit waits for is not queued behind compute kernels on the GPU's scheduler."""
     kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    return Group(group.rank, group.world_size, dist.new_group(backend=dist.get_backend(), **kwargs), name,
-                 group.watchdog, group.device, order)
+    backend = dist.get_backend()
+    if "nccl" in str(backend).lower() and dist.is_nccl_available():
+        kwargs["pg_options"] = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    return dist.new_group(backend=backend, **kwargs)
 
 
 class Pending:
