@@ -36,6 +36,9 @@ class Queue(enum.Enum):
     COPY = "copy"  # host <-> device copies
     GATHER = "gather"  # a unit's all-gather (includes the read of its shard)
     REDUCE = "reduce"  # gradient reduce-scatters and their accumulation into the grad shards
+    # injected delays only (tests): a reduce's drain (the wait for its sum, its copy into the gradient chunks, their
+    # norms) slowed apart from its launch; the training thread's waits for gradients count as REDUCE
+    REDUCE_DRAIN = "reduce_drain"
     OPTIMIZER = "optimizer"  # a unit's pending update (the next gather of a unit waits for its own)
     COLLECTIVE = "collective"  # collectives run on the training thread (clip norm, flags)
     SPACE = "space"  # budget space: a buffer could not be had until a release freed it
@@ -48,7 +51,8 @@ class Lane(enum.Enum):
 
     MAIN = "main"  # the training thread: compute, and in synchronous mode every move
     GATHER = "gather"
-    REDUCE = "reduce"
+    REDUCE = "reduce"  # the reduce-scatters' launches
+    REDUCE_DRAIN = "reduce drain"  # each reduce's host work after its launch: wait, copy into the gradient chunks
     OPTIMIZER = "optimizer"
     NVME_READ = "nvme read"
     NVME_WRITE = "nvme write"

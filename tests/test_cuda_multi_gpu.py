@@ -70,7 +70,7 @@ def test_two_ranks_on_two_gpus_match_plain_torch_and_the_synchronous_runtime(tmp
              (Case(world=2, dtype="bf16", reduce_dtype="bf16", params="nvme", optimizer="nvme", accum=4, clip=1e9),
               True)]
     cases += [(Case(world=2, params="nvme", optimizer="nvme", grads="nvme", delay=f"{q}=0.005", snapshot_every=10,
-                    clip=None, cpu_budget="128KiB"), True) for q in ("gather", "reduce", "copy")]
+                    clip=None, cpu_budget="128KiB"), True) for q in ("gather", "reduce", "reduce_drain", "copy")]
     _parity(2, cases, tmp_path, timeout=480)
 
 

@@ -62,12 +62,13 @@ def grid() -> list:
 def delay_cases() -> list:
     """test_zero_parity.delay_cases on the GPU: every state through the disk, gradients too (fp32, unclipped: a norm
     waits for every reduce and would hide a missing wait), and bf16 with accumulation on the queues a GPU adds work
-    to (gather: copies into the flat buffer on its stream; reduce: the device->host copy of each gradient chunk;
-    copy: the store's host<->device copies)."""
+    to (gather: copies into the flat buffer on its stream; reduce: the launch on its stream; reduce_drain: the
+    device->host copy of each gradient chunk on the drain's stream; copy: the store's host<->device copies)."""
     out = [Case(params="nvme", optimizer="nvme", grads="nvme", delay=f"{q}=0.005", snapshot_every=10, clip=None,
-                cpu_budget="128KiB") for q in ("nvme_read", "nvme_write", "optimizer", "gather", "reduce", "copy")]
+                cpu_budget="128KiB")
+           for q in ("nvme_read", "nvme_write", "optimizer", "gather", "reduce", "reduce_drain", "copy")]
     out += [_bf16(params="nvme", optimizer="nvme", accum=4, delay=f"{q}=0.005", snapshot_every=10,
-                  cpu_budget="128KiB") for q in ("gather", "reduce", "copy")]
+                  cpu_budget="128KiB") for q in ("gather", "reduce", "reduce_drain", "copy")]
     return out
 
 

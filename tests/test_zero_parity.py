@@ -119,7 +119,7 @@ def speculation_cases(world):
     return out
 
 
-QUEUES_SLOWED = ("nvme_read", "nvme_write", "optimizer", "gather", "reduce", "copy")
+QUEUES_SLOWED = ("nvme_read", "nvme_write", "optimizer", "gather", "reduce", "reduce_drain", "copy")
 
 
 def family_cases(world, clip):

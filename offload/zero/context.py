@@ -24,6 +24,9 @@ class Counters:
 
     allgather_bytes: int = 0
     reduce_scatter_bytes: int = 0
+    # this rank's shard bytes copied on their way into the gathered buffers, as NCCL would copy them: the gather
+    # lane's copies, and the collective's own of a shard not sent from its place (units/unit.py, gather in place)
+    gather_copy_bytes: int = 0
     gathered_bytes: int = 0
     peak_gathered_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -53,7 +56,7 @@ class UnitContext:
     streams: Streams  # each lane's stream on a GPU (device.py)
     reduce_dtype: torch.dtype = torch.float32  # Config.reduce_dtype: what ranks sum gradients in
     sync_grads: bool = True  # False inside rt.no_sync(): backward accumulates locally
-    max_reduces_in_flight: int = 2  # full gradients queued on the reduce lane at once (bounded memory)
+    max_reduces_in_flight: int = 2  # full gradients held by the reduce lanes at once (bounded memory)
     reduce_window: collections.deque = field(default_factory=collections.deque)  # their futures, oldest first
     on_reduce: Callable | None = None  # (unit) -> None after a unit's reduce is queued (Config.update_in_backward)
 

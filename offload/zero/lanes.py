@@ -1,9 +1,12 @@
 """Lanes: the runtime's background queues, each one thread running its work in the order it was given.
 
-    gather     a unit's all-gather: wait for its pending update, read its param chunks, gather
-    reduce     a unit's reduce-scatter and the accumulation into its gradient chunks (every write to a
-               gradient shard goes through here, in order)
-    optimizer  the optimizer pipeline (read ahead, fused AdamW, write-behind), unit after unit
+    gather        a unit's all-gather: wait for its pending update, read its param chunks, gather
+    reduce        a unit's reduce-scatter: launched, not waited for
+    reduce drain  each launched reduce's host work: the wait for its sum, the accumulation into the gradient
+                  chunks, their norms (every write to a gradient shard goes through here, in order). Apart from
+                  the reduce lane, so one reduce's host work never holds the next collective's launch (the next
+                  reduce's, and through the tickets every later gather's): [Note: program order]
+    optimizer     the optimizer pipeline (read ahead, fused AdamW, write-behind), unit after unit
 
 One thread per lane keeps each lane's work in program order: collectives on a lane are issued in the same
 order on every rank (each lane has its own process group, and comm.ProgramOrder keeps the two lanes'
@@ -11,7 +14,7 @@ collectives in one order across both). On a GPU each lane's work runs on the lan
 and its thread binds the compute device before its first work.
 With Config.pipeline=False a lane runs each piece of work in the caller, at once: the synchronous
 reference that the pipelined runtime must match bit for bit.
-Lanes holds the three; LaneContext is what the schedule and the optimizer pipeline work with (the store, the
+Lanes holds the four; LaneContext is what the schedule and the optimizer pipeline work with (the store, the
 lanes, the meter), built before the units' context (context.py), which holds the schedule.
 """
 from __future__ import annotations
@@ -32,12 +35,13 @@ from .state_store import UnitStateStore
 
 class WorkLane:
     def __init__(self, lane: Lane, queue: Queue, meter: Meter, threaded: bool, pause_each: bool = True,
-                 streams: Streams | None = None):
+                 streams: Streams | None = None, slowed_by: Queue | None = None):
         self.lane = lane
         self.streams = streams or Streams(torch.device("cpu"))
         self.queue = queue  # what the training thread waits on when it waits for this lane's work
         self.meter = meter
         self.pause_each = pause_each  # injected delay (tests) per piece of work; False: the work pauses itself
+        self.slowed_by = slowed_by or queue  # whose injected delay pauses each piece of work
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"offload-{lane.value}",
                                            initializer=thread_initializer(self.streams.device)) if threaded else None
         self._last: cf.Future | None = None
@@ -52,7 +56,7 @@ class WorkLane:
         """Run fn(*args) after everything submitted before; a future of its result."""
         def run():
             if self.pause_each:
-                inject.pause(self.queue)  # a slow lane (tests): the work starts late
+                inject.pause(self.slowed_by)  # a slow lane (tests): the work starts late
             try:
                 with self.meter.working(self.lane, name), self.streams.use(self.lane), comm.lane_work(self.lane.value):
                     return fn(*args)
@@ -105,16 +109,20 @@ def wait(fut: cf.Future | None, meter: Meter, queue: Queue):
 class Lanes:
     gather: WorkLane
     reduce: WorkLane
+    reduce_drain: WorkLane
     optimizer: WorkLane
 
     @classmethod
     def create(cls, meter: Meter, threaded: bool, streams: Streams) -> "Lanes":
         return cls(WorkLane(Lane.GATHER, Queue.GATHER, meter, threaded, streams=streams),
                    WorkLane(Lane.REDUCE, Queue.REDUCE, meter, threaded, streams=streams),
+                   WorkLane(Lane.REDUCE_DRAIN, Queue.REDUCE, meter, threaded, streams=streams,
+                            slowed_by=Queue.REDUCE_DRAIN),
                    WorkLane(Lane.OPTIMIZER, Queue.OPTIMIZER, meter, threaded, pause_each=False, streams=streams))
 
     def all(self) -> list[WorkLane]:
-        return [self.gather, self.reduce, self.optimizer]
+        """In dependency order (a drain waits for its launch): drained one after the other, nothing is left."""
+        return [self.gather, self.reduce, self.reduce_drain, self.optimizer]
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ def host_working_set(unit_chunks: list[list[int]], width: int, params_nvme: bool
                      grads_nvme: bool | None = None, optimizer_states: int = 2) -> WorkingSet:
     """Bytes of the cpu budget that the background lanes may hold at once to make progress, for nvme-homed
     states (memory homes lend their home copy and stage nothing): the gather lane reads every param chunk of
-    the largest unit, the optimizer lane one chunk of each state it steps, the reduce lane one gradient chunk.
+    the largest unit, the optimizer lane one chunk of each state it steps, the reduce-drain lane one gradient chunk.
     Those lanes run concurrently and wait for one another's buffers, so all three must fit together; what
     the prefetch and the resident states use comes on top (the schedule reserves this first). Each of those
     working copies takes one staging slot (staging_slot), whatever its dtype.

@@ -669,6 +669,7 @@ class Runtime:
             "device_to_host_bytes": s["moved"][Link.DEVICE_TO_CPU.value],
             "allgather_bytes": c.allgather_bytes,
             "reduce_scatter_bytes": c.reduce_scatter_bytes,
+            "gather_copy_bytes": c.gather_copy_bytes,
             "peak_resident_bytes": {t: s[t]["peak_bytes"] for t in ("device", "cpu", "nvme")},
             "budgets": {t: s[t]["capacity"] for t in ("device", "cpu", "nvme")},
             "peak_gathered_bytes": c.peak_gathered_bytes,

@@ -237,9 +237,19 @@ def sub_group(group: Group, name: str, order: ProgramOrder, timeout_s: float | N
     same order), issued in `order` (shared by the lanes' groups)."""
     if not group.distributed:
         return Group(group.rank, group.world_size, name=name, device=group.device, order=order)
+    return Group(group.rank, group.world_size, lane_process_group(timeout_s), name, group.watchdog, group.device,
+                 order, collectives_at_world_size_1=group.collectives_at_world_size_1)
+
+
+def lane_process_group(timeout_s: float | None = None):
+    """A process group over every rank for a lane's collectives. On NCCL its kernels run on NCCL's internal
+    streams (async_op=True), created at high priority here, as FSDP2's collective streams: a gather or
+    reduce the next unit waits for is not queued behind compute kernels on the GPU's scheduler."""
     kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    return Group(group.rank, group.world_size, dist.new_group(backend=dist.get_backend(), **kwargs), name,
-                 group.watchdog, group.device, order, collectives_at_world_size_1=group.collectives_at_world_size_1)
+    backend = dist.get_backend()
+    if "nccl" in str(backend).lower() and dist.is_nccl_available():
+        kwargs["pg_options"] = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    return dist.new_group(backend=backend, **kwargs)
 
 
 class Pending:
@@ -286,9 +296,23 @@ def _issue(group: Group, ticket: int | None, collective: str, what: str, fn, the
     return Pending(group, work, collective, what, then)
 
 
+def own_place(group: Group, out: torch.Tensor) -> torch.Tensor:
+    """This rank's place in a gather's output (`out`, world_size equal pieces in rank order): a view. Written
+    there and passed as the shard, the gather runs in place (FSDP2's copy-in; NCCL copies nothing itself)."""
+    n = out.numel() // group.world_size
+    return out.view(-1)[group.rank * n:(group.rank + 1) * n]
+
+
+def in_place(group: Group, out: torch.Tensor, shard: torch.Tensor) -> bool:
+    """The shard is its own place in `out` (nothing for the collective to copy locally)."""
+    place = own_place(group, out)
+    return shard.data_ptr() == place.data_ptr() and shard.numel() == place.numel()
+
+
 def all_gather_into(group: Group, out: torch.Tensor, shard: torch.Tensor, what: str = "",
                     ticket: int | None = None) -> Pending:
-    """Issue: out (world_size * shard.numel()) <- every rank's shard, in rank order. Both on group.device."""
+    """Issue: out (world_size * shard.numel()) <- every rank's shard, in rank order. Both on group.device.
+    `shard` may be own_place(group, out), written beforehand: the gather then runs in place."""
     if not group.distributed:
         out.copy_(shard)
         return Pending()

@@ -10,7 +10,7 @@ The modules always hold either views of `flat` (UNSHARDED) or meta placeholders 
 
 Work on a unit runs on the runtime's lanes, and every piece that may still be running is a future the next
 reader waits for: `update` (the optimizer lane writing the shard: the next gather waits for it, and so does
-the next write of the gradient, which the update reads) and `grads` (the last reduce-lane work on the
+the next write of the gradient, which the update reads) and `grads` (the last reduce-drain work on the
 gradient chunks: the optimizer and the clip norm wait for it). The training thread waits only in
 wait_for_unshard (the gather it is about to compute with) and where a reader needs finished gradients.
 """
@@ -46,8 +46,8 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 
 class IssuedGather:
     """A gather the lane has issued (FSDP2's all-gather result): `pending` is the collective, `copied` the event
-    after the lane's own copies into the flat buffer (one rank, GPU), `held` what the collective reads (leases,
-    the send buffer) and must outlive it. The training thread's wait() orders its stream after both, then
+    after the lane's own copies into the flat buffer (one rank, GPU), `held` what the collective reads besides
+    the flat buffer (a one-chunk lease sent as it is, on gloo) and must outlive it. The training thread's wait() orders its stream after both, then
     lets the held buffers go (retired on that stream, which is now after every reader of them)."""
 
     def __init__(self, pending: comm.Pending, copied, held: list, device: torch.device):
@@ -64,6 +64,15 @@ class IssuedGather:
                     retire(h)
                 else:
                     h.release()
+
+
+class LaunchedReduce:
+    """A reduce-scatter the reduce lane has launched, handed to its drain: `shard` (this rank's mean, once
+    `pending` is waited), `issued` (the launch stream's event after the launch: one rank has no collective to
+    order the drain after it), `read` (what the cast and the collective read: retired on the drain's stream)."""
+
+    def __init__(self, shard: torch.Tensor, pending: comm.Pending, issued, read: list):
+        self.shard, self.pending, self.issued, self.read = shard, pending, issued, read
 
 
 def _result(fut: cf.Future | None) -> None:
@@ -89,8 +98,8 @@ class ShardedUnit:
         self.local_grad: torch.Tensor | None = None  # unsharded fp32 accumulator inside rt.no_sync()
         self.used = torch.zeros(len(layout.slots), dtype=torch.bool)
         self.update: cf.Future | None = None  # the optimizer's pending update of this unit
-        self.grads: cf.Future | None = None  # the last reduce-lane work on the gradient chunks
-        # {slot: L2 norm of this rank's piece of the slot's gradient}, written on the reduce lane when the stored
+        self.grads: cf.Future | None = None  # the last reduce-drain work on the gradient chunks
+        # {slot: L2 norm of this rank's piece of the slot's gradient}, written by the reduce's drain when the stored
         # gradient is one reduce's output (None: accumulated or partly zeroed since, so unknown). rt.clip_grad_norm_
         # uses it instead of reading every gradient chunk back (from disk, when they are paged).
         self.grad_norms: dict[int, torch.Tensor] | None = None
@@ -260,22 +269,31 @@ class ShardedUnit:
                     out[c.lo:c.hi].copy_(lease.wait(), non_blocking=True)  # GPU: on the gather stream
                 copied = record(ctx.device)
                 issued = IssuedGather(comm.Pending(), copied, [], ctx.device)
+                copies = 1
             else:
-                if len(leases) == 1 and not gpu:
+                copies = 0
+                if len(leases) == 1 and not gpu:  # the lease's own bytes: the collective copies them into place
                     send = leases[0].wait()
-                    held = leases  # gloo reads the lease's bytes until the consumer's wait (the host blocks there)
-                else:  # the collective takes one contiguous shard (on a GPU always a copy: see below)
-                    send = torch.empty(self.shards.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
+                    held = leases  # gloo reads them until the consumer's wait (the host blocks there)
+                else:  # in place, as FSDP2: the chunks straight into this rank's place in the flat buffer, which
+                    # the collective sends from (NCCL sees sendbuff == recvbuff + rank * count and copies nothing
+                    # itself); on a GPU always a copy, never a lease's own bytes (see the sync below)
+                    send = comm.own_place(ctx.gather_group, out)
                     for c, lease in zip(self.shards.chunks, leases):
                         send[c.lo:c.hi].copy_(lease.wait(), non_blocking=True)  # GPU: on the gather stream
+                    copies = 1
                 copied = record(ctx.device)
+                copies += not comm.in_place(ctx.gather_group, out, send)  # else the collective copies it there
                 pending = comm.all_gather_into(ctx.gather_group, out, send, what=f"gather of {self.label}",
                                                ticket=ticket)
-                issued = IssuedGather(pending, None, held or [send], ctx.device)
+                issued = IssuedGather(pending, None, held, ctx.device)
             # GPU: the shard's bytes are read once this future resolves (the copies only, not the collective):
             # the unit's next update, which waits for it, may overwrite them (device homes, resident chunks)
             sync(copied)
             ctx.counters.add("allgather_bytes", self.nbytes_full)
+            # this rank's shard copied on its way into the buffer: by the lane, and by the collective unless sent
+            # from its place (one copy is the least: the home bytes are not the buffer's)
+            ctx.counters.add("gather_copy_bytes", copies * self.shards.shard_numel * self.flat.element_size())
             return issued
         except BaseException:
             held = []  # nothing was issued that reads them: every lease goes back below
@@ -368,28 +386,31 @@ class ShardedUnit:
     def reduce(self, full_grad: torch.Tensor) -> None:
         """Queue: mean over ranks of the full gradient (fp32, or Config.reduce_dtype; compute dtype on one rank,
         where nothing is summed), this rank's shard added into the stored fp32 gradient (or written over it,
-        the first time since zero_grad). `full_grad` travels with the work, and so does the event after the
-        compute that wrote it (the reduce stream waits for that, not for the whole device)."""
+        the first time since zero_grad). Two pieces of work: the launch on the reduce lane, its drain on the
+        reduce-drain lane (lanes.py), so no later collective's launch waits for this one's host work. `full_grad`
+        travels with the work, and so does the event after the compute that wrote it (the reduce stream waits
+        for that, not for the whole device)."""
         overwrite, self.has_grad = not self.has_grad, True
-        window = self.ctx.reduce_window  # every unit's reduces in flight, oldest first
+        window = self.ctx.reduce_window  # every unit's reduces in flight (their drains), oldest first
         while window and window[0].done():
             window.popleft()
-        while len(window) >= self.ctx.max_reduces_in_flight:  # bound the full gradients held by the lane
+        while len(window) >= self.ctx.max_reduces_in_flight:  # bound the full gradients held by the lanes
             wait(window.popleft(), self.ctx.meter, Queue.REDUCE)
         written = record(self.ctx.device)
-        self.grads = self.ctx.lanes.reduce.submit(f"reduce:{self.uid or '<root>'}", self._reduce_now, full_grad,
-                                                  written, overwrite, self.update,
-                                                  self.ctx.reduce_group.ticket(self.index))
+        name = self.uid or "<root>"
+        launched = self.ctx.lanes.reduce.submit(f"reduce:{name}", self._launch_reduce, full_grad, written,
+                                                self.ctx.reduce_group.ticket(self.index))
+        self.grads = self.ctx.lanes.reduce_drain.submit(f"reduce drain:{name}", self._drain_reduce, launched,
+                                                        overwrite, self.update)
         window.append(self.grads)
         if self.ctx.on_reduce is not None:
             self.ctx.on_reduce(self)
 
-    def _reduce_now(self, full_grad: torch.Tensor, written, overwrite: bool, after_update: cf.Future | None,
-                    ticket: int | None) -> None:
-        """On the reduce lane (its stream on a GPU)."""
+    def _launch_reduce(self, full_grad: torch.Tensor, written, ticket: int | None) -> LaunchedReduce:
+        """On the reduce lane (its stream on a GPU): cast and launch the reduce-scatter, and return; nothing here
+        waits for a collective or touches the gradient chunks (the drain does)."""
         ctx = self.ctx
         try:
-            _result(after_update)  # the last update reads the gradient chunks: it must be over before they change
             stream_wait(written, ctx.device)  # this stream reads what autograd wrote on the compute stream
             send = full_grad
             if ctx.distributed and ctx.reduce_dtype != full_grad.dtype:
@@ -400,8 +421,19 @@ class ShardedUnit:
             ctx.reduce_group.skip(ticket)  # (if it was not issued) the other lane need not wait for it
             raise
         ctx.counters.add("reduce_scatter_bytes", send.numel() * send.element_size())
-        pending.wait()  # this stream (gloo: this thread) goes on once the sum is here
-        retire(full_grad)  # allocated by autograd on the compute stream, read on this one
+        return LaunchedReduce(shard, pending, record(ctx.device), [full_grad, send])
+
+    def _drain_reduce(self, launched: cf.Future, overwrite: bool, after_update: cf.Future | None) -> None:
+        """On the reduce-drain lane (its stream on a GPU): wait for the launched reduce's sum, then write this
+        rank's shard of it into the gradient chunks (or add it), taking the pieces' norms on the way."""
+        ctx = self.ctx
+        reduced: LaunchedReduce = launched.result()  # issued (a launch that failed fails this too)
+        stream_wait(reduced.issued, ctx.device)  # one rank: the shard is the gradient the launch stream waited for
+        reduced.pending.wait()  # this stream (gloo: this thread) goes on once the sum is here
+        for t in reduced.read:  # the collective and the cast read them on other streams, which this one now follows
+            retire(t)
+        _result(after_update)  # the last update reads the gradient chunks: it must be over before they change
+        shard = reduced.shard
         self.register_grads()
         mode = LeaseMode.OVERWRITE if overwrite else LeaseMode.UPDATE
         where = self._grads_where(accumulate=not overwrite)
@@ -465,8 +497,8 @@ class ShardedUnit:
                 self.local_grad[slot.offset:slot.offset + slot.numel].zero_()
         if self.has_grad:  # other slots keep their gradient: zero these ranges of the stored shard, in order
             ranges = [(p.lo, p.hi) for p in self.layout.pieces(self.ctx.rank) if p.slot in slots]
-            self.grads = self.ctx.lanes.reduce.submit(f"zero_grad:{self.uid or '<root>'}", self._zero_now, ranges,
-                                                      self.update)
+            self.grads = self.ctx.lanes.reduce_drain.submit(f"zero_grad:{self.uid or '<root>'}", self._zero_now,
+                                                            ranges, self.update)
         if set_to_none:
             for s in slots:
                 self.used[s] = False

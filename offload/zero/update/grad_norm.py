@@ -56,7 +56,7 @@ def _on_host(norms: list[torch.Tensor]) -> list[torch.Tensor]:
     on_device = [i for i, n in enumerate(norms) if n.device.type != "cpu"]
     if not on_device:
         return norms
-    host = torch.stack([norms[i] for i in on_device]).cpu()  # final already: the reduce lane synced them
+    host = torch.stack([norms[i] for i in on_device]).cpu()  # final already: the reduce's drain synced them
     out = list(norms)
     for k, i in enumerate(on_device):
         out[i] = host[k]
