@@ -295,7 +295,7 @@ class Schedule:
         from nvme what was just written, a write-then-read on the forward's critical path."""
         plan = self.plan
         if not (self.prefetch and self._following and plan is not None and spec.home is Tier.NVME
-                and spec.key not in plan.resident and unit.uid in plan.forward_units):
+                and not self.ctx.states.is_resident(spec) and unit.uid in plan.forward_units):
             return
         nbytes = self.ctx.states.staged_nbytes(spec)
         with self._lock:
