@@ -51,6 +51,7 @@ class Plan:
     read_budget: int  # bytes of params read ahead and not yet used, at most
     state_budget: int  # bytes of the next update's optimizer states read during the backward, at most
     lanes_bytes: int = 0  # cpu bytes the plan keeps for the lanes (working set and read-ahead): not the residents'
+    forward_units: frozenset = frozenset()  # units the forward uses (their updates hand their params over)
 
 
 class Schedule:
@@ -96,6 +97,9 @@ class Schedule:
         self._prefetched: dict[ShardKey, object] = {}  # read ahead, not yet taken
         self._prefetched_bytes = 0
         self._claims: dict[str, int] = {}  # uid -> generation: bumped when a gather takes the unit's reads
+        self.param_bytes_handed_over = 0  # param chunks an update kept in memory for the next gather (hand_over)
+        if pipeline is not None:
+            pipeline.param_written = self.hand_over
 
     # ---- training state ------------------------------------------------------------------------
     def _enter(self, state: TrainingState) -> None:
@@ -284,6 +288,29 @@ class Schedule:
             self._prefetched[read.key] = lease
             self._prefetched_bytes += read.nbytes
 
+    def hand_over(self, unit, chunk, spec) -> None:
+        """On the optimizer lane: an update after the backward has just written `unit`'s param chunk, and its lease
+        still holds the bytes. The next forward gathers the unit right after its update, so while the plan pages
+        that chunk and the read-ahead budget has room, a READ lease on the same working copy goes in the read-ahead
+        table (the update's release then writes it home and keeps it): the gather takes it instead of reading back
+        from nvme what was just written, a write-then-read on the forward's critical path."""
+        plan = self.plan
+        if not (self.prefetch and self._following and plan is not None and spec.home is Tier.NVME
+                and not self.ctx.states.is_resident(spec) and unit.uid in plan.forward_units):
+            return
+        nbytes = self.ctx.states.staged_nbytes(spec)
+        with self._lock:
+            if spec.key in self._prefetched or self._prefetched_bytes + nbytes > plan.read_budget:
+                return
+            # the update's lease is in the cpu tier (Use.HOST): one of that tier shares its working copy (no I/O, no
+            # buffer); the gather copies it to the compute device as it does a compute lease's bytes
+            lease = self.ctx.states.lease(spec, Where.HOST, LeaseMode.READ, block=False)
+            if lease is None:
+                return
+            self._prefetched[spec.key] = lease
+            self._prefetched_bytes += nbytes
+            self.param_bytes_handed_over += spec.nbytes
+
     def _gather_backed_off(self, unit) -> None:
         self._backed_off.add(unit.uid)
         self.gathers_backed_off += 1
@@ -431,7 +458,8 @@ class Schedule:
             # lane's working set stays free: an update runs while later units' states wait in the read-ahead.
             working_step = 0 if self.plan_for_updates_in_backward else working.step
             state_budget = working_step + step_ahead + (0 if any(needs) else read_budget) if self.prefetch else 0
-            self.plan = Plan(trace, issue, planner.step_order(trace), resident, read_budget, state_budget, reserve)
+            self.plan = Plan(trace, issue, planner.step_order(trace), resident, read_budget, state_budget, reserve,
+                             frozenset(trace.units(Phase.FORWARD)))
             self.plans_made += 1
 
     def _settle_residency(self, specs: list, plan: frozenset, reserve: int) -> None:

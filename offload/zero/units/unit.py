@@ -256,6 +256,10 @@ class ShardedUnit:
         leases, held = [], []
         try:
             _result(after_update)  # the shard must hold the last update before it is read
+            if after_update is not None:  # the param chunks that update kept in memory for this gather
+                for index, lease in ctx.schedule.take_prefetched(self).items():
+                    if prefetched.setdefault(index, lease) is not lease:
+                        lease.release()
             stream_wait(readers, ctx.device)  # GPU: kernels queued on the compute stream read the old bytes first
             for c in self.shards.chunks:
                 lease = prefetched.get(c.index)

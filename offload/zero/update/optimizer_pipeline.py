@@ -84,6 +84,9 @@ class UnitUpdate:
     speculative: bool = False
     exchanged: list = field(default_factory=list)
     written: list = field(default_factory=list)
+    # queued by opt.step() after the backward: the next forward gathers the unit right after its update, so each
+    # param chunk written is offered to it (OptimizerPipeline.param_written) before it goes home
+    hand_over: bool = False
 
     def runs_in(self, c: Chunk) -> list[tuple[int, int, Run]]:
         """(chunk-local lo, hi, run) for the runs that meet chunk c."""
@@ -118,6 +121,9 @@ class OptimizerPipeline:
         self._forward_rank: dict | None = None  # unit uid -> position in the next forward (None: oldest first)
         self._order: list = []  # the units of the last read_states_ahead, in the order their updates come
         self._allowance = 0
+        # (unit, chunk, spec) -> None, on this lane after an update of a hand_over UnitUpdate wrote the param chunk
+        # and before its lease goes (the schedule keeps those bytes for the next gather: Schedule.hand_over)
+        self.param_written = None
 
     # ---- between steps: the next update's first states, read while the backward computes -------------
     def read_states_ahead(self, units: list, allowance: int) -> None:
@@ -252,6 +258,7 @@ class OptimizerPipeline:
                     if not self._lease(nxt, block=False):
                         break  # no room now: later chunks wait their turn (ordered back-off)
                 self._step(item)
+                self._offer_param(item)
             except BaseException as e:  # noqa: BLE001 - every later unit's future carries it
                 failed = e
                 if isinstance(e, Exception) and not isinstance(e, UpdateFailed):  # (an interrupt stays itself)
@@ -336,6 +343,14 @@ class OptimizerPipeline:
             for a, b, r in item.runs:
                 schema.step_chunk(t[StateKind.MASTER], t[StateKind.GRAD], states, out, a, b, r.hyper, r.step,
                                   u.grad_scale)
+
+    def _offer_param(self, item: _Item) -> None:
+        """The kernel wrote `item`'s compute-dtype param chunk: while the lease still holds those bytes in memory,
+        offer them to the next forward's gather (else it would read back from nvme what this release writes)."""
+        if item.update.hand_over and self.param_written is not None:
+            for slot, kind, _ in self._wanted(item):
+                if kind is StateKind.PARAM and slot in item.leases:
+                    self.param_written(item.update.unit, item.chunk, item.update.unit.shards.spec(kind, item.chunk))
 
     def _write_beside(self, item: _Item) -> None:
         """A speculative update (speculation.py): its master and optimizer states are read (waited); exchange each

@@ -346,6 +346,7 @@ class UpdatePath:
         updates.sort(key=lambda u: rank[id(u.unit)])
         for u in updates:
             self._before_update(u.unit)
+            u.hand_over = True  # after the backward: the next forward gathers it next (Schedule.hand_over)
         if early.armed:  # the backward queued updates, still running: with these, one at a time, the one the next
             # forward needs first (a unit's chunks held resident wait for no I/O: not behind the others' I/O)
             self.pipeline.prefer_forward_order([u.uid for u in order])
