@@ -17,7 +17,8 @@ from .. import env
 from ..store.links import Link
 from ..store.sizes import format_bytes
 from ..errors import InputError
-from .job import FinetuneConfig, FinetuneResult
+from .config import FinetuneConfig
+from .job import FinetuneResult
 
 
 def result_json(r: FinetuneResult) -> dict:
