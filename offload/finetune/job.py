@@ -8,7 +8,7 @@
 With no model it builds a small Llama (tens of millions of parameters) from a config and, with no data,
 trains it on the Python standard library's sources with a byte-level BPE trained on the spot (corpus.py,
 tokenizer.py). The model is built inside `offload.init` (parameters are meta placeholders), so a real
-model streams from its safetensors into the store unit by unit (hf_model_dir.py). The loop is plain
+model streams from its safetensors into the store unit by unit (offload/integrations/hf_model_dir.py). The loop is plain
 PyTorch: forward, loss, backward per micro-batch, then clip, step, schedule. Launch it with torchrun for
 ZeRO-3 over ranks: each rank trains on its slice of every global batch (batches.py).
 """
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..config import Config, deepspeed_fields, parse_size
 from ..device import is_out_of_memory
 from .batches import IGNORE, Sampler, TokenBlocks, build_blocks, split_heldout
-from .hf_model_dir import HFModelDir, save_pretrained
+from ..integrations.hf_model_dir import HFModelDir, save_pretrained
 from ..integrations.lora import base_name, base_weights, merged_params, save_adapter
 from . import preflight
 from .corpus import STDLIB_CHARS, DataError, read_data_file, stdlib_corpus, stdlib_root

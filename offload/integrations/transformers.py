@@ -397,7 +397,7 @@ class OffloadTrainerMixin:
         """The model as a Hugging Face directory (config, consolidated safetensors of the fp32 master weights,
         the tokenizer), or for a PEFT model its adapter directory, as Trainer writes it: collective, every rank
         gathers, rank 0 writes."""
-        from offload.finetune.hf_model_dir import save_pretrained
+        from offload.integrations.hf_model_dir import save_pretrained
         from offload.integrations.lora import is_peft_model, save_adapter
 
         output_dir = output_dir or self.args.output_dir

@@ -423,7 +423,7 @@ class Runtime:
         """Shard `model` into units (in place) and return it. Models built inside the block are materialized
         unit by unit; an existing model keeps its values (rank 0's, broadcast). `weights(name, meta_param)`,
         when given, returns each parameter's value as its unit is sharded (streamed loading, e.g.
-        offload.finetune.hf_model_dir.SafetensorsWeights)."""
+        offload.integrations.hf_model_dir.SafetensorsWeights)."""
         self._check_open("rt.wrap")
         if getattr(model, "_offload_runtime", None) is self:
             refuse_unmanaged(model)  # e.g. PEFT's adapters added to a sharded model
