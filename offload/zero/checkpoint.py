@@ -44,8 +44,8 @@ from ..store import LeaseMode, Tier
 from ..telemetry import Queue
 from .update import optim_states
 from ..optim.schema import by_name as schema_by_name
-from .units.shards import StateKind
-from .units.state import UnitState
+from .shards import StateKind
+from .state_machines import UnitState
 from .state_store import Use
 
 

@@ -33,7 +33,7 @@ from ..plan.step_time import Machine, movement_step_s
 from ..store import Tier
 from ..store.swap_file import page_bytes
 from .units.layout import FlatLayout
-from .units.shards import StateTiers, chunk_bounds
+from .shards import StateTiers, chunk_bounds
 from .state_store import check_nvme_path
 
 CHUNK_ALIGN = 2048  # elements: chunk boundaries on 4 KiB of bf16 / 8 KiB of fp32

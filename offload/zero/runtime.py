@@ -10,12 +10,13 @@
     # leaving the block waits for queued work, frees every shard, removes swap files, restores nn.Module,
     # and makes the model raise a clear error when used.
 
-The pieces: units/ (shards.py names every shard, unit.py is one unit's state machine), update/ (the
-optimizers; step.py owns the step's state and hands each step's updates to the optimizer pipeline),
-collectives/ (comm.py, the watchdog); here: wrap.py shards a model into units, torch_patches.py keeps plain
-PyTorch calls working on a wrapped model, placement.py decides tiers and chunking, state_store.py owns the
-store and the swap directory, schedule.py traces the step and drives the prefetch, lanes.py runs the gathers,
-reduces and the pipeline in the background (docs/zero-runtime.md has the whole table).
+The pieces, bottom up: collectives/ (comm.py, the watchdog); shards.py names every shard and state_machines.py
+holds the units' and the training's states, below state_store.py (the store and the swap directory), lanes.py
+and the schedule; units/ (unit.py is one unit's gathers, frees and reduces), update/ (the
+optimizers; step.py owns the step's state and hands each step's updates to the optimizer pipeline); here:
+wrap.py shards a model into units, torch_patches.py keeps plain PyTorch calls working on a wrapped model,
+placement.py decides tiers and chunking, schedule.py traces the step and drives the prefetch, lanes.py runs the
+gathers, reduces and the pipeline in the background (docs/zero-runtime.md has the whole table).
 
 Gradient accumulation: by default every backward reduce-scatters its gradient and adds this rank's shard to
 the stored gradient shard (memory: one shard per unit). Inside `with rt.no_sync():` backward passes
@@ -61,8 +62,8 @@ from .units.hooks import check_call
 from .units.materialize import ConstructionCapture
 from .update.optimizer_pipeline import OptimizerPipeline
 from .schedule import Schedule
-from .units.shards import StateKind
-from .units.state import UnitState
+from .shards import StateKind
+from .state_machines import UnitState
 from .torch_patches import ForeignCodeGuards, placed_apply, route_compiled_zero_grad
 from .ddp_guard import DDPGuard
 from .state_store import UnitStateStore, prepare_swap_dir

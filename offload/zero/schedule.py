@@ -34,8 +34,8 @@ from ..store import LeaseMode, Tier
 from ..store.swap_file import page_bytes
 from ..telemetry import span
 from .lanes import LaneContext
-from .units.shards import ShardKey, StateKind
-from .units.state import TRAINING_MOVES, TrainingState, UnitState
+from .shards import ShardKey, StateKind
+from .state_machines import TRAINING_MOVES, TrainingState, UnitState
 from .state_store import Use as Where
 
 log = logging.getLogger("offload")
@@ -100,7 +100,7 @@ class Schedule:
     def _enter(self, state: TrainingState) -> None:
         if (self.state, state) not in TRAINING_MOVES:
             raise RuntimeError(f"offload: the training loop went from {self.state.name} to {state.name}, which the "
-                               "runtime does not expect (offload/zero/units/state.py TRAINING_MOVES); please report it with "
+                               "runtime does not expect (offload/zero/state_machines.py TRAINING_MOVES); please report it with "
                                "the loop that did it")
         self.state = state
 

@@ -31,7 +31,7 @@ from ..device import retire
 from ..dir_lock import DirLock, make_locked_dir, remove_stale
 from ..store import LeaseMode, StoreConfig, Tier, TieredStore, nvme_budget_bytes
 from ..store.lease import Lease, resolved
-from .units.shards import ShardKey, ShardSpec
+from .shards import ShardKey, ShardSpec
 
 ALLOC_TIMEOUT_S = 120.0  # a buffer that cannot be had in this long is a planning error: raise, never hang
 RUN_DIR_PREFIX = "offload-"  # a run directory is nvme_path/offload-<pid>-rank<r>-<random>

@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 
 from ..collectives import comm
-from .shards import StateKind
-from .state import UnitState
+from ..shards import StateKind
+from ..state_machines import UnitState
 
 _RAW = [0]  # >0 while torch's own state_dict walk runs on wrapped modules (the overrides defer to it)
 

@@ -2,7 +2,7 @@
 into this rank's shard.
 
 Bytes per unit and rank:
-  home tiers  this rank's shard, chunk by chunk (shards.py): the param in compute dtype, an fp32 master when
+  home tiers  this rank's shard, chunk by chunk (../shards.py): the param in compute dtype, an fp32 master when
               compute is bf16, the Adam moments and the reduced fp32 gradient
   device      the full flat parameter, only while GATHERING / UNSHARDED (`flat`, storage resized to 0
               otherwise); the unsharded fp32 gradient accumulator, only inside `rt.no_sync()`.
@@ -32,8 +32,8 @@ from ..host_memory import advise_huge_pages
 from ..lanes import wait
 from .layout import FlatLayout
 from .piece_norms import PieceNorms
-from .shards import StateKind, UnitShards
-from .state import ALLOWED, UnitState
+from ..shards import StateKind, UnitShards
+from ..state_machines import ALLOWED, UnitState
 from ..state_store import Use
 
 

@@ -183,7 +183,7 @@ class ShardedOptimizer:
         pieces here, so nothing marked its copy outdated, while the ranks that hold them stepped it: they re-gathered
         it before its next use and this rank did not (a collective met another unit's: gloo aborted, on LoRA over an
         MoE base on 2 ranks). Marked here from the gradient flags every rank shares (sync_used)."""
-        from ..units.state import UnitState
+        from ..state_machines import UnitState
 
         planned, mine = {id(u) for u, _ in plan}, self._slot_index()
         for unit in self.path.units:

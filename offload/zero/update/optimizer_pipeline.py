@@ -38,7 +38,7 @@ from ...optim.schema import Schema
 from ...store import LeaseMode, Tier
 from ...telemetry import Queue
 from ..lanes import LaneContext
-from ..units.shards import Chunk, StateKind
+from ..shards import Chunk, StateKind
 from ..state_store import Use
 
 

@@ -41,7 +41,7 @@ from .grad_norm import local_norms
 from .loss_scale import GradState, LossScale
 from .optimizer_pipeline import OptimizerPipeline, UnitUpdate, UpdateFailed
 from .speculation import Speculation
-from ..units.state import UnitState
+from ..state_machines import UnitState
 
 if TYPE_CHECKING:
     from ...config import Config
