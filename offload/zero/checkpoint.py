@@ -40,6 +40,7 @@ from ..checkpoint.files import (CheckpointError, TensorFileWriter, atomic_write_
 from ..checkpoint.manifest import FORMAT, LATEST, MANIFEST, VerifiedFiles, rank_file, read_manifest, resolve
 from ..store.sizes import format_bytes
 from .. import inject
+from ..version import __version__
 from ..store import LeaseMode, Tier
 from ..telemetry import Queue
 from .update import optim_states
@@ -304,8 +305,6 @@ def _write_rank_file(rt, path: Path, rng_tensors: dict[str, torch.Tensor]) -> di
 
 
 def _manifest(rt, tag: str, statuses: list[dict], extra: dict, lr_schedulers) -> dict:
-    import offload
-
     schedulers = []
     for s in lr_schedulers:
         sd = {k: v for k, v in s.state_dict().items() if k != "lr_lambdas"}  # lambdas are code, rebuilt by the user
@@ -328,7 +327,7 @@ def _manifest(rt, tag: str, statuses: list[dict], extra: dict, lr_schedulers) ->
         "format": FORMAT,
         "tag": tag,
         "optimizer_steps": rt.step_stats.steps,
-        "versions": {"offload": offload.__version__, "torch": torch.__version__},
+        "versions": {"offload": __version__, "torch": torch.__version__},
         "world_size": rt.world_size,
         "compute_dtype": rt.config.compute_dtype,
         "placement": {"params": rt.params_tier, "optimizer": rt.optimizer_tier, "grads": rt.grads_tier},
