@@ -46,7 +46,6 @@ from ..telemetry import Queue
 from .update import optim_states
 from ..optim.schema import by_name as schema_by_name
 from .shards import StateKind
-from .state_machines import UnitState
 from .state_store import Use
 
 
@@ -590,7 +589,6 @@ def _load_unit(rt, unit, entry: dict, handles: dict, keys: dict, old_world: int)
     if not entry["moments"] and unit.shards.moments_registered:  # never stepped when saved: fresh states
         optim_states.reset(unit)
     # the accumulation state: a saved partial gradient is added to by the next backward
-    unit.has_grad, unit.local_grad, unit.grad_norms = bool(entry.get("grad")), None, None
+    unit.on_gradient_loaded(bool(entry.get("grad")))
     unit.used.copy_(torch.tensor(entry.get("used", [False] * len(unit.layout.slots)), dtype=torch.bool))
-    if unit.state is UnitState.UNSHARDED:
-        unit.stale = True  # a gathered (persistent) unit re-gathers before its next use
+    unit.on_shard_written()  # a gathered (persistent) unit re-gathers before its next use
