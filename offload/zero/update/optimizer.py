@@ -189,7 +189,7 @@ class ShardedOptimizer:
         for unit in self.path.units:
             if (unit.persistent and id(unit) not in planned and unit.state is UnitState.UNSHARDED
                     and any(bool(unit.used[s.index]) for s in unit.layout.slots if (id(unit), s.index) in mine)):
-                unit.stale = True
+                unit.on_shard_written()
 
     def count_step(self, units) -> None:
         """Advance the step count of every parameter of `units` that got a gradient (once each)."""
