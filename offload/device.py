@@ -126,6 +126,7 @@ def sync(event) -> None:
         event.synchronize()
 
 
+# See [Note: buffers that cross streams] in docs/zero-runtime.md
 def retire(t: torch.Tensor | None) -> None:
     """`t` was used on the current stream: the caching allocator hands its memory out again only after
     this stream has passed what is queued now (no-op off CUDA)."""

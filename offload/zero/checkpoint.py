@@ -430,6 +430,7 @@ def _old_ranks_needed(rt, manifest: dict) -> list[int]:
     return sorted(need)
 
 
+# See [Note: every rank meets first] in docs/zero-runtime.md
 def load_checkpoint(rt, root, lr_schedulers=()) -> dict:
     """Load the checkpoint at `root` (module docstring) into the open runtime; collective. Returns `extra`.
     Every check (files, units, optimizers, schedulers, tensors present) runs before the first write, on every

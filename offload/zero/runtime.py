@@ -383,6 +383,7 @@ class Runtime:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
 
+    # See [Note: what is patched, and for how long] in docs/zero-runtime.md
     def _auto_wrap(self, module, args):
         """Every module's forward pre-hook: traced by torch.compile while nothing is pending (a flag read)."""
         if type(module).__name__ == "OptimizedModule" and "zero_grad" not in module.__dict__:
@@ -625,6 +626,7 @@ class Runtime:
                 out[name] = buf.detach().to("cpu").clone()
         return out
 
+    # See [Note: the gathered bound] in docs/zero-runtime.md
     def gathered_bound(self) -> int:
         """Stated bound on gathered bytes: root + persistent units + the largest other unit, twice when the
         next unit is gathered while one runs (placement.gather_ahead)."""

@@ -97,11 +97,12 @@ class Schedule:
         self._claims: dict[str, int] = {}  # uid -> generation: bumped when a gather takes the unit's reads
 
     # ---- training state ------------------------------------------------------------------------
+    # See [Note: one writer per state] in docs/zero-runtime.md
     def _enter(self, state: TrainingState) -> None:
         if (self.state, state) not in TRAINING_MOVES:
             raise RuntimeError(f"offload: the training loop went from {self.state.name} to {state.name}, which the "
-                               "runtime does not expect (offload/zero/state_machines.py TRAINING_MOVES); please report it with "
-                               "the loop that did it")
+                               "runtime does not expect (offload/zero/state_machines.py TRAINING_MOVES); please report "
+                               "it with the loop that did it")
         self.state = state
 
     # ---- the hooks' calls (hooks.py) ------------------------------------------------------------
@@ -385,6 +386,7 @@ class Schedule:
             specs = self._nvme_specs()
             states = self.ctx.states
             resident_bytes = sum(page_bytes(s.nbytes) for s in specs if s.key in states.resident_keys())
+            # See [Note: the cpu budget's order of claims] in docs/zero-runtime.md
             # The cpu budget, what is not held for good (home shards): first the lanes' working set (so they
             # can always make progress), then the read-ahead (params, the optimizer's next chunks), then states
             # kept resident across steps.

@@ -184,6 +184,7 @@ class UnitStateStore:
         self._registered.add(spec.key)
         return fut
 
+    # See [Note: a speculative update commits or is taken back] in docs/zero-runtime.md
     def exchange(self, spec: ShardSpec, spare: ShardSpec) -> None:
         """Swap the nvme slots of `spec` and its registered `spare` (TieredStore.exchange_slots): `spec`'s next
         write lands beside its last one, which the spare keeps until exchanged back."""
@@ -264,6 +265,7 @@ class UnitStateStore:
         return self.store.closed
 
 
+# See [Note: swap directories are locked] in docs/zero-runtime.md
 def prepare_swap_dir(path: str | os.PathLike, budget: str | int | None, ranks_sharing: int) -> int:
     """What a run does first with its nvme_path: check it (check_nvme_path), remove the swap directories that
     dead runs left under it, then this rank's nvme budget by the store's rule (store.nvme_budget_bytes: the

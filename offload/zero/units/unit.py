@@ -134,6 +134,7 @@ class ShardedUnit:
         return f"unit {self.index} ({self.name or '<root>'})"
 
     # ---- state transitions (the only writers of self.state) --------------------------------
+    # See [Note: one writer per state] in docs/zero-runtime.md
     def _transition(self, to: UnitState) -> None:
         if (self.state, to) not in ALLOWED:
             raise RuntimeError(f"offload: {self.label}: illegal state change {self.state.name} -> {to.name}")
