@@ -7,7 +7,7 @@ interleaved, each round in an order rotated by its number. Model states live in 
 optimizer "cpu"), so what differs between contenders is only where the activations wait. On a machine without a
 GPU the compute device is the CPU: the "device" memory the offload frees is host memory too, so peak RSS cannot
 fall; `device peak` is the figure the offload lowers: the compute device's allocator at its busiest in a timed step
-(offload.device.take_peak_allocated over the timed steps: on a GPU max_memory_allocated, on the CPU the host
+(offload.device_memory.take_peak_allocated over the timed steps: on a GPU max_memory_allocated, on the CPU the host
 pool's tensors of 128 KiB and up, the device tier's own region not included). `moved` is what the saved-tensor hooks
 sent to the store per step, `kept` what stayed for want of room, `wait` the training thread's seconds waiting for
 a tensor to come back.
@@ -45,7 +45,7 @@ def child(args) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import offload
-    from offload.device import take_peak_allocated
+    from offload.device_memory import take_peak_allocated
     from offload.zero.host_memory import peak_rss_bytes
 
     torch.set_num_threads(args.threads)

@@ -536,7 +536,7 @@ def runtime_room(s: EmuSettings, tiers: dict, cpu_budget: int) -> float:
     from offload.store.swap_file import page_bytes
     from offload.zero.placement import (chunk_numel_for, equal_chunk, fit_chunk, host_working_set,
                                         optimizer_fp32_states)
-    from offload.zero.units.shards import chunk_bounds
+    from offload.zero.shards import chunk_bounds
 
     world, width = s.world_size, 2  # bf16 compute
     shards = [-(-block_params(s.dim, s.ff) // world)] * s.layers + [-(-s.dim // world)]

@@ -1,5 +1,5 @@
 """offload: heterogeneous-memory offload runtime for PyTorch training."""
-__version__ = "0.1.0"
+from .version import __version__
 
 # Public names resolve lazily: `import offload` (the CLI's --version) must not pay for importing torch.
 _LAZY = {

@@ -106,11 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def debugging() -> bool:
-    """OFFLOAD_DEBUG=1: errors raise with their traceback instead of printing one line."""
-    return env.DEBUG.on()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -124,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except Exception as exc:  # noqa: BLE001 - a user sees one line; OFFLOAD_DEBUG=1 shows the traceback
-        if debugging():
+        if env.DEBUG.on():  # OFFLOAD_DEBUG=1: the error raises with its traceback
             raise
         from .errors import InputError
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .bench.figures import bench_figures
+from .deepspeed_training import TRAINING_KEYS as _DS_TRAINING_KEYS, validate as validate_training
 from .store.sizes import Bytes, parse_size as _parse_size
 
 TIERS = ("device", "cpu", "nvme", "auto")
@@ -371,9 +372,6 @@ class PersistElements(int):
     turns it into bytes of its own compute dtype."""
 
 
-from .integrations.deepspeed import TRAINING_KEYS as _DS_TRAINING_KEYS  # noqa: E402 (imports no transformers)
-
-
 def deepspeed_fields(ds: dict) -> tuple[dict[str, Any], list[str]]:
     """(the Config fields a DeepSpeed config, or its zero_optimization section, sets; the keys it ignores).
     Raises ValueError naming an unknown key or a contradiction."""
@@ -459,9 +457,7 @@ def deepspeed_fields(ds: dict) -> tuple[dict[str, Any], list[str]]:
             ignored.append(f"zero_optimization.{key}")
         else:
             raise ValueError(f"from_deepspeed: unknown key zero_optimization.{key}")
-    from .integrations.deepspeed import validate
-
-    training = validate(top)
+    training = validate_training(top)
     if training:
         fields["deepspeed_training"] = training
     return fields, ignored

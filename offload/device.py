@@ -11,10 +11,10 @@ code. On the CPU every stream is None and every event call is a no-op, so the or
     wait(done, device)                   # the current stream waits for it (the host does not)
     sync(done)                           # the host waits for it (a lane, for bytes it reads next)
     retire(t)                            # t was used on the current stream: the allocator reuses it after
-    peak_allocated(device)               # the most the compute device's allocator has held (nothing reset)
-    free_at_peak(device)                 # what the device had free when its allocator held the most
-    take_peak_allocated(device)          # the same since the last call, the window restarted (tests, benches)
     prefer_expandable_segments()         # a process of ours, before CUDA starts: segments that grow in place
+
+What the device's memory did (its allocator's peak, what was free then) is device_memory.py's, above the store
+whose host pool is the CPU's allocator.
 
 Why record_stream (retire): a tensor allocated on one stream and read on another must not be handed out
 again by the caching allocator until the reader's stream has passed its use. Freeing it after a wait is not
@@ -28,8 +28,7 @@ import threading
 
 import torch
 
-__all__ = ["compute_device", "bind_thread", "Streams", "record", "wait", "sync", "retire", "peak_allocated",
-           "take_peak_allocated", "free_at_peak", "prefer_expandable_segments"]
+__all__ = ["compute_device", "bind_thread", "Streams", "record", "wait", "sync", "retire", "prefer_expandable_segments"]
 
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
@@ -127,6 +126,7 @@ def sync(event) -> None:
         event.synchronize()
 
 
+# See [Note: buffers that cross streams] in docs/zero-runtime.md
 def retire(t: torch.Tensor | None) -> None:
     """`t` was used on the current stream: the caching allocator hands its memory out again only after
     this stream has passed what is queued now (no-op off CUDA)."""
@@ -139,47 +139,3 @@ def is_out_of_memory(exc: BaseException) -> bool:
     memory" RuntimeError."""
     return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError)
                                                        and "can't allocate memory" in str(exc))
-
-
-def peak_allocated(device: torch.device) -> int | None:
-    """The most the compute device's allocator has handed out (the device tier's blocks, gathered units,
-    activations, autograd's buffers), resetting nothing: the runtime reports it every step, and a user's own
-    torch.cuda.reset_peak_memory_stats / max_memory_allocated measurement stays theirs. CUDA: max_memory_allocated
-    (since the process started or the caller last reset it). CPU: the host pool's peak in use (tensors of 128 KiB
-    and up, since it was installed or trimmed; None when the pool is not torch's CPU allocator; the device tier's
-    own region is not in it there, it is reported as that tier's occupancy)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    from .store import host_pool
-
-    return host_pool.stats()["peak_in_use_bytes"] if host_pool.installed() else None
-
-
-def free_at_peak(device: torch.device) -> int:
-    """The bytes the compute device had free at its allocator's busiest (since the process started, or the
-    caller last reset torch's peak statistics): what is free now less what the allocator held then and has
-    given back since. CUDA: the driver's free memory (communicators and other processes counted) less
-    max_memory_reserved - memory_reserved. CPU: the host memory available to this process (its cgroup's limit
-    counted) less the host pool's peak in use over what it holds now (without the pool: available now)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(0, free - (torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device)))
-    from .store import host_pool
-    from .store.budget import host_memory
-
-    available = host_memory()[1]
-    pool = host_pool.stats() if host_pool.installed() else None
-    return max(0, available - (pool["peak_in_use_bytes"] - pool["in_use_bytes"] if pool else 0))
-
-
-def take_peak_allocated(device: torch.device) -> int | None:
-    """Like peak_allocated, but over a window: the most handed out since the last call, the window restarted now.
-    CUDA: this resets torch's peak statistics, so only a measurement that owns the process (a test, a bench)
-    calls it, never the runtime. CPU: the host pool's own window (independent of its peak in use)."""
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return peak
-    from .store import host_pool
-
-    return host_pool.take_window_peak() if host_pool.installed() else None

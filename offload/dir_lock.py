@@ -86,6 +86,7 @@ def _same_file(fd: int, path: Path) -> bool:
     return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
+# See [Note: swap directories are locked] in docs/zero-runtime.md
 class DirLock:
     """An exclusive flock on `directory`/.offload-lock for this process. acquire() makes the directory (and
     the lock file) if missing; release() removes the file while still holding the lock, and the directories

@@ -74,7 +74,7 @@ HOST_POOL_HEADROOM = _var(
     "bytes of freed blocks the host pool keeps mapped beyond its peak in use: more reuses more, less keeps "
     "resident memory nearer the step's peak", "user")
 DEBUG = _var(
-    "OFFLOAD_DEBUG", "flag", "off", "offload/cli.py, when a command fails",
+    "OFFLOAD_DEBUG", "flag", "off", "offload/cli.py and offload/finetune/cli.py, when a command fails",
     "the CLI raises an error with its traceback instead of printing one line and exiting 2", "user")
 
 # ---- the build of the C++ extension --------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import psutil
 import torch
 
 import offload
-from offload.finetune.hf_model_dir import HFModelDir
+from offload.integrations.hf_model_dir import HFModelDir
 from offload.zero.host_memory import peak_rss_bytes
 from offload.zero.units.materialize import values_from_weights
 

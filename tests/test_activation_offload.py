@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import offload  # noqa: E402
 from offload import inject  # noqa: E402
-from offload.device import take_peak_allocated  # noqa: E402
+from offload.device_memory import take_peak_allocated  # noqa: E402
 from offload.store import host_pool  # noqa: E402
 from offload.store.swap_file import page_bytes  # noqa: E402
 from offload.telemetry import Queue  # noqa: E402

@@ -80,7 +80,7 @@ def test_the_ranks_leave_save_pretrained_together_so_the_next_entry_point_meets(
         import torch
         sys.path.insert(0, {str(TESTS)!r})
         import offload
-        from offload.finetune.hf_model_dir import save_pretrained
+        from offload.integrations.hf_model_dir import save_pretrained
         from zero_common import make_llama, small_config
 
         class SlowTokenizer:

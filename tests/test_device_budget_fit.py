@@ -69,7 +69,7 @@ def test_a_working_set_the_first_step_left_no_room_for_is_flagged():
 
 
 def test_a_device_left_full_by_the_first_step_holds_the_tier_to_its_working_set(monkeypatch, caplog):
-    """The device as the first step left it, nearly full (its free-memory report, device.free_at_peak, says
+    """The device as the first step left it, nearly full (its free-memory report, device_memory.free_at_peak, says
     1 MiB: the one thing not measured here): the tier's limit drops to its own peak in that step, a warning names
     the fixes, and the run trains on under it, bit for bit as with the budget given."""
     import offload.zero.device_budget_fit as fitting

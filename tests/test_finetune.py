@@ -179,7 +179,7 @@ def test_saved_weights_get_the_mode_of_the_other_files(tmp_path, tiny_model, sha
     """safetensors creates its files 0600: the weights would be private while config.json and the tokenizer
     are readable by all (0666 less the umask), so another user could read the config but not the model."""
     import offload
-    from offload.finetune.hf_model_dir import save_pretrained
+    from offload.integrations.hf_model_dir import save_pretrained
 
     umask = os.umask(0)
     os.umask(umask)
@@ -497,7 +497,7 @@ def test_persistent_buffers_are_read_from_the_weights(tmp_path):
     value, which the save then wrote out in place of the model's."""
     from safetensors.torch import save_file
 
-    from offload.finetune.hf_model_dir import HFModelDir
+    from offload.integrations.hf_model_dir import HFModelDir
 
     class WithBuffer(torch.nn.Module):
         def __init__(self):

@@ -78,7 +78,7 @@ def test_the_generation_config_comes_with_the_model_and_goes_with_it(tmp_path):
     from transformers import GenerationConfig
 
     GenerationConfig(eos_token_id=[2, 7], temperature=0.3, do_sample=True).save_pretrained(tmp_path / "m")
-    from offload.finetune.hf_model_dir import save_pretrained
+    from offload.integrations.hf_model_dir import save_pretrained
 
     with offload.init(_cfg()) as rt:
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")

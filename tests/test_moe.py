@@ -1,5 +1,5 @@
 """Mixture-of-experts models end to end (issue 45): per-expert checkpoints, as transformers' own save_pretrained and
-the Hub write them, stream into the installed transformers' fused-experts layout (offload/finetune/
+the Hub write them, stream into the installed transformers' fused-experts layout (offload/integrations/
 checkpoint_layout.py, through transformers' conversion mapping), train as plain PyTorch does on 1 and 2 ranks with
 routers that choose differently on each rank, load-balancing loss included, under LoRA too, and the fine-tune's
 output loads back in transformers."""
@@ -58,7 +58,7 @@ def test_a_per_expert_checkpoint_streams_into_the_models_layout(tmp_path, family
 
 def test_mixtral_files_are_per_expert_and_the_model_fused(tmp_path):
     """What the test above covers: the files' names are not the model's (else it proves nothing)."""
-    from offload.finetune.hf_model_dir import HFModelDir
+    from offload.integrations.hf_model_dir import HFModelDir
 
     save_moe(tmp_path / "m", "mixtral")
     files = HFModelDir(tmp_path / "m").entries
@@ -70,7 +70,7 @@ def test_mixtral_files_are_per_expert_and_the_model_fused(tmp_path):
 
 
 def test_a_checkpoint_whose_experts_do_not_fit_the_config_names_them(tmp_path):
-    from offload.finetune.hf_model_dir import HFModelDir, ModelDirError
+    from offload.integrations.hf_model_dir import HFModelDir, ModelDirError
 
     save_moe(tmp_path / "m", "qwen2_moe")
     with torch.device("meta"):

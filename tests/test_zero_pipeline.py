@@ -15,7 +15,7 @@ import torch
 import offload
 from offload import inject, telemetry
 from offload.telemetry import Queue
-from offload.zero.units.shards import StateKind
+from offload.zero.shards import StateKind
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zero_common import TinyTransformer, compute_loss, one_torch_thread, small_config, token_ids as _ids  # noqa: E402

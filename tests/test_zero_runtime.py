@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import offload
 import offload.zero
-from offload.zero.units.state import UnitState
+from offload.zero.state_machines import UnitState
 from offload.zero.units.discover import choose_unit_modules
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

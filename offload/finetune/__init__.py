@@ -1,4 +1,5 @@
 """`offload finetune`: a Hugging Face causal-LM fine-tune with states paged through the offload runtime."""
-from .job import FinetuneConfig, FinetuneResult, finetune
+from .config import FinetuneConfig
+from .job import FinetuneResult, finetune
 
 __all__ = ["FinetuneConfig", "FinetuneResult", "finetune"]

@@ -13,11 +13,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from ..cli import debugging
+from .. import env
 from ..store.links import Link
 from ..store.sizes import format_bytes
 from ..errors import InputError
-from .job import FinetuneConfig, FinetuneResult
+from .config import FinetuneConfig
+from .job import FinetuneResult
 
 
 def result_json(r: FinetuneResult) -> dict:
@@ -117,7 +118,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     try:
         cfg = FinetuneConfig(**{k: v for k, v in vars(args).items() if k in fields})
     except ValueError as exc:  # a setting out of range: one line naming it (FinetuneConfig's checks), no traceback
-        if debugging():
+        if env.DEBUG.on():  # OFFLOAD_DEBUG=1: the traceback, as offload/cli.py does
             raise
         print(f"offload finetune: error: {exc}", file=sys.stderr)
         return 2
@@ -140,7 +141,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     try:
         r = finetune(cfg, progress=progress, phase=_phase if rank0 else None)
     except InputError as exc:
-        if debugging():
+        if env.DEBUG.on():  # OFFLOAD_DEBUG=1: the traceback, as offload/cli.py does
             raise
         print(f"offload finetune: error: {exc}", file=sys.stderr)
         return 2

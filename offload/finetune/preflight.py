@@ -13,14 +13,11 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..config import Config
 from ..dir_lock import DirectoryInUse, DirLock, LockUnavailable, make_locked_dir, remove_stale
 from ..errors import InputError
-
-if TYPE_CHECKING:
-    from .job import FinetuneConfig
+from .config import FinetuneConfig
 
 log = logging.getLogger("offload")
 

@@ -48,6 +48,7 @@ def _generate(self, *args, **kwargs):
     return _ORIGINAL(self, *args, **kwargs)
 
 
+# See [Note: what is patched, and for how long] in docs/zero-runtime.md
 class SyncedGenerate:
     """The patch's life, one per open runtime (remove() at close)."""
 

@@ -40,7 +40,7 @@ def _dtype_ok(value, rt) -> bool:
 
 
 def _from_pretrained_streamed(rt, cls, path, *model_args, config=None, **kwargs):
-    from offload.finetune.hf_model_dir import HFModelDir
+    from offload.integrations.hf_model_dir import HFModelDir
     from offload.zero.units.materialize import values_from_weights
 
     if model_args:

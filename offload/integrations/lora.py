@@ -58,7 +58,7 @@ def load_peft_model(path: str | os.PathLike, peft_config, model_class=None, adap
     AutoModelForCausalLM. Returns the PeftModel."""
     from peft import get_peft_model
 
-    from offload.finetune.hf_model_dir import HFModelDir
+    from offload.integrations.hf_model_dir import HFModelDir
     from offload.zero.units.materialize import values_from_weights
 
     rt = current_runtime()
@@ -90,7 +90,7 @@ def save_adapter(rt, model: nn.Module, out_dir: str | os.PathLike) -> Path:
     adapter_model.safetensors), gathering only the units that train. Collective: every rank calls it; rank 0
     writes, into a temporary directory first, then moves each file over its old one (never a half-written file)."""
     names = {name for name, p in model.named_parameters() if p.requires_grad}
-    from offload.finetune.hf_model_dir import _written
+    from offload.integrations.hf_model_dir import _written
 
     trained = {n: v for n, v in rt.iter_full_params(model, trainable_only=True) if n in names}
     out = Path(out_dir)

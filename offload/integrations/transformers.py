@@ -47,8 +47,10 @@ import weakref
 import torch
 from transformers import Trainer, TrainingArguments
 
-import offload
 from offload.config import Config
+from offload.optim import AdamW
+from offload.zero.grad_scaler import GradScaler
+from offload.zero.runtime import init as init_runtime
 from offload.zero.update.loss_scale import GradState
 from offload.zero.update.optimizer import ShardedAdamW, ShardedOptimizer
 from offload.zero.active import current as current_runtime
@@ -264,7 +266,7 @@ class OffloadTrainerMixin:
         if outer is None:
             cfg = offload_config or Config()
             cfg = dataclasses.replace(cfg, compute_dtype=compute_dtype(args))
-            self.offload_runtime = offload.init(cfg).__enter__()
+            self.offload_runtime = init_runtime(cfg).__enter__()
             # a trainer never closed still closes its runtime (threads, arena, swap directory) when it is garbage
             # or the process exits: no swap left for the next run to remove as a dead run's
             self._finalizer = weakref.finalize(self, _close_runtime, self.offload_runtime)
@@ -293,7 +295,7 @@ class OffloadTrainerMixin:
         # prepares autocast only (no DDP wrap, which would all-reduce placeholders)
         self.is_distributed_loading_by_transformers = True
         if self.args.fp16:  # Accelerate's backward and its optimizer's step go through the scaler it holds
-            self.accelerator.scaler = offload.GradScaler(runtime=self.offload_runtime)
+            self.accelerator.scaler = GradScaler(runtime=self.offload_runtime)
 
     def _check_deepspeed(self, training: dict, args: TrainingArguments, trainer_kwargs: dict) -> dict:
         """The offload Config's DeepSpeed training sections matched against TrainingArguments: every mismatch
@@ -343,14 +345,14 @@ class OffloadTrainerMixin:
         settings = optimizer_settings(self._ds_training)
         if self.optimizer is None and settings is not None:  # DeepSpeed's: one group, every trainable parameter
             opt_model = self.model if model is None else model
-            self.optimizer = offload.AdamW([p for p in opt_model.parameters() if p.requires_grad], **settings)
+            self.optimizer = AdamW([p for p in opt_model.parameters() if p.requires_grad], **settings)
         if self.optimizer is None:
             opt_model = self.model if model is None else model
             decay = set(self.get_decay_parameter_names(opt_model))
             named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
             groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                       {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-            self.optimizer = offload.AdamW([g for g in groups if g["params"]], lr=self.args.learning_rate,
+            self.optimizer = AdamW([g for g in groups if g["params"]], lr=self.args.learning_rate,
                                            betas=(self.args.adam_beta1, self.args.adam_beta2),
                                            eps=self.args.adam_epsilon)
         return self.optimizer
@@ -397,7 +399,7 @@ class OffloadTrainerMixin:
         """The model as a Hugging Face directory (config, consolidated safetensors of the fp32 master weights,
         the tokenizer), or for a PEFT model its adapter directory, as Trainer writes it: collective, every rank
         gathers, rank 0 writes."""
-        from offload.finetune.hf_model_dir import save_pretrained
+        from offload.integrations.hf_model_dir import save_pretrained
         from offload.integrations.lora import is_peft_model, save_adapter
 
         output_dir = output_dir or self.args.output_dir

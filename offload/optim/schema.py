@@ -125,6 +125,8 @@ class Schema:
                 states[s.name][first:last].fill_(s.fill)
 
 
+# Filled by each family's module as it is imported; the package (offload/optim/__init__.py) imports the built-in
+# ones, so any import of this module has them registered (a package runs before its modules).
 _REGISTRY: dict[str, Schema] = {}
 
 
@@ -138,7 +140,6 @@ def register(schema: Schema) -> Schema:
 
 
 def by_name(name: str, setting: str = "optimizer_states") -> Schema:
-    _load_builtin()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -147,9 +148,4 @@ def by_name(name: str, setting: str = "optimizer_states") -> Schema:
 
 
 def names() -> list[str]:
-    _load_builtin()
     return sorted(_REGISTRY)
-
-
-def _load_builtin() -> None:
-    from . import adamw, adamw8bit, lion  # noqa: F401 - each registers its schema

@@ -57,6 +57,7 @@ def traffic_per_step(trace: Trace, shard: ShardCost) -> int:
     return shard.nbytes * (reads + writes)
 
 
+# See [Note: the cpu budget's order of claims] in docs/zero-runtime.md
 def residency_plan(trace: Trace, shards: Sequence[ShardCost], capacity: int) -> frozenset:
     """Keys of the nvme-homed shards to keep resident in `capacity` bytes of cpu budget: greedy by traffic
     saved per byte, then by first use in the trace (earlier first); a shard that does not fit is skipped

@@ -4,6 +4,6 @@ gather and free them around compute, the sharded optimizers and their path (upda
 Entry point: `offload.init(config)`; the map of the files is in runtime.py's docstring."""
 from .update.optimizer import ShardedAdamW, wants_sharded
 from .runtime import Runtime, current, init
-from .units.state import TrainingState, UnitState
+from .state_machines import TrainingState, UnitState
 
 __all__ = ["Runtime", "init", "current", "ShardedAdamW", "wants_sharded", "UnitState", "TrainingState"]

@@ -39,13 +39,13 @@ from ..checkpoint.files import (CheckpointError, TensorFileWriter, atomic_write_
 from ..checkpoint.manifest import FORMAT, LATEST, MANIFEST, VerifiedFiles, rank_file, read_manifest, resolve
 from ..store.sizes import format_bytes
 from .. import inject
+from ..version import __version__
 from ..store import LeaseMode, Tier
 from ..telemetry import Queue
 from .collectives import objects
 from .update import optim_states
 from ..optim.schema import by_name as schema_by_name
-from .units.shards import StateKind
-from .units.state import UnitState
+from .shards import StateKind
 from .state_store import Use
 
 
@@ -289,8 +289,6 @@ def _write_rank_file(rt, path: Path, rng_tensors: dict[str, torch.Tensor]) -> di
 
 
 def _manifest(rt, tag: str, statuses: list[dict], extra: dict, lr_schedulers) -> dict:
-    import offload
-
     schedulers = []
     for s in lr_schedulers:
         sd = {k: v for k, v in s.state_dict().items() if k != "lr_lambdas"}  # lambdas are code, rebuilt by the user
@@ -313,7 +311,7 @@ def _manifest(rt, tag: str, statuses: list[dict], extra: dict, lr_schedulers) ->
         "format": FORMAT,
         "tag": tag,
         "optimizer_steps": rt.step_stats.steps,
-        "versions": {"offload": offload.__version__, "torch": torch.__version__},
+        "versions": {"offload": __version__, "torch": torch.__version__},
         "world_size": rt.world_size,
         "compute_dtype": rt.config.compute_dtype,
         "placement": {"params": rt.params_tier, "optimizer": rt.optimizer_tier, "grads": rt.grads_tier},
@@ -417,6 +415,7 @@ def _old_ranks_needed(rt, manifest: dict) -> list[int]:
     return sorted(need)
 
 
+# See [Note: every rank meets first] in docs/zero-runtime.md
 def load_checkpoint(rt, root, lr_schedulers=()) -> dict:
     """Load the checkpoint at `root` (module docstring) into the open runtime; collective. Returns `extra`.
     Every check (files, units, optimizers, schedulers, tensors present) runs before the first write, on every
@@ -576,7 +575,6 @@ def _load_unit(rt, unit, entry: dict, handles: dict, keys: dict, old_world: int)
     if not entry["moments"] and unit.shards.moments_registered:  # never stepped when saved: fresh states
         optim_states.reset(unit)
     # the accumulation state: a saved partial gradient is added to by the next backward
-    unit.has_grad, unit.local_grad, unit.grad_norms = bool(entry.get("grad")), None, None
+    unit.on_gradient_loaded(bool(entry.get("grad")))
     unit.used.copy_(torch.tensor(entry.get("used", [False] * len(unit.layout.slots)), dtype=torch.bool))
-    if unit.state is UnitState.UNSHARDED:
-        unit.stale = True  # a gathered (persistent) unit re-gathers before its next use
+    unit.on_shard_written()  # a gathered (persistent) unit re-gathers before its next use

@@ -30,6 +30,7 @@ def _owned(module) -> bool:
     return any(_runtime_of(p) is not None or isinstance(p, Placeholder) for p in module.parameters())
 
 
+# See [Note: what is patched, and for how long] in docs/zero-runtime.md
 class DDPGuard:
     """The module docstring's guard; one handle per open runtime (`remove()` at its close)."""
 

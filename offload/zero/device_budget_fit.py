@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..device import free_at_peak
+from ..device_memory import free_at_peak
 from ..store import format_bytes
 from ..store.budget import AUTO_FRACTION, fit_auto_device_budget
 from .collectives import comm

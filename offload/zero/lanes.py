@@ -33,6 +33,7 @@ from ..telemetry import Lane, Meter, Queue
 from .state_store import UnitStateStore
 
 
+# See [Note: pipelined equals synchronous] in docs/zero-runtime.md
 class WorkLane:
     def __init__(self, lane: Lane, queue: Queue, meter: Meter, threaded: bool, pause_each: bool = True,
                  streams: Streams | None = None, slowed_by: Queue | None = None):
@@ -52,6 +53,7 @@ class WorkLane:
     def threaded(self) -> bool:
         return self._pool is not None
 
+    # See [Note: program order] in docs/zero-runtime.md
     def submit(self, name: str, fn: Callable, *args) -> cf.Future:
         """Run fn(*args) after everything submitted before; a future of its result."""
         def run():

@@ -33,7 +33,7 @@ from ..plan.step_time import Machine, movement_step_s
 from ..store import Tier
 from ..store.swap_file import page_bytes
 from .units.layout import FlatLayout
-from .units.shards import StateTiers, chunk_bounds
+from .shards import StateTiers, chunk_bounds
 from .state_store import check_nvme_path
 
 CHUNK_ALIGN = 2048  # elements: chunk boundaries on 4 KiB of bf16 / 8 KiB of fp32
@@ -125,6 +125,7 @@ def staging_slot(unit_chunks: list[list[int]]) -> int:
     return page_bytes(4 * max((n for chunks in unit_chunks for n in chunks), default=0))
 
 
+# See [Note: the cpu budget's order of claims] in docs/zero-runtime.md
 def host_working_set(unit_chunks: list[list[int]], width: int, params_nvme: bool, optimizer_nvme: bool,
                      grads_nvme: bool | None = None, optimizer_states: int = 2) -> WorkingSet:
     """Bytes of the cpu budget that the background lanes may hold at once to make progress, for nvme-homed
@@ -146,6 +147,7 @@ def host_working_set(unit_chunks: list[list[int]], width: int, params_nvme: bool
     return WorkingSet(gather, kinds * slot, reduce)
 
 
+# See [Note: the gathered bound] in docs/zero-runtime.md
 def gathered_bound(sizes: list[UnitSize], width: int, ahead: bool) -> int:
     """Bytes gathered at once at most: always-gathered units + the largest other unit, twice when the next
     unit is gathered while one runs."""

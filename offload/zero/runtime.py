@@ -10,12 +10,13 @@
     # leaving the block waits for queued work, frees every shard, removes swap files, restores nn.Module,
     # and makes the model raise a clear error when used.
 
-The pieces: units/ (shards.py names every shard, unit.py is one unit's state machine), update/ (the
-optimizers; step.py owns the step's state and hands each step's updates to the optimizer pipeline),
-collectives/ (comm.py, the watchdog); here: wrap.py shards a model into units, torch_patches.py keeps plain
-PyTorch calls working on a wrapped model, placement.py decides tiers and chunking, state_store.py owns the
-store and the swap directory, schedule.py traces the step and drives the prefetch, lanes.py runs the gathers,
-reduces and the pipeline in the background (docs/zero-runtime.md has the whole table).
+The pieces, bottom up: collectives/ (comm.py, the watchdog); shards.py names every shard and state_machines.py
+holds the units' and the training's states, below state_store.py (the store and the swap directory), lanes.py
+and the schedule; units/ (unit.py is one unit's gathers, frees and reduces), update/ (the
+optimizers; step.py owns the step's state and hands each step's updates to the optimizer pipeline); here:
+wrap.py shards a model into units, torch_patches.py keeps plain PyTorch calls working on a wrapped model,
+placement.py decides tiers and chunking, schedule.py traces the step and drives the prefetch, lanes.py runs the
+gathers, reduces and the pipeline in the background (docs/zero-runtime.md has the whole table).
 
 Gradient accumulation: by default every backward reduce-scatters its gradient and adds this rank's shard to
 the stored gradient shard (memory: one shard per unit). Inside `with rt.no_sync():` backward passes
@@ -61,8 +62,8 @@ from .units.hooks import check_call
 from .units.materialize import ConstructionCapture
 from .update.optimizer_pipeline import OptimizerPipeline
 from .schedule import Schedule
-from .units.shards import StateKind
-from .units.state import UnitState
+from .shards import StateKind
+from .state_machines import UnitState
 from .torch_patches import ForeignCodeGuards, placed_apply, route_compiled_zero_grad
 from .ddp_guard import DDPGuard
 from .state_store import UnitStateStore, prepare_swap_dir
@@ -400,6 +401,7 @@ class Runtime:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
 
+    # See [Note: what is patched, and for how long] in docs/zero-runtime.md
     def _auto_wrap(self, module, args):
         """Every module's forward pre-hook: traced by torch.compile while nothing is pending (a flag read)."""
         if type(module).__name__ == "OptimizedModule" and "zero_grad" not in module.__dict__:
@@ -441,7 +443,7 @@ class Runtime:
         """Shard `model` into units (in place) and return it. Models built inside the block are materialized
         unit by unit; an existing model keeps its values (rank 0's, broadcast). `weights(name, meta_param)`,
         when given, returns each parameter's value as its unit is sharded (streamed loading, e.g.
-        offload.finetune.hf_model_dir.SafetensorsWeights)."""
+        offload.integrations.hf_model_dir.SafetensorsWeights)."""
         self._check_open("rt.wrap")
         if getattr(model, "_offload_runtime", None) is self:
             refuse_unmanaged(model)  # e.g. PEFT's adapters added to a sharded model
@@ -642,6 +644,7 @@ class Runtime:
                 out[name] = buf.detach().to("cpu").clone()
         return out
 
+    # See [Note: the gathered bound] in docs/zero-runtime.md
     def gathered_bound(self) -> int:
         """Stated bound on gathered bytes: root + persistent units + the largest other unit, twice when the
         next unit is gathered while one runs (placement.gather_ahead)."""

@@ -35,8 +35,8 @@ from ..store import LeaseMode, Tier
 from ..store.swap_file import page_bytes
 from ..telemetry import recording, span
 from .lanes import LaneContext
-from .units.shards import ShardKey, StateKind
-from .units.state import TRAINING_MOVES, TrainingState, UnitState
+from .shards import ShardKey, StateKind
+from .state_machines import TRAINING_MOVES, TrainingState, UnitState
 from .state_store import Use as Where
 
 log = logging.getLogger("offload")
@@ -102,11 +102,12 @@ class Schedule:
             pipeline.param_written = self.hand_over
 
     # ---- training state ------------------------------------------------------------------------
+    # See [Note: one writer per state] in docs/zero-runtime.md
     def _enter(self, state: TrainingState) -> None:
         if (self.state, state) not in TRAINING_MOVES:
             raise RuntimeError(f"offload: the training loop went from {self.state.name} to {state.name}, which the "
-                               "runtime does not expect (offload/zero/units/state.py TRAINING_MOVES); please report it with "
-                               "the loop that did it")
+                               "runtime does not expect (offload/zero/state_machines.py TRAINING_MOVES); please report "
+                               "it with the loop that did it")
         self.state = state
 
     # ---- the hooks' calls (hooks.py) ------------------------------------------------------------
@@ -412,6 +413,7 @@ class Schedule:
             specs = self._nvme_specs()
             states = self.ctx.states
             resident_bytes = sum(page_bytes(s.nbytes) for s in specs if s.key in states.resident_keys())
+            # See [Note: the cpu budget's order of claims] in docs/zero-runtime.md
             # The cpu budget, what is not held for good (home shards): first the lanes' working set (so they
             # can always make progress), then the read-ahead (params, the optimizer's next chunks), then states
             # kept resident across steps.

@@ -31,7 +31,7 @@ from ..device import retire
 from ..dir_lock import DirLock, make_locked_dir, remove_stale
 from ..store import LeaseMode, StoreConfig, Tier, TieredStore, nvme_budget_bytes
 from ..store.lease import Lease, resolved
-from .units.shards import ShardKey, ShardSpec
+from .shards import ShardKey, ShardSpec
 
 ALLOC_TIMEOUT_S = 120.0  # a buffer that cannot be had in this long is a planning error: raise, never hang
 RUN_DIR_PREFIX = "offload-"  # a run directory is nvme_path/offload-<pid>-rank<r>-<random>
@@ -184,6 +184,7 @@ class UnitStateStore:
         self._registered.add(spec.key)
         return fut
 
+    # See [Note: a speculative update commits or is taken back] in docs/zero-runtime.md
     def exchange(self, spec: ShardSpec, spare: ShardSpec) -> None:
         """Swap the nvme slots of `spec` and its registered `spare` (TieredStore.exchange_slots): `spec`'s next
         write lands beside its last one, which the spare keeps until exchanged back."""
@@ -264,6 +265,7 @@ class UnitStateStore:
         return self.store.closed
 
 
+# See [Note: swap directories are locked] in docs/zero-runtime.md
 def prepare_swap_dir(path: str | os.PathLike, budget: str | int | None, ranks_sharing: int) -> int:
     """What a run does first with its nvme_path: check it (check_nvme_path), remove the swap directories that
     dead runs left under it, then this rank's nvme budget by the store's rule (store.nvme_budget_bytes: the

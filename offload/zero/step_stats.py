@@ -3,7 +3,7 @@
 A step is the time from one opt.step() to the next. Its wall time splits into the training thread's waits
 per queue (telemetry.Queue) and compute (the rest); each lane reports its busy time; each link the bytes it
 moved and the bandwidth it achieved while busy; each tier its occupancy; the compute device's allocator its peak
-so far (`device_peak_bytes`, device.peak_allocated: on a GPU max_memory_allocated, whose statistics the runtime
+so far (`device_peak_bytes`, device_memory.peak_allocated: on a GPU max_memory_allocated, whose statistics the runtime
 never resets: a user's own peak measurement stays theirs), and the process's peak resident set so far
 (`peak_rss_bytes`); `throughput`: the window's tokens, tokens/s, model TFLOPS and MFU (offload/throughput.py:
 6 x params x tokens / s, attention not counted), from the training forwards of the wrapped models (`tokens`).
@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ..device import peak_allocated
+from ..device_memory import peak_allocated
 from ..store import format_bytes
 from ..throughput import TokenCounter, figures
 from .host_memory import peak_rss_bytes

@@ -289,6 +289,7 @@ def _refuse_foreign_optimizer(optimizer, args, kwargs) -> None:
 _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> group sizes found clean
 
 
+# See [Note: what is patched, and for how long] in docs/zero-runtime.md
 class ForeignCodeGuards:
     """The module docstring's global guards; one handle per open runtime (`remove()` at its close), installed
     while any handle lives."""

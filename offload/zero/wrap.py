@@ -22,7 +22,7 @@ from .units.discover import discover_units
 from .units.init_record import Sharded
 from .units.layout import FlatLayout
 from .units.materialize import hf_inits, init_device, is_meta_model, lora_layers, materialize_unit
-from .units.shards import StateKind, UnitShards
+from .shards import StateKind, UnitShards
 from .units.unit import ShardedUnit
 
 

@@ -22,7 +22,7 @@ import sys
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .state import UnitState
+from ..state_machines import UnitState
 from .unit import ShardedUnit
 
 

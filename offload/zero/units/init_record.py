@@ -220,6 +220,7 @@ def _views_of(out, p, path, func, args, kwargs, target):
     return _as_view(out, p, path, (func, step_args, step_kwargs, None))
 
 
+# See [Note: placeholders] in docs/zero-runtime.md
 class Placeholder(_Tracked, nn.Parameter):
     """A parameter registered inside the block, not sharded yet: meta, its writes recorded (module docstring)."""
 

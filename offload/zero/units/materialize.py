@@ -85,6 +85,7 @@ def _compiler_built(module: nn.Module) -> bool:
     return isinstance(module, torch.fx.GraphModule) or torch._guards.TracingContext.try_get() is not None
 
 
+# See [Note: what is patched, and for how long] in docs/zero-runtime.md
 class ConstructionCapture:
     """Context that turns parameter registration into meta placeholders and records created modules.
 

@@ -20,8 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..collectives import comm
-from .shards import StateKind
-from .state import UnitState
+from ..shards import StateKind
 
 _RAW = [0]  # >0 while torch's own state_dict walk runs on wrapped modules (the overrides defer to it)
 
@@ -68,8 +67,7 @@ def write_full(rt, unit, full: torch.Tensor) -> None:
     unit.write_shard(StateKind.PARAM, shard)  # casts to bf16 for the compute-dtype param
     if not unit.shards.master_is_param:
         unit.write_shard(StateKind.MASTER, shard)
-    if unit.state is UnitState.UNSHARDED:
-        unit.stale = True  # a gathered (persistent) unit re-gathers before its next use
+    unit.on_shard_written()  # a gathered (persistent) unit re-gathers before its next use
 
 
 def wrapped_state_dict(module: nn.Module, *args, destination=None, prefix: str = "", keep_vars: bool = False):

@@ -2,7 +2,7 @@
 into this rank's shard.
 
 Bytes per unit and rank:
-  home tiers  this rank's shard, chunk by chunk (shards.py): the param in compute dtype, an fp32 master when
+  home tiers  this rank's shard, chunk by chunk (../shards.py): the param in compute dtype, an fp32 master when
               compute is bf16, the Adam moments and the reduced fp32 gradient
   device      the full flat parameter, only while GATHERING / UNSHARDED (`flat`, storage resized to 0
               otherwise); the unsharded fp32 gradient accumulator, only inside `rt.no_sync()`.
@@ -32,8 +32,8 @@ from ..host_memory import advise_huge_pages
 from ..lanes import wait
 from .layout import FlatLayout
 from .piece_norms import PieceNorms
-from .shards import StateKind, UnitShards
-from .state import ALLOWED, UnitState
+from ..shards import StateKind, UnitShards
+from ..state_machines import ALLOWED, UnitState
 from ..state_store import Use
 
 
@@ -143,10 +143,35 @@ class ShardedUnit:
         return f"unit {self.index} ({self.name or '<root>'})"
 
     # ---- state transitions (the only writers of self.state) --------------------------------
+    # See [Note: one writer per state] in docs/zero-runtime.md
     def _transition(self, to: UnitState) -> None:
         if (self.state, to) not in ALLOWED:
             raise RuntimeError(f"offload: {self.label}: illegal state change {self.state.name} -> {to.name}")
         self.state = to
+
+    # ---- events from outside the unit (the only writers of stale, update and has_grad outside this file) ----
+    def on_shard_written(self) -> None:
+        """This rank's param shard has (or is about to get) values newer than a gathered copy: an update issued,
+        a loaded state dict or checkpoint. Where the unit is UNSHARDED (persistent, or gathered ahead) its flat
+        buffer on the compute device still holds the old values, so the next use re-gathers; SHARDED, the next
+        gather reads the new shard anyway."""
+        if self.state is UnitState.UNSHARDED:
+            self.stale = True
+
+    def on_update_queued(self, done: cf.Future) -> None:
+        """The optimizer's update of this unit's shard is queued on the optimizer lane: `done` resolves when its
+        new param, master and states are in the home tiers; a gather of the unit waits for it first."""
+        self.update = done
+
+    def on_update_repaired(self) -> None:
+        """Its update failed (UpdateFailed) and a load rewrites this shard and its states: nothing is pending, and a
+        gather no longer raises the failure."""
+        self.update = None
+
+    def on_gradient_loaded(self, has_grad: bool) -> None:
+        """A checkpoint set this rank's gradient chunks: they hold a partial gradient the next backward adds to
+        (`has_grad`), or none, which the next reduce overwrites. No unsharded accumulator, no norms taken."""
+        self.has_grad, self.local_grad, self.grad_norms = has_grad, None, None
 
     def check_alive(self) -> None:
         if self.state is UnitState.FREED:

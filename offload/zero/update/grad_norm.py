@@ -13,7 +13,7 @@ import torch
 
 from ...store import LeaseMode
 from ..units.piece_norms import PieceNorms
-from ..units.shards import StateKind
+from ..shards import StateKind
 from ..state_store import Use
 
 

@@ -183,13 +183,13 @@ class ShardedOptimizer:
         pieces here, so nothing marked its copy outdated, while the ranks that hold them stepped it: they re-gathered
         it before its next use and this rank did not (a collective met another unit's: gloo aborted, on LoRA over an
         MoE base on 2 ranks). Marked here from the gradient flags every rank shares (sync_used)."""
-        from ..units.state import UnitState
+        from ..state_machines import UnitState
 
         planned, mine = {id(u) for u, _ in plan}, self._slot_index()
         for unit in self.path.units:
             if (unit.persistent and id(unit) not in planned and unit.state is UnitState.UNSHARDED
                     and any(bool(unit.used[s.index]) for s in unit.layout.slots if (id(unit), s.index) in mine)):
-                unit.stale = True
+                unit.on_shard_written()
 
     def count_step(self, units) -> None:
         """Advance the step count of every parameter of `units` that got a gradient (once each)."""

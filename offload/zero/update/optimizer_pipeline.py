@@ -38,7 +38,7 @@ from ...optim.schema import Schema
 from ...store import LeaseMode, Tier
 from ...telemetry import Queue
 from ..lanes import LaneContext
-from ..units.shards import Chunk, StateKind
+from ..shards import Chunk, StateKind
 from ..state_store import Use
 
 
@@ -186,13 +186,13 @@ class OptimizerPipeline:
         """Queue the updates (in order) on the optimizer lane; each unit's `update` is its future. States read
         ahead for chunks they do not step are given back first."""
         for u in updates:
-            u.unit.update = u.done
+            u.unit.on_update_queued(u.done)
         if updates:
             self.ctx.lanes.optimizer.submit("optimizer step", self._run, updates, False)
 
     def submit_one(self, update: UnitUpdate) -> None:
         """Queue one unit's update from the backward; see prefer_forward_order for which runs first."""
-        update.unit.update = update.done
+        update.unit.on_update_queued(update.done)
         with self._pending_lock:
             self._pending.append((self._sequence, update))
             self._sequence += 1

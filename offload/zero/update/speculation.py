@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from ...store import LeaseMode, SwapSpaceError, Tier
 from ..state_store import Use
-from ..units.shards import StateKind
+from ..shards import StateKind
 
 log = logging.getLogger("offload")
 

@@ -41,7 +41,7 @@ from .grad_norm import local_norms
 from .loss_scale import GradState, LossScale
 from .optimizer_pipeline import OptimizerPipeline, UnitUpdate, UpdateFailed
 from .speculation import Speculation
-from ..units.state import UnitState
+from ..state_machines import UnitState
 
 if TYPE_CHECKING:
     from ...config import Config
@@ -321,7 +321,8 @@ class UpdatePath:
         for unit in self.units:
             failed = unit.update is not None and unit.update.done() and unit.update.exception()
             if isinstance(failed, UpdateFailed):
-                unit.update, repairing = None, True
+                unit.on_update_repaired()
+                repairing = True
         if repairing:
             try:
                 self.states.wait_moves()
@@ -354,7 +355,7 @@ class UpdatePath:
                 speculated = u.unit.update  # (a unit's speculative update and the rest of its chunks: both)
                 self.pipeline.submit_one(u)
                 if u.chunks is not None and speculated is not None:
-                    u.unit.update = _both(speculated, u.done)
+                    u.unit.on_update_queued(_both(speculated, u.done))
         else:
             self.pipeline.submit(updates)
         self.schedule.after_step()
@@ -390,7 +391,7 @@ class UpdatePath:
         if unit.state is UnitState.GATHERING:
             unit.wait_for_unshard()  # a gather ahead that the step did not use: it read the shard, let it land first
         if unit.state is UnitState.UNSHARDED:
-            unit.stale = True  # persistent units re-gather before their next use
+            unit.on_shard_written()  # persistent units re-gather before their next use
 
 
 def _both(a: cf.Future, b: cf.Future) -> cf.Future:

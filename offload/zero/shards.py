@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...optim.schema import Schema, StoredState
-from ...store import Tier
+from ..optim.schema import Schema, StoredState
+from ..store import Tier
 
 
 class StateKind(enum.Enum):
