@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from offload.store import host_pool
 from offload.store.sizes import parse_size
@@ -119,3 +120,62 @@ def test_the_llama_on_two_ranks_stays_within_each_ranks_budgets_every_step(tmp_p
         assert grown[-1] - grown[3] <= 16, grown  # flat once the overlaps have been seen: nothing accumulates
         assert r["memory"]["malloc_mode"] == "pool", r["memory"]
     assert list(swap.iterdir()) == []
+
+
+def test_the_first_step_of_a_model_whose_embedding_and_head_dominate_stays_within_its_working_set(tmp_path):
+    """Issue 42's first step at a small shape of the same structure: a Llama whose 32000 x 256 embedding and LM head
+    (15.6 MiB each in bf16) dwarf its two layers, params and AdamW8bit states on nvme. On a CPU the device is host
+    memory: the step's peak there (the host pool's window: the gathered units, autograd's gradients, the reduce's
+    copies) stays within the largest unit's working set as offload.plan.memory.unit_working_set_bytes estimates it
+    (what the runtime refuses a device budget below), and within 4 units + the logits: the gathered unit, its
+    gradient and the fp32 copy of its piece the reduce takes the norm from (two units' worth). Measured: 51 MiB
+    against 78 (working set) and 66.5; before piece_norms copied the spanning parameter once, 83 MiB (its parts
+    cloned, then concatenated: the LM head's fp32 gradient twice)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent),
+               OFFLOAD_MALLOC_TUNE="pool", OFFLOAD_HOST_POOL_HEADROOM=host_pool.DEFAULT_HEADROOM)
+    probe = Path(__file__).with_name("first_step_probe.py")
+    proc = subprocess.run([sys.executable, str(probe), str(tmp_path), "64MiB", "88MiB", "32000", "256"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["unit_bytes"] == 32000 * 256 * 2, r  # the embedding (or the head) is the largest unit
+    assert r["step_device_peak"] <= r["working_set"], (r["step_device_peak"] / MiB, r["working_set"] / MiB)
+    limit = 4 * r["unit_bytes"] + 2 * r["logits_bytes"]
+    assert r["step_device_peak"] <= limit, (r["step_device_peak"] / MiB, limit / MiB)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_unit_that_is_one_parameter_gets_its_gradient_without_a_full_size_copy():
+    """An embedding as a unit of its own: its backward allocates one full-size gradient (the embedding's own), not a
+    second one for the flat gradient (a split's backward concatenates its pieces into a new buffer)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import offload
+
+    class FullSize(TorchDispatchMode):
+        def __init__(self, numel):
+            super().__init__()
+            self.numel, self.ops = numel, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                   if isinstance(a, torch.Tensor)}
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                fresh = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins
+                if fresh and t.numel() >= self.numel:
+                    self.ops.append(str(func))
+            return out
+
+    torch.manual_seed(0)
+    vocab, dim = 4096, 64  # 262144 elements: a multiple of the layout's alignment, no padding
+    model = torch.nn.Sequential(torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, 8))
+    with offload.init(offload.Config(params="cpu", optimizer="cpu", unit_min_bytes="256KiB")) as rt:
+        rt.wrap(model)
+        opt = offload.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, vocab, (4, 8))
+        loss = model(ids).sum()
+        with FullSize(vocab * dim) as seen:
+            loss.backward()
+        opt.step()
+    assert seen.ops == ["aten.embedding_dense_backward.default"], seen.ops

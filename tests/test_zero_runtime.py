@@ -607,11 +607,11 @@ def test_auto_tiers_follow_budgets(tmp_path):
         rt.wrap(TinyTransformer())
         assert (rt.params_tier, rt.optimizer_tier) == ("device", "cpu")
     # 96 KiB: the lanes' working set for nvme params and states, not enough to also hold the params at home
-    with offload.init(_cfg(params="auto", optimizer="auto", device_budget="40KiB", cpu_budget="96KiB",
+    with offload.init(_cfg(params="auto", optimizer="auto", device_budget="48KiB", cpu_budget="96KiB",
                            nvme_path=str(tmp_path))) as rt:
         rt.wrap(TinyTransformer())
         assert (rt.params_tier, rt.optimizer_tier) == ("nvme", "nvme")
-    with offload.init(_cfg(params="auto", optimizer="auto", device_budget="40KiB", cpu_budget="100KiB",
+    with offload.init(_cfg(params="auto", optimizer="auto", device_budget="48KiB", cpu_budget="100KiB",
                            nvme_path=str(tmp_path))) as rt:
         rt.wrap(TinyTransformer())
         assert (rt.params_tier, rt.optimizer_tier) == ("cpu", "nvme")
@@ -729,7 +729,7 @@ def test_auto_tiers_take_the_pair_the_step_model_predicts_fastest(tmp_path):
     takes the second, whose data movement the plan's step model predicts faster, and it does move fewer
     bytes to and from the disk, for the same results."""
     def run(**tiers):
-        cfg = _cfg(device_budget="40KiB", cpu_budget="140KiB", nvme_path=str(tmp_path), **tiers)
+        cfg = _cfg(device_budget="48KiB", cpu_budget="140KiB", nvme_path=str(tmp_path), **tiers)
         torch.manual_seed(0)
         model = TinyTransformer()
         with offload.init(cfg) as rt:
@@ -755,7 +755,7 @@ def test_auto_tiers_take_the_pair_the_step_model_predicts_fastest(tmp_path):
 def test_auto_tiers_read_the_machine_figures_from_a_bench_json(tmp_path):
     bench = tmp_path / "bench.json"
     bench.write_text('{"nvme": {"read_gbps": 0.5, "write_gbps": 0.25}, "adam": {"offload_params_per_s": 1e8}}')
-    cfg = _cfg(params="auto", optimizer="auto", device_budget="40KiB", cpu_budget="140KiB",
+    cfg = _cfg(params="auto", optimizer="auto", device_budget="48KiB", cpu_budget="140KiB",
                nvme_path=str(tmp_path), machine=str(bench))
     with offload.init(cfg) as rt:
         rt.wrap(TinyTransformer())
@@ -778,7 +778,7 @@ def test_auto_tiers_predict_the_update_mode_the_run_uses(tmp_path):
     bench.write_text('{"adam": {"offload_params_per_s": 1e5}}')
 
     def considered(update_in_backward: bool) -> dict:
-        cfg = _cfg(params="auto", optimizer="auto", device_budget="40KiB", cpu_budget="140KiB",
+        cfg = _cfg(params="auto", optimizer="auto", device_budget="48KiB", cpu_budget="140KiB",
                    nvme_path=str(tmp_path), machine=str(bench), update_in_backward=update_in_backward)
         with offload.init(cfg) as rt:
             rt.wrap(TinyTransformer())

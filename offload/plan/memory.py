@@ -106,12 +106,25 @@ def activation_bytes(m: ModelSpec, w: Workload) -> int:
 REDUCES_IN_FLIGHT = 2  # full gradients the reduce lane holds at once (offload.zero.context: max_reduces_in_flight)
 
 
+def unit_working_set_bytes(unit_numel: int, compute_bytes: int = 2, ranks: int = 1, ahead: bool = True,
+                           spans_chunks: bool = True) -> int:
+    """Bytes one gathered unit needs on the compute device at once, the estimate `offload plan` and the runtime's
+    refusal at wrap (offload.zero.placement) share: its gathered parameters (and the next unit's, gathered ahead),
+    two full-size gradients in the compute dtype (the one autograd is making and the one the reduce lane still
+    holds), the fp32 copy of this rank's piece of a parameter spanning gradient chunks that the reduce takes its
+    norm from (offload.zero.units.piece_norms; `spans_chunks`: the unit's shard is cut into more than one chunk),
+    and with more than one rank the fp32 copies of the full gradients the reduce lane sums over ranks
+    (Config.reduce_dtype's default)."""
+    params = unit_numel * compute_bytes * (2 if ahead else 1)
+    grads = 2 * unit_numel * compute_bytes
+    norm_copy = unit_numel * 4 // ranks if spans_chunks else 0
+    return params + grads + norm_copy + (REDUCES_IN_FLIGHT * unit_numel * 4 if ranks > 1 else 0)
+
+
 def gathered_bytes(m: ModelSpec, compute_bytes: int = 2, ranks: int = 1) -> int:
-    """Gathered parameters on the device at once: the unit in use and the next one gathered ahead, and their
-    gradients before the reduce (compute dtype); with more than one rank also the fp32 copies of the full
-    gradients the reduce lane holds (the ranks sum in fp32: Config.reduce_dtype's default)."""
-    held = 2 * m.largest_unit_params * compute_bytes * 2
-    return held + (REDUCES_IN_FLIGHT * m.largest_unit_params * 4 if ranks > 1 else 0)
+    """Gathered parameters on the device at once, with their gradients (unit_working_set_bytes of the largest unit,
+    the next one gathered ahead)."""
+    return unit_working_set_bytes(m.largest_unit_params, compute_bytes, ranks, ahead=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 from ..optim.adamw import ADAMW
 from ..optim.schema import Schema
 from ..store.sizes import format_bytes
-from ..plan.memory import Placement as TierPair
+from ..plan.memory import Placement as TierPair, unit_working_set_bytes
 from ..plan.sizing import DEVICES
 from ..bench.figures import bench_figures
 from ..plan.step_time import Machine, movement_step_s
@@ -156,6 +156,36 @@ def gathered_bound(sizes: list[UnitSize], width: int, ahead: bool) -> int:
     return fixed + largest * (2 if ahead else 1)
 
 
+def device_working_set(sizes: list[UnitSize], width: int, ahead: bool, chunk_numel: int) -> int:
+    """Bytes the units need on the device at once at most: always-gathered units + the largest other unit's working
+    set (its gathered params, the next unit's when gathered ahead, its full gradients in flight:
+    offload.plan.memory.unit_working_set_bytes, the estimate `offload plan` makes). chunk_numel: the chunk length
+    (a shard longer than it has its norm taken from a copy)."""
+    fixed = sum(s.layout.padded_numel * width for s in sizes if s.always_gathered)
+    largest = max((s for s in sizes if not s.always_gathered), key=lambda s: s.layout.padded_numel, default=None)
+    if largest is None:
+        return fixed
+    layout = largest.layout
+    return fixed + unit_working_set_bytes(layout.padded_numel, width, layout.world_size, ahead,
+                                          spans_chunks=layout.shard_numel > chunk_numel)
+
+
+def check_unit_working_set(sizes: list[UnitSize], new: list[UnitSize], width: int, device_budget: int,
+                           chunk_numel: int) -> None:
+    """Refuse at wrap, in one line naming the setting and the figure needed, a device budget that cannot hold the
+    largest unit's working set (device_working_set without gathering ahead), instead of running over it."""
+    need = device_working_set(sizes, width, False, chunk_numel)
+    if need <= device_budget or not new:
+        return
+    big = max((s for s in sizes if not s.always_gathered), key=lambda s: s.layout.padded_numel, default=None)
+    what = f"unit {big.index} ({big.name or '<root>'}, {big.module_type})" if big else "the always-gathered units"
+    raise MemoryError(
+        f"offload.Config.device_budget (offload plan --gpu-mem): {what} needs {format_bytes(need)} ({need} bytes) on "
+        f"the device at once (its gathered parameters, its full-size gradients in flight and the units always "
+        f"gathered), more than device_budget {format_bytes(device_budget)}; give device_budget >= "
+        f"{format_bytes(need)}, or cut smaller units (offload.Config.unit_classes / unit_min_bytes)")
+
+
 def machine_for(device: torch.device, ranks_per_node: int, bench_json: str | None) -> Machine:
     """The figures "auto" tiers are compared with: the compute device's nominal ones (a CPU has no PCIe hop;
     a GPU's from offload.plan.sizing.DEVICES by name, an H100's when unknown), overridden by what
@@ -183,16 +213,8 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
     Config.update_in_backward's; schema: the optimizer family the states are sized for
     (Config.optimizer_states)."""
     width = compute_dtype.itemsize
-    for s in new:
-        full = s.layout.padded_numel * width
-        if full > budgets["device"]:
-            raise MemoryError(
-                f"offload.Config.device_budget: unit {s.index} ({s.name or '<root>'}, {s.module_type}) needs "
-                f"{format_bytes(full)} ({full} bytes) gathered on the device, more than device_budget "
-                f"{format_bytes(budgets['device'])}; raise device_budget or cut smaller units "
-                "(offload.Config.unit_classes / unit_min_bytes)"
-            )
     chunk_numel = fit_chunk(chunk_numel_for(budgets["cpu"], chunk_setting), [s.layout.shard_numel for s in sizes])
+    check_unit_working_set(sizes, new, width, budgets["device"], chunk_numel)
     chunks = {s.index: [hi - lo for lo, hi in chunk_bounds(s.layout.shard_numel,
                                                           equal_chunk(s.layout.shard_numel, chunk_numel))]
               for s in sizes}
@@ -218,7 +240,7 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
 
     cpu_free = budgets["cpu"] - in_use["cpu"]
     device_free = budgets["device"] - in_use["device"]
-    gathered = gathered_bound(sizes, width, ahead=False)
+    gathered = device_working_set(sizes, width, False, chunk_numel)  # (with the gradients in flight)
     biggest_full = max((s.layout.padded_numel * width for s in new), default=0)
 
     def fits(p: str, o: str) -> bool:
@@ -291,11 +313,11 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
                          if tier == "device")
         )
     device_left = device_free - on_device
-    grads = grads_tier(grads, optimizer, grad_bytes, device_left - gathered_bound(sizes, width, ahead=True),
+    grads = grads_tier(grads, optimizer, grad_bytes, device_left - device_working_set(sizes, width, True, chunk_numel),
                        cpu_free - cpu_need - working, device_budget_given)
     if grads == "device" and optimizer != "device":
         device_left -= grad_bytes
-    ahead = gathered_bound(sizes, width, ahead=True) <= device_left
+    ahead = device_working_set(sizes, width, True, chunk_numel) <= device_left
     tiers = StateTiers(Tier(params), Tier(optimizer), Tier(grads))
     return Placement(tiers, chunk_numel, ahead, staging_slot(list(chunks.values())), considered)
 

@@ -125,18 +125,27 @@ class ShardedUnit:
         # the views keep their autograd link to `flat` even when made under no_grad or inference_mode (a persistent
         # unit re-gathered by an inference forward kept views without one: its parameters never trained again)
         with torch.inference_mode(False), torch.enable_grad():
-            pieces = self.flat.split(self._split_sizes)
+            whole = self._whole_flat_is_one_slot()  # (an embedding, an LM head): its gradient is the flat gradient
+            if whole:  # itself; the split's backward would copy it into a second full-size buffer (its concatenation)
+                pieces = [self.flat.view(self.layout.slots[0].shape)]
+            else:
+                pieces = self.flat.split(self._split_sizes)
             frozen = self.flat.detach().split(self._split_sizes)
             views = []
             for slot in self.layout.slots:
                 base = pieces if slot.requires_grad else frozen
-                view = base[slot.index].view(slot.shape)
+                view = pieces[0] if whole else base[slot.index].view(slot.shape)
                 if slot.requires_grad:
                     view.register_hook(self._used_hook(slot.index))
                 if slot.index < len(self.placeholders):
                     view._offload_placeholder = self.placeholders[slot.index]  # model.parameters() while gathered
                 views.append(view)
         self.views = views
+
+    def _whole_flat_is_one_slot(self) -> bool:
+        """One trained parameter filling the flat buffer to the last element (no padding)."""
+        slots = self.layout.slots
+        return len(slots) == 1 and slots[0].requires_grad and slots[0].numel == self.layout.padded_numel
 
     @property
     def label(self) -> str:
