@@ -187,7 +187,7 @@ def test_resume_is_exact_two_ranks_and_reshards(tmp_path, two_ranks_saved_at_4):
     _same(full, resumed, range(4, 7))
     # the checkpoint's own collectives are in the runtime's order and recorded (collectives/objects.py)
     gather = ("main", "all_gather_object", 0, "uint8")
-    saved = _checkpoint_collectives(tmp_path, "first", 2)
+    saved = _checkpoint_collectives(ckpt.parent, "first", 2)  # the fixture's saving run
     assert (gather, "checkpoint: each rank's file written") in saved and all(e == gather for e, _ in saved), saved
     loaded = _checkpoint_collectives(tmp_path, "resumed", 2)
     assert loaded == [(gather, "checkpoint: each rank's files checked"),
