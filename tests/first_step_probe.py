@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import offload
-from offload.device import take_peak_allocated
+from offload.device_memory import take_peak_allocated
 from offload.plan.memory import unit_working_set_bytes
 
 SEQ = 16

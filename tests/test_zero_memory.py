@@ -70,7 +70,7 @@ def test_a_transformers_llama_at_5x_the_cpu_budget_stays_within_the_budgets_ever
     step, the peak resident set since the warm-up is within the cpu budget + the device budget (host memory here)
     + the slack, and it is flat from the third step on (nothing accumulates). Measured: pool (the CPU default)
     288, 302, 303, 303, 303 MiB against 352; frugal 131, 204, 206, 206, 206; fast 284-379 MiB (it creeps)."""
-    cpu_budget, device_budget = 64 * MiB, 32 * MiB
+    cpu_budget, device_budget = 64 * MiB, 48 * MiB  # 48: a step of the embedding in fp32 (wrap refuses less)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent),
                OFFLOAD_MALLOC_TUNE=malloc, OFFLOAD_HOST_POOL_HEADROOM=host_pool.DEFAULT_HEADROOM)
     probe = Path(__file__).with_name("llama_rss_probe.py")
@@ -96,7 +96,7 @@ def test_the_llama_on_two_ranks_stays_within_each_ranks_budgets_every_step(tmp_p
     high-water mark of transients that two ranks' lanes overlap in ways that vary with their timing, and it reaches
     its plateau at the second to fifth step (measured, 8 steps, 4 rank-runs: 305-318 MiB after step 2, 317-322 at
     the end, at most 6.4 MiB higher over the last four steps; once 16.5 MiB between steps 2 and 4)."""
-    cpu_budget, device_budget = 64 * MiB, 32 * MiB
+    cpu_budget, device_budget = 64 * MiB, 48 * MiB  # 48: a step of the embedding on 2 ranks (wrap refuses less)
     swap, out = tmp_path / "swap", tmp_path / "out"
     swap.mkdir()
     out.mkdir()

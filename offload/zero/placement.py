@@ -307,7 +307,7 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
                             if tier == "device")
         raise MemoryError(
             f"offload.Config.device_budget: {what} on the device and gathering units needs up to "
-            f"{format_bytes(gathered)} ({gathered} bytes) more (root + persistent units + the largest unit), but only "
+            f"{format_bytes(gathered)} ({gathered} bytes) more (root + persistent units + the largest unit's working set), but only "
             f"{format_bytes(device_free)} ({device_free} bytes) of device_budget is left; raise device_budget or set "
             + " / ".join(f"{name}='cpu' / 'nvme'" for name, tier in (("params", params), ("optimizer", optimizer))
                          if tier == "device")
