@@ -103,3 +103,23 @@ def test_collective_timeout_setting():
         offload.Config(collective_timeout="soon")
     with pytest.raises(ValueError, match="must be positive"):
         offload.Config(collective_timeout=0)
+
+
+def test_a_collective_incomplete_past_overdue_is_named_by_the_heartbeat_without_a_host_wait(tmp_path):
+    """NCCL's host never blocks in a collective, so no waiting thread times out: the heartbeat sees the issued,
+    incomplete collective after overdue_s (on NCCL 90% of the timeout, before NCCL's watchdog aborts), prints
+    where each rank is and refuses the next collective. Here over gloo, the collective issued and not waited."""
+    worker = Path(__file__).resolve().parent / "watchdog_overdue_worker.py"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(worker)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    line = next(x for x in out.splitlines() if x.startswith("rank 0 broken"))
+    assert re.search(r"rank 0 has waited [0-9.]+ s in all_reduce #1 on the gather group \(gather of unit 3 "
+                     r"\(layers\.3\)\); collective_timeout is 60 s\. Rank 1 is behind \(it has entered 0 of the "
+                     r"gather group's collectives, this rank 1\) alive, in no collective", line), line
+    waited = _stamp(out, "rank 0 broken") - _stamp(out, "rank 1 stalls")
+    assert waited >= 2.0, out  # not before overdue_s
+    assert "rank 0 next collective: refused" in out, out
+    assert "incomplete, seen by the heartbeat" in proc.stderr, proc.stderr  # printed: NCCL may abort before a raise

@@ -296,6 +296,9 @@ class Runtime:
             # NCCL on a GPU, bound to this process's device up front (no guess from the rank, no lazy init);
             # every collective tensor lives on that device (comm.py), so no gloo side-backend is needed
             gpu = self.device.type == "cuda"
+            if gpu:  # NCCL's flight recorder, dumped when its watchdog times out, unless the user chose otherwise
+                os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+                os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
             dist.init_process_group("nccl" if gpu else "gloo", timeout=datetime.timedelta(seconds=timeout),
                                     **({"device_id": self.device} if gpu else {}))
             # it lives as long as the process, for the next offload.init block too: torch cannot reliably start
@@ -325,7 +328,9 @@ class Runtime:
             raise RuntimeError(f"offload: the default process group uses {backend!r}, but this run computes on "
                                "the CPU: initialize it with torch.distributed.init_process_group('gloo')")
         # a group the user created keeps its own timeout; the lanes' groups take collective_timeout
-        self.watchdog = Watchdog(dist.get_rank(), dist.get_world_size(), timeout)
+        # on NCCL the heartbeat names a stuck collective before NCCL's own watchdog aborts at the timeout
+        self.watchdog = Watchdog(dist.get_rank(), dist.get_world_size(), timeout,
+                                 overdue_s=0.9 * timeout if "nccl" in backend else None)
         self.agreement = Agreement(dist.get_rank(), dist.get_world_size(),
                                    parse_duration(self.config.agreement_timeout, "agreement_timeout"),
                                    self.watchdog._store, self.watchdog)

@@ -11,12 +11,18 @@ whether its heartbeat is fresh (alive but stuck in its own code) or stale (dead 
 failure every later collective fails at once with the same message, so closing the runtime does not wait
 out the timeout again for each queued one.
 
-On NCCL the collectives are asynchronous: the group's timeout applies, and NCCL's own watchdog reports it.
+On NCCL the host never blocks in a collective (a wait makes a stream wait), so nothing above raises: NCCL's own
+watchdog aborts the process at the group's timeout. So every collective issued with async_op is also watched while
+it is in flight: the heartbeat thread checks each second whether one has been incomplete for `overdue_s` (on NCCL
+90% of the timeout, before NCCL's abort), and then describes where every rank is, prints it to stderr (the
+process may not live to raise it) and marks the watchdog broken, so the next collective raises it. On gloo the
+waiting thread usually describes first (at the timeout); the heartbeat's check is the same code either way.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import threading
 import time
 
@@ -29,8 +35,12 @@ class CollectiveError(RuntimeError):
 
 
 class Watchdog:
-    def __init__(self, rank: int, world_size: int, timeout_s: float):
+    def __init__(self, rank: int, world_size: int, timeout_s: float, overdue_s: float | None = None):
+        """`overdue_s`: how long an issued collective may stay incomplete before the heartbeat describes it
+        (None: the timeout and three heartbeats, a net behind the waiting thread's own report)."""
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.overdue_s = timeout_s + 3 * HEARTBEAT_S if overdue_s is None else overdue_s
+        self.in_flight: list[tuple] = []  # (work, group, collective, what, count, issued at): issued, not seen done
         self.entered: dict[str, int] = {}  # group name -> collectives entered
         self.waiting: dict[int, tuple] = {}  # thread id -> (group, collective, what, count, since)
         self.last: tuple | None = None  # the last collective entered: (group, collective, what, count, when)
@@ -58,13 +68,21 @@ class Watchdog:
             self.waiting[tid] = (group, collective, what, count, time.time())
             self.last = self.waiting[tid]
         try:
-            return fn()
+            result = fn()
+            if counted and self._thread is not None and hasattr(result, "is_completed"):  # async: watched
+                with self._lock:
+                    if len(self.in_flight) >= 256:  # the heartbeat prunes each second; a stopped one cannot
+                        self.in_flight = [w for w in self.in_flight if not _completed(w[0])]
+                    self.in_flight.append((result, group, collective, what, count, time.time()))
+            return result
         except Exception as exc:  # noqa: BLE001 - a timeout, a dead peer's closed connection, an abort
             with self._lock:
                 first = self.broken is None and not self._describing
                 self._describing = True
             if first:  # described outside the lock: the heartbeat keeps beating while the peers are read
-                message = self._describe(group, collective, what, count, exc)
+                with self._lock:
+                    waited = time.time() - self.waiting.get(tid, (0, 0, 0, 0, time.time()))[4]
+                message = self._describe(group, collective, what, count, _first_line(exc), waited, "gave up after")
                 with self._lock:
                     self.broken = message
             else:
@@ -109,14 +127,29 @@ class Watchdog:
         while not self._stop.wait(HEARTBEAT_S):
             if not self._publish():
                 return
+            self._check_overdue()
 
-    def _describe(self, group: str, collective: str, what: str, count: int, exc: BaseException) -> str:
+    def _check_overdue(self) -> None:
+        """The heartbeat's check of the collectives in flight (the module docstring: NCCL's host never blocks)."""
+        now = time.time()
         with self._lock:
-            waited = time.time() - self.waiting.get(threading.get_ident(), (0, 0, 0, 0, time.time()))[4]
-        head = (f"offload: rank {self.rank} gave up after {waited:.1f} s in {collective} #{count} on the {group} "
+            self.in_flight = [w for w in self.in_flight if not _completed(w[0])]
+            late = next((w for w in self.in_flight if now - w[5] >= self.overdue_s), None)
+            if late is None or self.broken is not None or self._describing:
+                return
+            self._describing = True
+        _, group, collective, what, count, issued = late
+        message = self._describe(group, collective, what, count, "incomplete, seen by the heartbeat",
+                                 now - issued, "has waited")
+        with self._lock:
+            self.broken = message
+        print(message, file=sys.stderr, flush=True)  # on NCCL the process may be aborted before anything raises
+
+    def _describe(self, group: str, collective: str, what: str, count: int, cause: str, waited: float,
+                  verb: str) -> str:
+        head = (f"offload: rank {self.rank} {verb} {waited:.1f} s in {collective} #{count} on the {group} "
                 f"group ({what or 'no unit'}); collective_timeout is {self.timeout_s:g} s. ")
         peers = self._peers(group, count)
-        cause = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         return head + (" ".join(peers) if peers else "The other ranks' positions are unknown.") + f" ({cause})"
 
     def _read(self, r: int) -> dict | None:
@@ -163,3 +196,14 @@ def _default_store():
         return c10d._get_default_store()
     except Exception:  # noqa: BLE001 - another launcher, another torch: the watchdog still names this rank
         return None
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+
+
+def _completed(work) -> bool:
+    try:
+        return work.is_completed()
+    except Exception:  # noqa: BLE001 - a failed work: the thread that waits on it reports it
+        return True
