@@ -16,7 +16,8 @@ watchdog aborts the process at the group's timeout. So every collective issued w
 it is in flight: the heartbeat thread checks each second whether one has been incomplete for `overdue_s` (on NCCL
 90% of the timeout, before NCCL's abort), and then describes where every rank is, prints it to stderr (the
 process may not live to raise it) and marks the watchdog broken, so the next collective raises it. On gloo the
-waiting thread usually describes first (at the timeout); the heartbeat's check is the same code either way.
+host blocks in the wait, which raises at the timeout, so nothing is watched in flight (and gloo's reduce_scatter
+works never report completion: tracking them held every gradient they read).
 """
 from __future__ import annotations
 
@@ -36,10 +37,11 @@ class CollectiveError(RuntimeError):
 
 class Watchdog:
     def __init__(self, rank: int, world_size: int, timeout_s: float, overdue_s: float | None = None):
-        """`overdue_s`: how long an issued collective may stay incomplete before the heartbeat describes it
-        (None: the timeout and three heartbeats, a net behind the waiting thread's own report)."""
+        """`overdue_s`: how long an issued collective may stay incomplete before the heartbeat describes it (NCCL,
+        whose host never blocks). None: not watched in flight; the thread that waits reports at the timeout (gloo:
+        its host blocks, and some of its works, reduce_scatter's, never say they completed)."""
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
-        self.overdue_s = timeout_s + 3 * HEARTBEAT_S if overdue_s is None else overdue_s
+        self.overdue_s = overdue_s
         self.in_flight: list[tuple] = []  # (work, group, collective, what, count, issued at): issued, not seen done
         self.entered: dict[str, int] = {}  # group name -> collectives entered
         self.waiting: dict[int, tuple] = {}  # thread id -> (group, collective, what, count, since)
@@ -69,10 +71,10 @@ class Watchdog:
             self.last = self.waiting[tid]
         try:
             result = fn()
-            if counted and self._thread is not None and hasattr(result, "is_completed"):  # async: watched
-                with self._lock:
-                    if len(self.in_flight) >= 256:  # the heartbeat prunes each second; a stopped one cannot
-                        self.in_flight = [w for w in self.in_flight if not _completed(w[0])]
+            if counted and self.overdue_s is not None and self._thread is not None and hasattr(result, "is_completed"):
+                with self._lock:  # watched until seen complete (the heartbeat prunes each second; a stopped one not)
+                    if len(self.in_flight) >= 1024:
+                        self.in_flight = [w for w in self.in_flight if not _completed(w[0])][-512:]
                     self.in_flight.append((result, group, collective, what, count, time.time()))
             return result
         except Exception as exc:  # noqa: BLE001 - a timeout, a dead peer's closed connection, an abort
@@ -131,6 +133,8 @@ class Watchdog:
 
     def _check_overdue(self) -> None:
         """The heartbeat's check of the collectives in flight (the module docstring: NCCL's host never blocks)."""
+        if self.overdue_s is None:
+            return
         now = time.time()
         with self._lock:
             self.in_flight = [w for w in self.in_flight if not _completed(w[0])]
