@@ -307,17 +307,18 @@ def plan(sizes: list[UnitSize], new: list[UnitSize], params: str, optimizer: str
                             if tier == "device")
         raise MemoryError(
             f"offload.Config.device_budget: {what} on the device and gathering units needs up to "
-            f"{format_bytes(gathered)} ({gathered} bytes) more (root + persistent units + the largest unit's working set), but only "
-            f"{format_bytes(device_free)} ({device_free} bytes) of device_budget is left; raise device_budget or set "
+            f"{format_bytes(gathered)} ({gathered} bytes) more (root + persistent units + the largest unit's working "
+            f"set), but only {format_bytes(device_free)} ({device_free} bytes) of device_budget is left; raise device_budget or set "
             + " / ".join(f"{name}='cpu' / 'nvme'" for name, tier in (("params", params), ("optimizer", optimizer))
                          if tier == "device")
         )
     device_left = device_free - on_device
-    grads = grads_tier(grads, optimizer, grad_bytes, device_left - device_working_set(sizes, width, True, chunk_numel),
-                       cpu_free - cpu_need - working, device_budget_given)
+    gathered_ahead = device_working_set(sizes, width, True, chunk_numel)
+    grads = grads_tier(grads, optimizer, grad_bytes, device_left - gathered_ahead, cpu_free - cpu_need - working,
+                       device_budget_given)
     if grads == "device" and optimizer != "device":
         device_left -= grad_bytes
-    ahead = device_working_set(sizes, width, True, chunk_numel) <= device_left
+    ahead = gathered_ahead <= device_left
     tiers = StateTiers(Tier(params), Tier(optimizer), Tier(grads))
     return Placement(tiers, chunk_numel, ahead, staging_slot(list(chunks.values())), considered)
 

@@ -47,8 +47,8 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 class IssuedGather:
     """A gather the lane has issued (FSDP2's all-gather result): `pending` is the collective, `copied` the event
     after the lane's own copies into the flat buffer (one rank, GPU), `held` what the collective reads besides
-    the flat buffer (a one-chunk lease sent as it is, on gloo) and must outlive it. The training thread's wait() orders its stream after both, then
-    lets the held buffers go (retired on that stream, which is now after every reader of them)."""
+    the flat buffer (a one-chunk lease sent as it is, on gloo) and must outlive it. The training thread's wait()
+    orders its stream after both, then lets the held buffers go (retired on that stream, which is now after every reader of them)."""
 
     def __init__(self, pending: comm.Pending, copied, held: list, device: torch.device):
         self.pending, self.copied, self.held, self.device = pending, copied, held, device
