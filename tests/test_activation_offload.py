@@ -30,7 +30,7 @@ from offload.telemetry import Queue  # noqa: E402
 from offload.zero.activations import KEEP_LAST, OUT_WINDOW, READ_AHEAD, ActivationKey  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import run_torchrun  # noqa: E402
+from zero_common import run_rank_script  # noqa: E402
 
 
 def llama(layers: int = 3, hidden: int = 64) -> LlamaForCausalLM:
@@ -424,7 +424,7 @@ def two_ranks(tmp_path_factory) -> Path:
         with open(os.path.join(lengths, f"rank{{rank}}.txt"), "w") as f:
             f.write(str(moved))
     """)
-    run_torchrun(code, tmp)
+    run_rank_script(code, tmp)
     return tmp
 
 
@@ -697,6 +697,6 @@ def test_two_ranks_with_sequences_of_other_lengths_issue_the_same_collectives(tw
     epoch): their saved activations, and with them the cpu room the schedule leaves the offloaded activations
     beside the resident states, differ. What each rank gathers and reduces must not: the ranks compare it at the
     end of every backward (collectives/divergence.py) and their recorded sequences are compared at exit
-    (run_torchrun, in the two_ranks fixture)."""
+    (run_rank_script, in the two_ranks fixture)."""
     moved = [int((two_ranks / "lengths" / f"rank{r}.txt").read_text()) for r in range(2)]
     assert moved[0] > moved[1] > 0, moved  # the ranks' activations did differ

@@ -10,7 +10,7 @@ TESTS = Path(__file__).resolve().parent
 
 
 def test_a_state_dict_on_rank_0_alone_is_refused_promptly_and_the_run_goes_on(tmp_path):
-    from zero_common import run_torchrun
+    from zero_common import run_rank_script
 
     code = textwrap.dedent(f"""
         import json, os, sys, time
@@ -54,7 +54,7 @@ def test_a_state_dict_on_rank_0_alone_is_refused_promptly_and_the_run_goes_on(tm
         with open(os.path.join({str(tmp_path)!r}, f"rank{{rt.rank}}.json"), "w") as f:
             json.dump(out, f)
         """)
-    run_torchrun(code, tmp_path, timeout=300)
+    run_rank_script(code, tmp_path, timeout=300)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     for name, what in (("full", "rt.full_state_dict()"), ("model", "TinyTransformer.state_dict()"),
                        ("opt", "offload.AdamW.full_state_dict()")):
@@ -73,7 +73,7 @@ def test_the_ranks_leave_save_pretrained_together_so_the_next_entry_point_meets(
     """save_pretrained: rank 0 writes after the last gather (here a tokenizer slow to save: 6 s, twice the agreement
     timeout); the other rank went straight on to the next entry point, whose meeting refused it while rank 0 was
     still writing. Every rank now leaves once rank 0 has written."""
-    from zero_common import run_torchrun
+    from zero_common import run_rank_script
 
     code = textwrap.dedent(f"""
         import json, os, sys, time
@@ -97,7 +97,7 @@ def test_the_ranks_leave_save_pretrained_together_so_the_next_entry_point_meets(
         with open(os.path.join({str(tmp_path)!r}, f"rank{{rt.rank}}.json"), "w") as f:
             json.dump({{"keys": len(full)}}, f)
         """)
-    run_torchrun(code, tmp_path, timeout=300)
+    run_rank_script(code, tmp_path, timeout=300)
     assert (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "config.json").exists()
     assert json.loads((tmp_path / "rank0.json").read_text()) == json.loads((tmp_path / "rank1.json").read_text())
 

@@ -249,7 +249,7 @@ def test_ranks_the_checkpoint_had_no_streams_for_get_streams_of_their_own(tmp_pa
     """Saved at 2 ranks, loaded at 3: rank 2 had no random streams saved. It took rank 1's, so both drew the same
     dropout masks and the same random data; now its own, the same at every such resume. Ranks 0 and 1 go on
     with their saved streams."""
-    from zero_common import run_torchrun
+    from zero_common import run_rank_script
 
     code = textwrap.dedent(f"""
         import json, os, random, sys
@@ -273,7 +273,7 @@ def test_ranks_the_checkpoint_had_no_streams_for_get_streams_of_their_own(tmp_pa
         """)
 
     def draws(nproc):
-        run_torchrun(code, tmp_path, nproc=nproc)
+        run_rank_script(code, tmp_path, nproc=nproc)
         return {r: (tmp_path / f"draws-{r}.json").read_text() for r in range(nproc)}
 
     before, first, second = draws(2), draws(3), draws(3)
@@ -590,7 +590,7 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank_at_once(tmp_path):
     fails before the ranks' first collective of the load. Every rank raises at once naming rank 1 and its reason
     (before, rank 0 waited collective_timeout in the verdict's all-gather for a rank that had left), and neither
     rank's state changed."""
-    from zero_common import run_torchrun
+    from zero_common import run_rank_script
 
     code = textwrap.dedent(f"""
         import json, os, shutil, sys, time
@@ -633,7 +633,7 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank_at_once(tmp_path):
         with open(os.path.join(tmp, f"rank{{rt.rank}}.json"), "w") as f:
             json.dump(out, f)
         """)
-    run_torchrun(code, tmp_path, timeout=300)
+    run_rank_script(code, tmp_path, timeout=300)
     for r in (0, 1):
         out = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert out["error"] is not None and out["error"].startswith(

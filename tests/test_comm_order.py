@@ -4,14 +4,13 @@ compute device. On NCCL a breach hangs two ranks for ever; here it
 raises, so the CPU suite catches a lane that would hang a GPU run."""
 import json
 import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+import rank_launch
 from offload.zero.collectives import comm
 
 
@@ -135,9 +134,8 @@ def test_one_rank_needs_no_group():
 def _run(tmp_path, broken: bool) -> list[dict]:
     out = tmp_path / "out.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).with_name("order_worker.py")), str(out), "1" if broken else "0"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = rank_launch.launch([str(Path(__file__).with_name("order_worker.py")), str(out), "1" if broken else "0"], 2,
+                              env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
 
@@ -230,7 +228,7 @@ def test_ranks_that_run_different_units_are_refused_before_any_update(tmp_path):
     The ranks compare what they asked of the lanes at the end of every backward and eval forward (counts per unit,
     and their order) and raise there, naming the units and the ranks; the optimizer step compares them again and
     refuses the step (nothing is updated)."""
-    from zero_common import run_torchrun
+    from zero_common import run_rank_script
 
-    out = run_torchrun(_RANK_DEPENDENT, tmp_path, timeout=300)
+    out = run_rank_script(_RANK_DEPENDENT, tmp_path, timeout=300)
     assert "ok 0" in out.stdout and "ok 1" in out.stdout, out.stdout + out.stderr[-3000:]

@@ -7,7 +7,7 @@ import rank_sequences
 
 
 def test_the_groups_are_warmed_before_the_budgets_are_agreed(tmp_path):
-    from zero_common import run_torchrun
+    from zero_common import run_rank_script
 
     code = textwrap.dedent(f"""
         import json, os, torch
@@ -20,7 +20,7 @@ def test_the_groups_are_warmed_before_the_budgets_are_agreed(tmp_path):
         with open(path, "w") as f:
             json.dump({{"taken": taken}}, f)
         """)
-    run_torchrun(code, tmp_path)
+    run_rank_script(code, tmp_path)
     assert [json.loads((tmp_path / f"stats{r}.json").read_text())["taken"] for r in range(2)] == [0, 0]
     seq = rank_sequences.load(str(tmp_path / "collectives"), 2)[0]
     assert [tuple(e) for e in seq["entries"][:3]] == [(g, "all_reduce", 1, "float32") for g in

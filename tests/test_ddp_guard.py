@@ -14,7 +14,7 @@ import torch.nn as nn
 import offload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import TinyTransformer, run_torchrun, small_config  # noqa: E402
+from zero_common import TinyTransformer, run_rank_script, small_config  # noqa: E402
 
 DDP = torch.nn.parallel.DistributedDataParallel
 
@@ -97,5 +97,5 @@ def test_the_documented_accelerate_loop_on_two_ranks_is_ddps(tmp_path):
         print(f"WORST {accelerator.process_index} {worst:.3e}", flush=True)
         assert worst < 1e-5, worst
     """)
-    out = run_torchrun(code, tmp_path)
+    out = run_rank_script(code, tmp_path)
     assert sorted(x.split()[1] for x in out.stdout.splitlines() if x.startswith("WORST ")) == ["0", "1"], out.stdout

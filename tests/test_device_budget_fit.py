@@ -17,7 +17,7 @@ from offload.store.budget import fit_auto_device_budget
 from offload.zero.device_budget_fit import DeviceBudgetFit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import run_torchrun, small_config  # noqa: E402
+from zero_common import run_rank_script, small_config  # noqa: E402
 
 
 def mlp(layers: int = 3, width: int = 256) -> nn.Module:
@@ -126,7 +126,7 @@ def test_two_ranks_fit_the_same_budget(tmp_path):
         with open(os.path.join({str(tmp_path)!r}, f"rank{{rank}}.txt"), "w") as f:  # (stdouts interleave)
             f.write(f"{{budget}} {{own}} {{fit['budget_after']}} {{losses[-1]}}")
     """)
-    run_torchrun(code, tmp_path)
+    run_rank_script(code, tmp_path)
     got = [(tmp_path / f"rank{r}.txt").read_text().split() for r in range(2)]
     budgets = {int(g[0]) for g in got}
     assert len(budgets) == 1, got  # one budget on both ranks

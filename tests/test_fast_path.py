@@ -11,7 +11,6 @@ The streams' priorities are CUDA-only: tests/test_cuda_collective_priority.py.
 """
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import rank_launch  # noqa: E402
 import rank_sequences  # noqa: E402
 
 from offload.zero.collectives import comm  # noqa: E402
@@ -31,9 +31,8 @@ def ranks(tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("fast_path")
     out = tmp / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).with_name("fast_path_worker.py")), str(out), str(DRAIN_DELAY_S)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = rank_launch.launch([str(Path(__file__).with_name("fast_path_worker.py")), str(out), str(DRAIN_DELAY_S)], 2,
+                              env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rank_sequences.assert_same_sequences(f"{out}.collectives")
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]

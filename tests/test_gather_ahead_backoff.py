@@ -11,7 +11,7 @@ import textwrap
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import VOCAB, SEQ, compute_loss, make_model, param_groups, run_torchrun, small_config  # noqa: E402
+from zero_common import VOCAB, SEQ, compute_loss, make_model, param_groups, run_rank_script, small_config  # noqa: E402
 
 import offload  # noqa: E402
 from offload import inject  # noqa: E402
@@ -67,7 +67,7 @@ def test_one_rank_out_of_memory_the_other_not(tmp_path):
         with open(os.path.join({str(tmp_path)!r}, f"rank{{rank}}.json"), "w") as f:  # (stdouts interleave)
             json.dump({{"same": same, "backed_off": skew[2]["gathers_backed_off"], "losses": skew[0]}}, f)
     """)
-    run_torchrun(code, tmp_path, timeout=300)
+    run_rank_script(code, tmp_path, timeout=300)
     import json
 
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

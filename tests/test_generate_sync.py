@@ -13,7 +13,7 @@ TESTS = Path(__file__).resolve().parent
 
 def test_generate_on_two_ranks_of_different_lengths_completes_with_the_plain_models_tokens(tmp_path):
     pytest.importorskip("transformers")
-    from zero_common import run_torchrun
+    from zero_common import run_rank_script
 
     code = textwrap.dedent(f"""
         import json, os, sys
@@ -41,7 +41,7 @@ def test_generate_on_two_ranks_of_different_lengths_completes_with_the_plain_mod
         with open(os.path.join({str(tmp_path)!r}, f"rank{{rank}}.json"), "w") as f:
             json.dump({{"out": out.tolist(), "ref": ref.tolist()}}, f)
         """)
-    run_torchrun(code, tmp_path, timeout=300)
+    run_rank_script(code, tmp_path, timeout=300)
     for rank, new in ((0, 3), (1, 8)):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(got["out"][0]) == 5 + new, got

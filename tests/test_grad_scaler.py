@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import VOCAB, compute_loss, make_model, param_groups, run_torchrun, small_config  # noqa: E402
+from zero_common import VOCAB, compute_loss, make_model, param_groups, run_rank_script, small_config  # noqa: E402
 
 import offload  # noqa: E402
 
@@ -212,7 +212,7 @@ def test_an_overflow_in_one_ranks_shard_skips_the_step_on_both(tmp_path):
         with open(os.path.join({str(tmp_path)!r}, f"rank{{rank}}.txt"), "w") as f:  # (stdouts interleave)
             f.write(f"{{stats['skipped_steps']}} {{stats['overflows_here']}} {{moved[0]}} {{moved[1]}} {{scaler.get_scale()}}")
     """)
-    run_torchrun(code, tmp_path)
+    run_rank_script(code, tmp_path)
     got = [(tmp_path / f"rank{r}.txt").read_text().split() for r in range(2)]
     assert [g[0] for g in got] == ["1", "1"], got  # both skipped the step
     assert sorted(g[1] for g in got) == ["0", "1"], got  # one rank's shard held the overflow

@@ -23,6 +23,7 @@ import offload  # noqa: E402
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 import moe_worker  # noqa: E402
+import rank_launch  # noqa: E402
 
 # tiny configs of every MoE family of the installed transformers tested here; keys a family does not know are
 # ignored by its config
@@ -112,9 +113,8 @@ def two_rank_runs(tmp_path_factory):
     """A Mixtral trained on 2 ranks (gloo), in full and under LoRA, in one launch (tests/moe_worker.py)."""
     tmp = tmp_path_factory.mktemp("moe2")
     model_dir = save_moe(tmp / "m", "mixtral")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(TESTS / "moe_worker.py"), str(model_dir), str(tmp / "run")],
-                          capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = rank_launch.launch([str(TESTS / "moe_worker.py"), str(model_dir), str(tmp / "run")], 2, timeout=600,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return model_dir, {kind: torch.load(tmp / f"run.{kind}.pt") for kind in ("full", "lora")}
 

@@ -59,7 +59,7 @@ def test_one_rank_through_a_gloo_group_trains_bitwise_as_without(case, tmp_path)
 def test_one_rank_issues_what_each_of_two_ranks_issues(tmp_path):
     """The same case on 2 gloo ranks (torchrun) and on one rank with the switch: the same collectives, in the same
     order, for the same units (sizes aside: a shard at 2 ranks is half the one rank's)."""
-    from zero_common import run_torchrun
+    from zero_common import run_rank_script
 
     case = Case(params="cpu", optimizer="cpu", accum=2, no_sync=False, flow="eval", steps=3)
     two = dataclasses.replace(case, world=2)
@@ -73,7 +73,7 @@ def test_one_rank_issues_what_each_of_two_ranks_issues(tmp_path):
         offload_run(case, make_model(case.model), _data(case), {str(tmp_path)!r})
         dist.destroy_process_group()
         """)
-    run_torchrun(code, tmp_path, timeout=600)  # (asserts the two ranks issued the same)
+    run_rank_script(code, tmp_path, timeout=600)  # (asserts the two ranks issued the same)
     rank0 = rank_sequences.load(str(tmp_path / "collectives"), 2)[0]
     at_two = [(g, op, dtype, what) for (g, op, _, dtype), what in zip(rank0["entries"], rank0["whats"])
               if not op.startswith("user:")]  # (the harness sums its loss over ranks itself from 2 ranks on)

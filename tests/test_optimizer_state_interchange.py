@@ -88,7 +88,7 @@ def test_two_ranks_give_and_take_torchs_whole_state(tmp_path):
     import textwrap
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from zero_common import run_torchrun
+    from zero_common import run_rank_script
 
     code = textwrap.dedent(f"""
         import sys, torch
@@ -110,5 +110,5 @@ def test_two_ranks_give_and_take_torchs_whole_state(tmp_path):
                     assert torch.equal(full["state"][i][n], st[n]), (rt.rank, i, n)
             print("ok", rt.rank, flush=True)
     """)
-    out = run_torchrun(code, tmp_path, nproc=2, timeout=300)
+    out = run_rank_script(code, tmp_path, nproc=2, timeout=300)
     assert out.stdout.count("ok") == 2, out.stdout

@@ -12,7 +12,7 @@ from offload.zero.collectives import comm
 def test_ranks_whose_collectives_gloo_pairs_silently_are_caught_at_teardown(tmp_path):
     """A float32 all-reduce on rank 0 and an int32 one of the same bytes on rank 1: gloo sums the bits and says
     nothing (rank 0 reads 1065353216-like garbage); the ranks' recorded sequences differ at that collective."""
-    from zero_common import run_torchrun
+    from zero_common import run_rank_script
 
     code = textwrap.dedent("""
         import torch, torch.distributed as dist
@@ -24,7 +24,7 @@ def test_ranks_whose_collectives_gloo_pairs_silently_are_caught_at_teardown(tmp_
         comm.all_reduce_(group, torch.ones(4) if rank == 0 else torch.ones(4, dtype=torch.int32), what="apart")
         dist.destroy_process_group()
         """)
-    run_torchrun(code, tmp_path, same_collectives=False)
+    run_rank_script(code, tmp_path, same_collectives=False)
     prefix = str(tmp_path / "collectives")
     differ = rank_sequences.first_difference(rank_sequences.load(prefix, 2))
     assert differ == ("collective #1: rank 0 issued 'apart' ('main', 'all_reduce', 4, 'float32'), rank 1 issued "

@@ -5,10 +5,9 @@ run under TORCH_DISTRIBUTED_DEBUG=DETAIL: torch wraps every group and checks bef
 call the same op on the same shapes, so a mispaired one raises there instead of pairing silently."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import rank_launch
 import rank_sequences
 
 
@@ -16,9 +15,8 @@ def test_skewed_lanes_on_two_ranks_finish_bitwise(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent),
                TORCH_DISTRIBUTED_DEBUG="DETAIL")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(Path(__file__).with_name("skew_worker.py")), str(out), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)  # a hang fails here
+    proc = rank_launch.launch([str(Path(__file__).with_name("skew_worker.py")), str(out), str(tmp_path)], 2, env=env,
+                              timeout=400)  # a hang fails here
     assert proc.returncode == 0, proc.stderr[-4000:]
     rank_sequences.assert_same_sequences(f"{out}.collectives")  # the skew changes when, never what
     for r in range(2):

@@ -21,7 +21,7 @@ import offload  # noqa: E402
 from offload.integrations.transformers import OFFLOAD_STATE, OffloadTrainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zero_common import run_torchrun  # noqa: E402
+from zero_common import run_rank_script  # noqa: E402
 
 VOCAB, SEQ = 300, 32
 
@@ -247,7 +247,7 @@ def test_two_ranks_under_torchrun_give_the_one_rank_losses(tmp_path, reference):
             if os.environ["RANK"] == "0":
                 print("LOSSES", json.dumps(logged(trainer)), flush=True)
     """)
-    out = run_torchrun(code, tmp_path)
+    out = run_rank_script(code, tmp_path, torchrun=True)  # (the users' launcher: the Trainer reads its environment)
     line = next(x for x in out.stdout.splitlines() if x.startswith("LOSSES "))
     assert json.loads(line[len("LOSSES "):]) == pytest.approx(reference[0], rel=1e-5)
 

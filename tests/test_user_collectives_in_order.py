@@ -64,13 +64,13 @@ with open(f"{OUT}/user{rank}.json", "w") as f:
 
 
 def test_user_collectives_take_their_place_in_the_order_on_two_skewed_ranks(tmp_path):
-    from zero_common import run_torchrun
+    from zero_common import run_rank_script
 
-    run_torchrun(textwrap.dedent(CODE).replace("{OUT}", str(tmp_path)), tmp_path, timeout=600)
+    run_rank_script(textwrap.dedent(CODE).replace("{OUT}", str(tmp_path)), tmp_path, timeout=600)
     for r in range(2):
         out = json.loads((tmp_path / f"user{r}.json").read_text())
         assert out["same"] and out["seen"] == [2.0] * 4, out
         assert [flag for _, flag in out["losses"]] == [0.0, 1.0, 2.0, 3.0], out  # rank 0's broadcast value
-    seq = rank_sequences.load(str(tmp_path / "collectives"), 2)[0]  # (equal on both ranks: run_torchrun checked)
+    seq = rank_sequences.load(str(tmp_path / "collectives"), 2)[0]  # (equal on both ranks: run_rank_script checked)
     user = collections.Counter(op for _, op, _, _ in seq["entries"] if op.startswith("user:"))
     assert user == {"user:all_reduce": 2 * 2 * 4, "user:broadcast": 2 * 4}, user  # two runs of 4 steps

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import rank_launch
 from offload.store import host_pool
 from offload.store.sizes import parse_size
 
@@ -90,13 +91,17 @@ def test_a_transformers_llama_at_5x_the_cpu_budget_stays_within_the_budgets_ever
 
 
 def test_the_llama_on_two_ranks_stays_within_each_ranks_budgets_every_step(tmp_path):
-    """The same Llama on 2 ranks under torchrun (each rank's shards half the states, still 2.6x its cpu budget),
-    6 steps, the CPU default (the host pool): each rank's peak resident set after every step within its own
-    budgets + 256 MiB, and flat from the fourth step. Flat from the second it is not, by chance: the peak is a
-    high-water mark of transients that two ranks' lanes overlap in ways that vary with their timing, and it reaches
-    its plateau at the second to fifth step (measured, 8 steps, 4 rank-runs: 305-318 MiB after step 2, 317-322 at
-    the end, at most 6.4 MiB higher over the last four steps; once 16.5 MiB between steps 2 and 4)."""
-    cpu_budget, device_budget = 64 * MiB, 48 * MiB  # 48: a step of the embedding on 2 ranks (wrap refuses less)
+    """The same Llama on 2 ranks (each rank's shards half the states, still 2.6x its cpu budget),
+    8 steps in the dtype the CPU computes fast ("auto": bf16 with bf16 instructions, else fp32, where emulated bf16
+    took 80 of this test's seconds), the CPU default (the host pool): each rank's peak resident set after every
+    step within its own budgets + 256 MiB, and flat from the fourth step. Flat from the second it is not, by
+    chance: the peak is a high-water mark of transients that two ranks' lanes overlap in ways that vary with their
+    timing, and it reaches its plateau at the second to sixth step. Measured, 6 steps: bf16 (AVX512_BF16) 314-329
+    MiB at the end, at most 6.4 MiB higher over the last steps of 8 and once 16.5 between steps 2 and 4; fp32
+    (AVX2 cap) 362-364 MiB at the end of each of 4 rank-runs, once 14.5 MiB higher at step 6 than at step 5. A
+    leak of one layer's fp32 gradient a step (7 MiB) grows 28 MiB over the last four steps."""
+    # 72 MiB: a step of the embedding on 2 ranks in fp32 needs 64.5 (wrap refuses less; bf16 half of it)
+    cpu_budget, device_budget = 64 * MiB, 72 * MiB
     swap, out = tmp_path / "swap", tmp_path / "out"
     swap.mkdir()
     out.mkdir()
@@ -104,12 +109,8 @@ def test_the_llama_on_two_ranks_stays_within_each_ranks_budgets_every_step(tmp_p
                OFFLOAD_MALLOC_TUNE="pool", OFFLOAD_HOST_POOL_HEADROOM=host_pool.DEFAULT_HEADROOM,
                RSS_PROBE_OUT=str(out))  # a file per rank: two ranks' lines on one stdout once ran together
     probe = Path(__file__).with_name("llama_rss_probe.py")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           # bf16 everywhere: the slack above is bf16's activations (in fp32, the probe's "auto"
-                           # on a CPU without bf16, they peak 18 MiB past it: 370 MiB, measured)
-                           str(probe), str(swap), f"{cpu_budget}B", f"{device_budget}B", "6",
-                           '{"compute_dtype": "bf16"}'],
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = rank_launch.launch([str(probe), str(swap), f"{cpu_budget}B", f"{device_budget}B", "8"], 2, env=env,
+                              timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     limit = (cpu_budget + device_budget + SLACK["pool"]) / MiB
@@ -117,7 +118,7 @@ def test_the_llama_on_two_ranks_stays_within_each_ranks_budgets_every_step(tmp_p
         assert r["params"] * 16 // 2 >= 2 * cpu_budget and r["nvme_read"] > r["params"] * 2, r  # it pages
         grown = [(s["peak"] - r["rss0"]) / MiB for s in r["steps"]]
         assert all(g <= limit for g in grown), (grown, limit)
-        assert grown[-1] - grown[3] <= 16, grown  # flat once the overlaps have been seen: nothing accumulates
+        assert grown[-1] - grown[3] <= 20, grown  # flat once the overlaps have been seen: nothing accumulates
         assert r["memory"]["malloc_mode"] == "pool", r["memory"]
     assert list(swap.iterdir()) == []
 

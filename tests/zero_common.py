@@ -598,14 +598,17 @@ def small_config(**kw):
     return offload.Config(**kw)
 
 
-def run_torchrun(code: str, tmp_path, nproc: int = 2, timeout: float = 600, same_collectives: bool = True):
-    """`code` as a script under `torchrun --standalone --nproc_per_node nproc` (one thread per rank); asserts it
-    exited 0 and, unless same_collectives=False (a test that makes the ranks differ on purpose), that every rank
-    issued the same collectives (tests/rank_sequences.py). Returns the CompletedProcess (stdout, stderr as text)."""
+def run_rank_script(code: str, tmp_path, nproc: int = 2, timeout: float = 600, same_collectives: bool = True,
+                    torchrun: bool = False):
+    """`code` as a script run by `nproc` ranks of one gloo group (one thread per rank), launched as torchrun would
+    (tests/rank_launch.py) or, with torchrun=True, by torchrun itself; asserts it exited 0 and, unless
+    same_collectives=False (a test that makes the ranks differ on purpose), that every rank issued the same
+    collectives (tests/rank_sequences.py). Returns the CompletedProcess (stdout, stderr as text)."""
     import os
     import subprocess
     import sys
 
+    import rank_launch
     import rank_sequences
 
     prefix = str(tmp_path / "collectives")
@@ -613,9 +616,12 @@ def run_torchrun(code: str, tmp_path, nproc: int = 2, timeout: float = 600, same
     script = tmp_path / "ranks.py"
     script.write_text(f"import sys as _sys; _sys.path.insert(0, {tests!r}); import rank_sequences as _rs; "
                       f"_rs.record({prefix!r})\n" + code)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                          str(nproc), str(script)], capture_output=True, text=True, timeout=timeout,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if torchrun:
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                              str(nproc), str(script)], capture_output=True, text=True, timeout=timeout, env=env)
+    else:
+        out = rank_launch.launch([str(script)], nproc, env=env, timeout=timeout)
     assert out.returncode == 0, out.stderr[-4000:]
     if same_collectives:
         rank_sequences.assert_same_sequences(prefix, nproc)
