@@ -9,6 +9,7 @@ ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, OMP_NUM_THREADS=1 unless s
 TCPStore hosted by the launcher (this process), TORCHELASTIC_USE_AGENT_STORE=True: every rank joins it as a client,
 so no rank binds a port and there is no race for a free one. As torchrun does, the first rank to exit non-zero
 stops the others (SIGTERM, then SIGKILL after `grace_s`), and the launch's exit status is 1 if any rank failed.
+Each rank runs in a session of its own, as under torchrun.
 Every rank writes to one stdout and one stderr, interleaved as under torchrun.
 
 Tests of torchrun itself (`offload finetune` under torchrun, the launcher naming a dead rank) still run torchrun.
@@ -37,7 +38,9 @@ def launch(args: list[str], nproc: int, env: dict | None = None, timeout: float 
                 WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc), GROUP_RANK="0",
                 TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        procs = [subprocess.Popen([sys.executable, *args], stdout=out, stderr=err,
+        # Each rank in a session of its own, as torchrun starts them: where the kernel groups CPU time by session
+        # (autogroup), 8 ranks in one session would share one session's time against every other session's
+        procs = [subprocess.Popen([sys.executable, *args], stdout=out, stderr=err, start_new_session=True,
                                   env=dict(base, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r)))
                  for r in range(nproc)]
         deadline, stop_at = time.monotonic() + timeout, None
@@ -65,6 +68,10 @@ def launch(args: list[str], nproc: int, env: dict | None = None, timeout: float 
 
 
 def _signal(procs: list[subprocess.Popen], sig: int) -> None:
+    """`sig` to each live rank and whatever it started (its session's process group)."""
     for p in procs:
         if p.poll() is None:
-            p.send_signal(sig)
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:  # (exited since the poll)
+                pass
