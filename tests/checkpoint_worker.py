@@ -20,6 +20,7 @@ import json
 import os
 import random
 import sys
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,10 @@ def main():
         with comm.recording() as recorder:
             try:
                 (streams if spec.get("kind") == "streams" else train)(spec)
+            except Exception:
+                traceback.print_exc()
+                print(f"checkpoint_worker: the run writing {spec['out']} failed (above)", file=sys.stderr, flush=True)
+                sys.exit(1)
             finally:  # (also after a failure: what each rank issued up to it)
                 rank_sequences.write(spec["out"] + ".collectives", int(os.environ.get("RANK", "0")), recorder)
 
