@@ -112,30 +112,29 @@ def train(spec):
             if spec.get("save_loaded_to"):  # resharding checks: the loaded state, saved again as it is
                 rt.save_checkpoint(spec["save_loaded_to"], extra=extra, lr_scheduler=sched)
         accum = spec.get("accum", 1)
-        slow = contextlib.ExitStack()
-        for step in range(start, spec["steps"]):
-            for micro in range(first_micro if step == start else 0, accum):
-                ids = torch.randint(0, VOCAB, (2, SEQ))
-                logits = model(ids)
-                loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), ids.reshape(-1)) / accum
-                loss.backward()
-                if step == spec.get("save_mid_at") and micro == 0 and not spec.get("resume"):
-                    # in the middle of the accumulation: the partial gradient is part of the checkpoint
-                    rt.save_checkpoint(spec["ckpt"], extra={"next_step": step, "next_micro": 1},
-                                       lr_scheduler=sched)
-                    print(f"saved mid {step}", flush=True)
-            rt.clip_grad_norm_(1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses[step] = loss.item()
-            if step + 1 in spec.get("save_at", []):
-                rt.save_checkpoint(spec["ckpt"], extra={"next_step": step + 1}, lr_scheduler=sched,
-                                   keep_last=spec.get("keep_last"))
-                print(f"saved {step + 1}", flush=True)
-            if step + 1 == spec.get("slow_after", [None])[0]:
-                slow.enter_context(inject.delay(Queue(spec["slow_after"][1]), spec["slow_after"][2]))
-        slow.close()
+        with contextlib.ExitStack() as slow:  # (slow_after's delay, ended with the run)
+            for step in range(start, spec["steps"]):
+                for micro in range(first_micro if step == start else 0, accum):
+                    ids = torch.randint(0, VOCAB, (2, SEQ))
+                    logits = model(ids)
+                    loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), ids.reshape(-1)) / accum
+                    loss.backward()
+                    if step == spec.get("save_mid_at") and micro == 0 and not spec.get("resume"):
+                        # in the middle of the accumulation: the partial gradient is part of the checkpoint
+                        rt.save_checkpoint(spec["ckpt"], extra={"next_step": step, "next_micro": 1},
+                                           lr_scheduler=sched)
+                        print(f"saved mid {step}", flush=True)
+                rt.clip_grad_norm_(1.0)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                losses[step] = loss.item()
+                if step + 1 in spec.get("save_at", []):
+                    rt.save_checkpoint(spec["ckpt"], extra={"next_step": step + 1}, lr_scheduler=sched,
+                                       keep_last=spec.get("keep_last"))
+                    print(f"saved {step + 1}", flush=True)
+                if step + 1 == spec.get("slow_after", [None])[0]:
+                    slow.enter_context(inject.delay(Queue(spec["slow_after"][1]), spec["slow_after"][2]))
         final = rt.full_state_dict(model)
     if rank == 0:
         json.dump({"losses": losses, "checkpoint_s": rt.last_checkpoint_seconds}, open(spec["out"], "w"))
