@@ -3,8 +3,8 @@
 The training runs are tests/checkpoint_worker.py's, several in turn per launch (each from its seed and a fresh
 runtime): the one-rank runs in one process, the resharding chain (2 -> 3 -> 8 -> 1 -> 2 ranks) in one launch per
 world size, behind module-scoped fixtures. Runs that must survive a kill are processes of their own, killed
-with SIGKILL while a checkpoint is being written (slowed by offload.inject once the first save is done) or
-while a step runs.
+with SIGKILL after their first save, while the next checkpoint is being written or while a step runs (each
+slowed from then on by offload.inject).
 """
 import json
 import os
