@@ -1,17 +1,26 @@
-"""A training run that checkpoints and resumes, for test_checkpoint.py (1 process, or torchrun workers).
+"""Training runs that checkpoint and resume, for test_checkpoint.py (1 process, or torchrun workers).
 
     python checkpoint_worker.py SPEC.json
-SPEC: {"out": file, "nvme": dir, "ckpt": dir, "steps": total steps, "save_at": [steps after which to save],
-       "resume": bool, "save_loaded_to": dir, "params": tier, "optimizer": tier, "compute_dtype": ...,
-       "keep_last": n, "accum": micro-batches per step, "save_mid_at": step to save after its first micro-batch,
-       "cpu_budget": the runtime's (default 64MiB: every state stays resident), "family": "adamw" | "adamw8bit"}
+SPEC: one run's spec, or a list of them, run in turn in this process (one launch for several runs: each starts
+from its seed and a fresh runtime, so a resume restores everything from its checkpoint as in a new process).
+A run's spec: {"out": file, "nvme": dir, "ckpt": dir, "steps": total steps, "save_at": [steps after which to
+save], "resume": bool, "save_loaded_to": dir, "params": tier, "optimizer": tier, "compute_dtype": ...,
+"keep_last": n, "accum": micro-batches per step, "save_mid_at": step to save after its first micro-batch,
+"cpu_budget": the runtime's (default 64MiB: every state stays resident), "family": "adamw" | "adamw8bit",
+"slow_after": [step, queue, seconds]: from that step's end (its save included) each work item of the queue
+takes that long (offload/inject.py; the kill tests' slow disk or slow steps), "kind": "train" (the default) |
+"streams" (save or, with "resume", load a checkpoint of an untrained model, then draw from the random streams)}
 Data come from the global torch RNG (so a resume must restore it); the LR follows a warmup schedule (so a
 resume must restore the scheduler); the loop position travels in `extra`. Writes the per-step losses and
-the final fp32 parameters (out + ".safetensors").
+the final fp32 parameters (out + ".safetensors"); each rank's collectives of the run to out + ".collectives"
+(rank_sequences; compared across ranks by the test).
 """
+import contextlib
 import json
 import os
+import random
 import sys
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +29,10 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import offload  # noqa: E402
 import rank_sequences  # noqa: E402
-from zero_common import SEQ, VOCAB, TinyTransformer, param_groups  # noqa: E402
+from offload import inject  # noqa: E402
+from offload.telemetry import Queue  # noqa: E402
+from offload.zero.collectives import comm  # noqa: E402
+from zero_common import SEQ, VOCAB, TinyTransformer, param_groups, small_config  # noqa: E402
 
 
 class _FrozenFirstBlock(torch.nn.Module):
@@ -49,9 +61,38 @@ class FrozenFront(torch.nn.Module):
 
 
 def main():
-    spec = json.load(open(sys.argv[1]))
-    rank_sequences.record(spec["out"] + ".collectives")  # compared across ranks by test_checkpoint.py
+    specs = json.load(open(sys.argv[1]))
     torch.set_num_threads(1)
+    for spec in specs if isinstance(specs, list) else [specs]:
+        with comm.recording() as recorder:
+            try:
+                (streams if spec.get("kind") == "streams" else train)(spec)
+            except Exception:
+                traceback.print_exc()
+                print(f"checkpoint_worker: the run writing {spec['out']} failed (above)", file=sys.stderr, flush=True)
+                sys.exit(1)
+            finally:  # (also after a failure: what each rank issued up to it)
+                rank_sequences.write(spec["out"] + ".collectives", int(os.environ.get("RANK", "0")), recorder)
+
+
+def streams(spec):
+    """Each rank seeds its generators by its rank, saves (or loads) a checkpoint, and writes what it draws next."""
+    import numpy as np
+
+    with offload.init(small_config()) as rt:
+        model = TinyTransformer()
+        opt = offload.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(10 + rt.rank)
+        random.seed(10 + rt.rank)
+        np.random.seed(10 + rt.rank)
+        (rt.load_checkpoint if spec.get("resume") else rt.save_checkpoint)(spec["ckpt"])
+        draws = [torch.rand(3).tolist(), random.random(), float(np.random.rand())]
+        with open(f"{spec['out']}.draws-{rt.rank}.json", "w") as f:
+            json.dump(draws, f)
+        del opt
+
+
+def train(spec):
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(100 + rank)
     cfg = offload.Config(params=spec.get("params", "nvme"), optimizer=spec.get("optimizer", "nvme"),
@@ -71,26 +112,29 @@ def main():
             if spec.get("save_loaded_to"):  # resharding checks: the loaded state, saved again as it is
                 rt.save_checkpoint(spec["save_loaded_to"], extra=extra, lr_scheduler=sched)
         accum = spec.get("accum", 1)
-        for step in range(start, spec["steps"]):
-            for micro in range(first_micro if step == start else 0, accum):
-                ids = torch.randint(0, VOCAB, (2, SEQ))
-                logits = model(ids)
-                loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), ids.reshape(-1)) / accum
-                loss.backward()
-                if step == spec.get("save_mid_at") and micro == 0 and not spec.get("resume"):
-                    # in the middle of the accumulation: the partial gradient is part of the checkpoint
-                    rt.save_checkpoint(spec["ckpt"], extra={"next_step": step, "next_micro": 1},
-                                       lr_scheduler=sched)
-                    print(f"saved mid {step}", flush=True)
-            rt.clip_grad_norm_(1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses[step] = loss.item()
-            if step + 1 in spec.get("save_at", []):
-                rt.save_checkpoint(spec["ckpt"], extra={"next_step": step + 1}, lr_scheduler=sched,
-                                   keep_last=spec.get("keep_last"))
-                print(f"saved {step + 1}", flush=True)
+        with contextlib.ExitStack() as slow:  # (slow_after's delay, ended with the run)
+            for step in range(start, spec["steps"]):
+                for micro in range(first_micro if step == start else 0, accum):
+                    ids = torch.randint(0, VOCAB, (2, SEQ))
+                    logits = model(ids)
+                    loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), ids.reshape(-1)) / accum
+                    loss.backward()
+                    if step == spec.get("save_mid_at") and micro == 0 and not spec.get("resume"):
+                        # in the middle of the accumulation: the partial gradient is part of the checkpoint
+                        rt.save_checkpoint(spec["ckpt"], extra={"next_step": step, "next_micro": 1},
+                                           lr_scheduler=sched)
+                        print(f"saved mid {step}", flush=True)
+                rt.clip_grad_norm_(1.0)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                losses[step] = loss.item()
+                if step + 1 in spec.get("save_at", []):
+                    rt.save_checkpoint(spec["ckpt"], extra={"next_step": step + 1}, lr_scheduler=sched,
+                                       keep_last=spec.get("keep_last"))
+                    print(f"saved {step + 1}", flush=True)
+                if step + 1 == spec.get("slow_after", [None])[0]:
+                    slow.enter_context(inject.delay(Queue(spec["slow_after"][1]), spec["slow_after"][2]))
         final = rt.full_state_dict(model)
     if rank == 0:
         json.dump({"losses": losses, "checkpoint_s": rt.last_checkpoint_seconds}, open(spec["out"], "w"))
