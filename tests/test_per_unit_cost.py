@@ -1,14 +1,22 @@
 """The runtime's work a unit a step does not grow with the unit count (issue 42 section 1: at most 0.3 ms of CPU a
 unit a step over 80-160 units). The schedule's end-of-forward decision (keep a unit gathered for its backward, or
 free it) scanned every unit to list the gathered ones, and copied the rest of the trace, at every unit's forward:
-quadratic in the unit count."""
+quadratic in the unit count. And what a unit costs a step in lane items and tensor ops, counted (not timed) over
+one step that follows the plan: the optimizer's updates one lane item a step, not one a unit (the speculative path's
+one-at-a-time queue, taken when no chunk could be speculated); a one-rank reduce one lane item, not a launch and a
+drain; the gradient flags read with no tensor op."""
 from __future__ import annotations
+
+import collections
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload
+from offload.zero.lanes import WorkLane
 from offload.zero.units.unit import ShardedUnit
+from offload.zero.update.optimizer import ShardedOptimizer
 
 
 class Stack(nn.Module):
@@ -43,3 +51,60 @@ def test_a_forward_asks_a_few_units_a_unit_whether_they_are_gathered(monkeypatch
         opt.step()
         opt.zero_grad()
     assert len(asked) <= 8 * units, f"{len(asked)} reads of a unit's gathered state for {units} units"
+
+
+class _OpCount(TorchDispatchMode):
+    """aten ops dispatched on this thread (the training thread: forward, the CPU backward, opt.step())."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _third_step(monkeypatch, model, opt, x, rt=None):
+    """Two steps (traced, then planned), then a third counted: lane items by lane, the backward's runs asked for
+    speculation, and the training thread's aten ops."""
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if rt is not None:
+        rt.quiesce()
+    items, runs, mode = collections.Counter(), [], _OpCount()
+    if rt is not None:
+        submit, backward_runs = WorkLane.submit, ShardedOptimizer.backward_runs
+        monkeypatch.setattr(WorkLane, "submit", lambda lane, *a: items.update([lane.lane.value]) or submit(lane, *a))
+        monkeypatch.setattr(ShardedOptimizer, "backward_runs", lambda o, *a, **k: runs.append(a) or
+                            backward_runs(o, *a, **k))
+    with mode:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    monkeypatch.undo()
+    if rt is not None:
+        rt.quiesce()
+    return items, runs, mode.ops
+
+
+def _stack_run(monkeypatch, units: int, **cfg):
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="256MiB", device_budget="256MiB",
+                                     **cfg)) as rt:
+        torch.manual_seed(0)
+        model = Stack(8, units)
+        return _third_step(monkeypatch, model, offload.AdamW(model.parameters(), lr=1e-3), x, rt)
+
+
+def test_updates_with_states_in_memory_are_one_lane_item_a_step(monkeypatch):
+    """Speculation is on by default and arms after a calm step, but no chunk whose states are in memory is ever
+    speculated: the backward asks no unit for its runs, and opt.step() queues every update in one lane item (it
+    queued one a unit, each sorting the queue: quadratic)."""
+    units = 12
+    items, runs, _ = _stack_run(monkeypatch, units)
+    assert runs == [], f"the backward computed {len(runs)} units' runs for speculation that cannot happen"
+    assert items["optimizer"] == 1, f"{items['optimizer']} optimizer lane items for one step of {units} units"
+

@@ -348,8 +348,9 @@ class UpdatePath:
         for u in updates:
             self._before_update(u.unit)
             u.hand_over = True  # after the backward: the next forward gathers it next (Schedule.hand_over)
-        if early.armed:  # the backward queued updates, still running: with these, one at a time, the one the next
-            # forward needs first (a unit's chunks held resident wait for no I/O: not behind the others' I/O)
+        if early.armed and early.issued:  # the backward queued updates, still running: with these, one at a time,
+            # the one the next forward needs first (a unit's chunks held resident wait for no I/O: not behind the
+            # others' I/O). None queued (no chunk of theirs could be speculated): one lane item for all, as unarmed
             self.pipeline.prefer_forward_order([u.uid for u in order])
             for u in updates:
                 speculated = u.unit.update  # (a unit's speculative update and the rest of its chunks: both)
