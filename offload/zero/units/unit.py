@@ -96,7 +96,9 @@ class ShardedUnit:
         self.stale = False  # UNSHARDED copy older than the shard (an update was issued since the gather)
         self.has_grad = False  # a gradient shard holds this step's gradient (since the last zero_grad)
         self.local_grad: torch.Tensor | None = None  # unsharded fp32 accumulator inside rt.no_sync()
-        self.used = torch.zeros(len(layout.slots), dtype=torch.bool)
+        # slot -> it got a gradient since the last zero_grad: set by the views' hooks, read per slot at every step (a
+        # list, not a tensor: no tensor op a slot a read)
+        self.used = [False] * len(layout.slots)
         self.update: cf.Future | None = None  # the optimizer's pending update of this unit
         self.grads: cf.Future | None = None  # the last reduce-drain work on the gradient chunks
         # {slot: L2 norm of this rank's piece of the slot's gradient}, written by the reduce's drain when the stored
@@ -525,7 +527,7 @@ class ShardedUnit:
             if set_to_none:
                 self.has_grad = False  # the chunks stay registered; the next reduce writes over them
                 self.local_grad = None
-                self.used.zero_()
+                self.used[:] = [False] * len(self.used)
                 return
             slots = range(len(self.layout.slots))
         slots = set(slots)
