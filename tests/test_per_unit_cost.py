@@ -109,6 +109,15 @@ def test_updates_with_states_in_memory_are_one_lane_item_a_step(monkeypatch):
     assert items["optimizer"] == 1, f"{items['optimizer']} optimizer lane items for one step of {units} units"
 
 
+def test_one_rank_reduces_are_one_lane_item_a_unit(monkeypatch):
+    """One rank launches no collective: a unit's reduce is one piece of work on the reduce-drain lane, not a launch
+    on the reduce lane handed to a drain (a lane hop and a future fewer a unit a step)."""
+    units = 12
+    items, _, _ = _stack_run(monkeypatch, units)
+    assert items["reduce"] == 0 and items["reduce drain"] == units, dict(items)
+    assert items["gather"] <= 2 * units, dict(items)  # (one in the forward, one in the backward)
+
+
 def test_a_step_dispatches_few_tensor_ops_a_unit_beyond_torch(monkeypatch):
     """The training thread's aten ops a unit a step beyond plain PyTorch's (same model, torch's fused AdamW): the
     views and hooks of each gather, the flat gradient; the flags of which parameters got a gradient are read and

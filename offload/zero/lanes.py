@@ -1,7 +1,7 @@
 """Lanes: the runtime's background queues, each one thread running its work in the order it was given.
 
     gather        a unit's all-gather: wait for its pending update, read its param chunks, gather
-    reduce        a unit's reduce-scatter: launched, not waited for
+    reduce        a unit's reduce-scatter: launched, not waited for (several ranks; one rank launches nothing)
     reduce drain  each launched reduce's host work: the wait for its sum, the accumulation into the gradient
                   chunks, their norms (every write to a gradient shard goes through here, in order). Apart from
                   the reduce lane, so one reduce's host work never holds the next collective's launch (the next

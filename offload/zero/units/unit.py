@@ -427,7 +427,8 @@ class ShardedUnit:
         """Queue: mean over ranks of the full gradient (fp32, or Config.reduce_dtype; compute dtype on one rank,
         where nothing is summed), this rank's shard added into the stored fp32 gradient (or written over it,
         the first time since zero_grad). Two pieces of work: the launch on the reduce lane, its drain on the
-        reduce-drain lane (lanes.py), so no later collective's launch waits for this one's host work. `full_grad`
+        reduce-drain lane (lanes.py), so no later collective's launch waits for this one's host work; one on one
+        rank, where nothing is launched (the drain's lane does the launch's stream wait). `full_grad`
         travels with the work, and so does the event after the compute that wrote it (the reduce stream waits
         for that, not for the whole device)."""
         overwrite, self.has_grad = not self.has_grad, True
@@ -438,10 +439,15 @@ class ShardedUnit:
             wait(window.popleft(), self.ctx.meter, Queue.REDUCE)
         written = record(self.ctx.device)
         name = self.uid or "<root>"
-        launched = self.ctx.lanes.reduce.submit(f"reduce:{name}", self._launch_reduce, full_grad, written,
-                                                self.ctx.reduce_group.ticket(self.index))
-        self.grads = self.ctx.lanes.reduce_drain.submit(f"reduce drain:{name}", self._drain_reduce, launched,
-                                                        overwrite, self.update)
+        if self.ctx.distributed:
+            launched = self.ctx.lanes.reduce.submit(f"reduce:{name}", self._launch_reduce, full_grad, written,
+                                                    self.ctx.reduce_group.ticket(self.index))
+            self.grads = self.ctx.lanes.reduce_drain.submit(f"reduce drain:{name}", self._drain_reduce, launched,
+                                                            overwrite, self.update)
+        else:  # one rank: no collective to launch in program order, so no launch to keep apart from the host work:
+            # one lane item, the drain's (a lane hop and a future fewer a unit a step)
+            self.grads = self.ctx.lanes.reduce_drain.submit(f"reduce drain:{name}", self._reduce_locally, full_grad,
+                                                            written, overwrite, self.update)
         window.append(self.grads)
         if self.ctx.on_reduce is not None:
             self.ctx.on_reduce(self)
@@ -463,11 +469,19 @@ class ShardedUnit:
         ctx.counters.add("reduce_scatter_bytes", send.numel() * send.element_size())
         return LaunchedReduce(shard, pending, record(ctx.device), [full_grad, send])
 
+    def _reduce_locally(self, full_grad: torch.Tensor, written, overwrite: bool,
+                        after_update: cf.Future | None) -> None:
+        """On the reduce-drain lane, one rank (nothing summed over ranks): the launch's part (its stream's wait for
+        autograd's writes; the shard is the gradient itself) and the drain, in one piece of work."""
+        self._drain_launched(self._launch_reduce(full_grad, written, None), overwrite, after_update)
+
     def _drain_reduce(self, launched: cf.Future, overwrite: bool, after_update: cf.Future | None) -> None:
         """On the reduce-drain lane (its stream on a GPU): wait for the launched reduce's sum, then write this
         rank's shard of it into the gradient chunks (or add it), taking the pieces' norms on the way."""
+        self._drain_launched(launched.result(), overwrite, after_update)  # (a launch that failed fails this too)
+
+    def _drain_launched(self, reduced: LaunchedReduce, overwrite: bool, after_update: cf.Future | None) -> None:
         ctx = self.ctx
-        reduced: LaunchedReduce = launched.result()  # issued (a launch that failed fails this too)
         stream_wait(reduced.issued, ctx.device)  # one rank: the shard is the gradient the launch stream waited for
         reduced.pending.wait()  # this stream (gloo: this thread) goes on once the sum is here
         for t in reduced.read:  # the collective and the cast read them on other streams, which this one now follows
