@@ -17,6 +17,7 @@ wait_for_unshard (the gather it is about to compute with) and where a reader nee
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -48,14 +49,21 @@ class IssuedGather:
     """A gather the lane has issued (FSDP2's all-gather result): `pending` is the collective, `copied` the event
     after the lane's own copies into the flat buffer (one rank, GPU), `held` what the collective reads besides
     the flat buffer (a one-chunk lease sent as it is, on gloo) and must outlive it. The training thread's wait()
-    orders its stream after both, then lets the held buffers go (retired on that stream, which is now after every reader of them)."""
+    orders its stream after both, then lets the held buffers go (retired on that stream, which is now after every reader of them).
+    `pending` None: no collective (one rank)."""
 
-    def __init__(self, pending: comm.Pending, copied, held: list, device: torch.device):
+    def __init__(self, pending: comm.Pending | None, copied, held: list, device: torch.device):
         self.pending, self.copied, self.held, self.device = pending, copied, held, device
+
+    @property
+    def may_block(self) -> bool:
+        """wait() may wait: a collective, or the lane's copies on a GPU stream."""
+        return self.pending is not None or self.copied is not None
 
     def wait(self) -> None:
         try:
-            self.pending.wait()
+            if self.pending is not None:
+                self.pending.wait()
             stream_wait(self.copied, self.device)
         finally:
             held, self.held = self.held, []
@@ -73,6 +81,9 @@ class LaunchedReduce:
 
     def __init__(self, shard: torch.Tensor, pending: comm.Pending, issued, read: list):
         self.shard, self.pending, self.issued, self.read = shard, pending, issued, read
+
+
+_NOTHING_TO_WAIT = contextlib.nullcontext()  # (a wait that cannot block is not metered: the meter's cost, not its)
 
 
 def _result(fut: cf.Future | None) -> None:
@@ -273,7 +284,7 @@ class ShardedUnit:
             raise
         self._gather = None
         try:
-            with self.ctx.meter.waiting(Queue.GATHER):
+            with self.ctx.meter.waiting(Queue.GATHER) if issued.may_block else _NOTHING_TO_WAIT:
                 issued.wait()  # the unit computes next: GPU: the compute stream waits for the gather; gloo: the host
         except BaseException:
             self._drop_flat()
@@ -308,7 +319,7 @@ class ShardedUnit:
                 for c, lease in zip(self.shards.chunks, leases):
                     out[c.lo:c.hi].copy_(lease.wait(), non_blocking=True)  # GPU: on the gather stream
                 copied = record(ctx.device)
-                issued = IssuedGather(comm.Pending(), copied, [], ctx.device)
+                issued = IssuedGather(None, copied, [], ctx.device)
                 copies = 1
             else:
                 copies = 0

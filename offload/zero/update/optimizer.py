@@ -177,7 +177,7 @@ class ShardedOptimizer:
         hypers: dict = {}
         work = [(unit, self._live_runs(unit, entries, ahead=1, hypers=hypers)) for unit, entries in plan]
         path.backward_updates.check_before_step(work)
-        self.count_step([unit for unit, _ in plan])
+        self.count_step([unit for unit, _ in plan], plan)
         # path.grad_scale stays: another optimizer over other parameters may step after this one with the same
         # clipping coefficient; the next backward (or rt.zero_grad) resets it.
         path.step_units(work, self.schema)
@@ -196,10 +196,11 @@ class ShardedOptimizer:
                     and any(bool(unit.used[s.index]) for s in unit.layout.slots if (id(unit), s.index) in mine)):
                 unit.on_shard_written()
 
-    def count_step(self, units) -> None:
-        """Advance the step count of every parameter of `units` that got a gradient (once each)."""
+    def count_step(self, units, plan=None) -> None:
+        """Advance the step count of every parameter of `units` that got a gradient (once each). `plan`: their
+        _unit_plan, when the caller has it."""
         counted = set()
-        for unit, entries in self._unit_plan(units):
+        for unit, entries in self._unit_plan(units) if plan is None else plan:
             for piece, group, p in entries:
                 if unit.has_grad and bool(unit.used[piece.slot]) and id(p) not in counted:
                     counted.add(id(p))
