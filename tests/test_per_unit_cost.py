@@ -121,21 +121,23 @@ def test_one_rank_reduces_are_one_lane_item_a_unit(monkeypatch):
 
 def test_a_step_dispatches_few_tensor_ops_a_unit_beyond_torch(monkeypatch):
     """The training thread's aten ops a unit a step beyond plain PyTorch's (same model, torch's fused AdamW): the
-    views and hooks of each gather, the flat gradient; the flags of which parameters got a gradient are read and
-    set with no tensor op (a bool tensor indexed per slot: 30 ops a unit beyond torch here, now 13)."""
+    views of each gather (one split, no second split of a detached copy when every slot trains), the flat
+    gradient; the flags of which parameters got a gradient are read and set with no tensor op (a bool tensor
+    indexed per slot: 30 ops a unit beyond torch here; 13 without it, 9 without the detached split)."""
     units = 12
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     plain = Stack(8, units)
     _, _, torch_ops = _third_step(monkeypatch, plain, torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True), x)
     _, _, ops = _stack_run(monkeypatch, units)
-    assert (ops - torch_ops) / units <= 16, f"{ops} aten ops against torch's {torch_ops} for {units} units"
+    assert (ops - torch_ops) / units <= 11, f"{ops} aten ops against torch's {torch_ops} for {units} units"
 
 
 def test_the_training_thread_makes_few_python_calls_a_unit_a_step(monkeypatch):
     """Python calls on the training thread a unit a step (hooks, the schedule, the step), counted over a step that
     follows the plan: a block's positional tensors routed without a pytree walk, a gather that cannot block not
-    metered as a wait, the shard's pieces computed once, the step counts from the step's own plan."""
+    metered as a wait, the shard's pieces computed once, the step counts from the step's own plan; a gather's views
+    with one hook on their split (not one a view) and the flags of their placeholders read without dispatch."""
     units = 12
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
     calls = [0]
@@ -161,5 +163,5 @@ def test_the_training_thread_makes_few_python_calls_a_unit_a_step(monkeypatch):
             opt.zero_grad()
         finally:
             sys.setprofile(None)
-    # measured: 967 a unit before these cuts, 792 after
-    assert calls[0] / units <= 850, f"{calls[0]} Python calls on the training thread for {units} units"
+    # measured: 967 a unit before these cuts, 792 after the hooks' and the step's, 703 after the views'
+    assert calls[0] / units <= 750, f"{calls[0]} Python calls on the training thread for {units} units"

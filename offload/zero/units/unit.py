@@ -21,6 +21,7 @@ import contextlib
 
 import torch
 import torch.nn as nn
+from torch._C import DisableTorchFunctionSubclass
 
 from ... import inject
 from ...device import is_out_of_memory, record, retire, sync
@@ -135,25 +136,30 @@ class ShardedUnit:
         grad for every parameter). Made anew at every gather: autograd runs ready nodes newest first, so a split
         made at construction would run after the whole backward, holding every unit's gradient (and its reduce)
         until the end; made at the gather, it runs right after the unit's own backward."""
-        # the views keep their autograd link to `flat` even when made under no_grad or inference_mode (a persistent
-        # unit re-gathered by an inference forward kept views without one: its parameters never trained again)
-        with torch.inference_mode(False), torch.enable_grad():
-            whole = self._whole_flat_is_one_slot()  # (an embedding, an LM head): its gradient is the flat gradient
-            if whole:  # itself; the split's backward would copy it into a second full-size buffer (its concatenation)
-                pieces = [self.flat.view(self.layout.slots[0].shape)]
-            else:
-                pieces = self.flat.split(self._split_sizes)
-            frozen = self.flat.detach().split(self._split_sizes)
-            views = []
-            for slot in self.layout.slots:
-                base = pieces if slot.requires_grad else frozen
-                view = pieces[0] if whole else base[slot.index].view(slot.shape)
-                if slot.requires_grad:
-                    view.register_hook(self._used_hook(slot.index))
-                if slot.index < len(self.placeholders):
-                    view._offload_placeholder = self.placeholders[slot.index]  # model.parameters() while gathered
-                views.append(view)
-        self.views = views
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            self.views = self._new_views()
+        else:
+            # the views keep their autograd link to `flat` even when made under no_grad or inference_mode (a persistent
+            # unit re-gathered by an inference forward kept views without one: its parameters never trained again)
+            with torch.inference_mode(False), torch.enable_grad():
+                self.views = self._new_views()
+
+    def _new_views(self) -> list[torch.Tensor]:
+        slots = self.layout.slots
+        if self._whole_flat_is_one_slot():  # (an embedding, an LM head): its gradient is the flat gradient itself;
+            views = [self.flat.view(slots[0].shape)]  # the split's backward would copy it into a second full-size
+            views[0].register_hook(self._used_hook(0))  # buffer (its concatenation)
+        else:
+            pieces = self.flat.split_with_sizes(self._split_sizes)
+            frozen = pieces if all(s.requires_grad for s in slots) else self.flat.detach().split_with_sizes(
+                self._split_sizes)
+            views = [(pieces if s.requires_grad else frozen)[s.index].view(s.shape) for s in slots]
+            if pieces[0].grad_fn is not None:  # one hook on the split, not one a view: which slots got a gradient
+                pieces[0].grad_fn.register_prehook(self._used_prehook)
+        for slot, view in zip(slots, views):
+            if slot.index < len(self.placeholders):
+                view._offload_placeholder = self.placeholders[slot.index]  # model.parameters() while gathered
+        return views
 
     def _whole_flat_is_one_slot(self) -> bool:
         """One trained parameter filling the flat buffer to the last element (no padding)."""
@@ -206,14 +212,17 @@ class ShardedUnit:
     def check_requires_grad(self) -> None:
         """requires_grad is fixed when the unit is built (its flat buffer, views and gradient hooks follow it):
         a later change would be ignored silently, so it is refused, naming the parameter."""
-        for slot, p, v in zip(self.layout.slots, self.placeholders, self.views):
-            if p.requires_grad != slot.requires_grad or v.requires_grad != slot.requires_grad:
-                raise RuntimeError(
-                    f"offload: parameter {slot.fqn!r} ({self.label}) had requires_grad={slot.requires_grad} when "
-                    f"the model was sharded and was changed to {not slot.requires_grad} afterwards, which the "
-                    "runtime cannot follow. Set requires_grad before rt.wrap(model) (for a model built inside "
-                    "offload.init: before its first forward or offload.AdamW), or rebuild the model."
-                )
+        with DisableTorchFunctionSubclass():  # (the placeholders' flags read as a plain tensor's: no dispatch a read)
+            changed = [slot for slot, p, v in zip(self.layout.slots, self.placeholders, self.views)
+                       if p.requires_grad != slot.requires_grad or v.requires_grad != slot.requires_grad]
+        if changed:
+            slot = changed[0]
+            raise RuntimeError(
+                f"offload: parameter {slot.fqn!r} ({self.label}) had requires_grad={slot.requires_grad} when "
+                f"the model was sharded and was changed to {not slot.requires_grad} afterwards, which the "
+                "runtime cannot follow. Set requires_grad before rt.wrap(model) (for a model built inside "
+                "offload.init: before its first forward or offload.AdamW), or rebuild the model."
+            )
 
     # ---- gather ----------------------------------------------------------------------------
     @property
@@ -411,6 +420,12 @@ class ShardedUnit:
             return grad
 
         return hook
+
+    def _used_prehook(self, grads: tuple) -> None:
+        """The split's backward is about to run: `grads` holds a gradient for each of its pieces that got one."""
+        for slot in self.layout.slots:
+            if slot.requires_grad and grads[slot.index] is not None:
+                self.used[slot.index] = True
 
     def _on_grad(self, flat: torch.Tensor) -> None:
         """Autograd has finished accumulating this unit's flat gradient (once per backward, or once per
