@@ -30,6 +30,7 @@ __all__ = ["Queue", "Lane", "Meter", "MeterSnapshot", "span", "start_trace", "st
 
 class Queue(enum.Enum):
     """What the training thread can wait for. Its wall time is compute plus these waits."""
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, in C (Enum's hashes its name in Python)
 
     NVME_READ = "nvme_read"  # a shard's bytes coming in from its swap file
     NVME_WRITE = "nvme_write"  # a write-behind that must land before its buffer is reused
@@ -48,6 +49,7 @@ class Queue(enum.Enum):
 
 class Lane(enum.Enum):
     """Threads that do work for the training thread (one trace row each)."""
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, in C (Enum's hashes its name in Python)
 
     MAIN = "main"  # the training thread: compute, and in synchronous mode every move
     GATHER = "gather"

@@ -26,6 +26,7 @@ from ..store import Tier
 
 
 class StateKind(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, in C (Enum's hashes its name in Python)
     PARAM = "param"
     MASTER = "master"
     GRAD = "grad"

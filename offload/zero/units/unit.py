@@ -49,9 +49,9 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 class IssuedGather:
     """A gather the lane has issued (FSDP2's all-gather result): `pending` is the collective, `copied` the event
     after the lane's own copies into the flat buffer (one rank, GPU), `held` what the collective reads besides
-    the flat buffer (a one-chunk lease sent as it is, on gloo) and must outlive it. The training thread's wait()
-    orders its stream after both, then lets the held buffers go (retired on that stream, which is now after every reader of them).
-    `pending` None: no collective (one rank)."""
+    the flat buffer (a one-chunk lease sent as it is, on gloo) and must outlive it; `pending` None: no collective (one
+    rank). The training thread's wait() orders its stream after both, then lets the held buffers go (retired on
+    that stream, which is now after every reader of them)."""
 
     def __init__(self, pending: comm.Pending | None, copied, held: list, device: torch.device):
         self.pending, self.copied, self.held, self.device = pending, copied, held, device
@@ -272,10 +272,14 @@ class ShardedUnit:
 
     def _allocate_full(self) -> None:
         """The flat buffer grows to the gathered size (once: a second call finds it allocated)."""
-        if self.flat.untyped_storage().nbytes() == self.nbytes_full:
+        storage = self.flat.untyped_storage()
+        if storage.nbytes() == self.nbytes_full:
             return
-        with self.ctx.streams.use(Lane.GATHER):  # allocated on the stream that writes it (device.py)
-            self.flat.untyped_storage().resize_(self.nbytes_full)
+        if self.ctx.device.type == "cuda":
+            with self.ctx.streams.use(Lane.GATHER):  # allocated on the stream that writes it (device.py)
+                storage.resize_(self.nbytes_full)
+        else:
+            storage.resize_(self.nbytes_full)
         advise_huge_pages(self.flat)  # fresh pages, written next: 512x fewer faults
         self.ctx.counters.gathered(self.nbytes_full)
 
