@@ -126,6 +126,7 @@ class ShardedUnit:
         self.views: list[torch.Tensor] = []
         self._split_sizes = [s.numel for s in layout.slots] + [layout.padded_numel - layout.numel]
         self._fresh_views()
+        self._forward_views = False  # the views were made outside a backward, by a gather (construction's are not)
         self.flat.untyped_storage().resize_(0)  # views exist; no bytes until the first gather
         if layout.trainable:
             self.flat.register_post_accumulate_grad_hook(self._on_grad)
@@ -135,7 +136,13 @@ class ShardedUnit:
         slots' grads into the flat grad in one pass (per-slot slicing would materialize a zero-filled full-size
         grad for every parameter). Made anew at every gather: autograd runs ready nodes newest first, so a split
         made at construction would run after the whole backward, holding every unit's gradient (and its reduce)
-        until the end; made at the gather, it runs right after the unit's own backward."""
+        until the end; made at the gather, it runs right after the unit's own backward. A gather inside a backward
+        keeps the views a forward's gather made: the graph holds those (their split is the one that runs), and a
+        recompute (activation checkpointing) computes with them as the forward did."""
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and self._forward_views:
+            return
+        self._forward_views = not in_backward
         if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             self.views = self._new_views()
         else:
