@@ -80,6 +80,7 @@ class Meter:
     def __init__(self):
         self._lock = threading.Lock()
         self._wait = {q: 0.0 for q in Queue}
+        self._wait_total = 0.0  # their sum, kept as they grow: the schedule reads it at every unit's use
         self._busy = {l: 0.0 for l in Lane}
         self._working = threading.local()  # the lanes this thread is counting busy time for now
 
@@ -93,11 +94,11 @@ class Meter:
                 dt = time.perf_counter() - t0
                 with self._lock:
                     self._wait[queue] += dt
+                    self._wait_total += dt
 
     def total_wait(self) -> float:
         """Seconds the training thread has waited on every queue, all told (a snapshot's sum, without one)."""
-        with self._lock:
-            return sum(self._wait.values())
+        return self._wait_total  # (one float, written under the lock: read whole)
 
     def busy(self, lane: Lane, seconds: float) -> None:
         with self._lock:
