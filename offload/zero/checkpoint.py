@@ -576,5 +576,5 @@ def _load_unit(rt, unit, entry: dict, handles: dict, keys: dict, old_world: int)
         optim_states.reset(unit)
     # the accumulation state: a saved partial gradient is added to by the next backward
     unit.on_gradient_loaded(bool(entry.get("grad")))
-    unit.used[:] = [bool(f) for f in entry.get("used", [False] * len(unit.layout.slots))]
+    unit.on_used_flags(entry.get("used", [False] * len(unit.layout.slots)))
     unit.on_shard_written()  # a gathered (persistent) unit re-gathers before its next use

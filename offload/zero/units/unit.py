@@ -208,6 +208,10 @@ class ShardedUnit:
         (`has_grad`), or none, which the next reduce overwrites. No unsharded accumulator, no norms taken."""
         self.has_grad, self.local_grad, self.grad_norms = has_grad, None, None
 
+    def on_used_flags(self, flags) -> None:
+        """Which slots got a gradient, as the ranks agreed (their OR at a step) or a checkpoint saved."""
+        self.used[:] = [bool(f) for f in flags]
+
     def check_alive(self) -> None:
         if self.state is UnitState.FREED:
             raise RuntimeError(

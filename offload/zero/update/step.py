@@ -268,7 +268,7 @@ class UpdatePath:
         offset = 0
         for u in self.units:
             n = len(u.used)
-            u.used[:] = both[offset:offset + n].bool().tolist()
+            u.on_used_flags(both[offset:offset + n].tolist())
             offset += n
 
     def _refuse_rank_dependent_collectives(self, most: torch.Tensor, fewest: torch.Tensor) -> None:
