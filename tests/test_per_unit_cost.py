@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import offload
 from offload.zero.lanes import WorkLane
 from offload.zero.shards import ShardSpec
+from offload.zero.state_store import UnitStateStore
 from offload.zero.units.unit import ShardedUnit
 from offload.zero.update.optimizer import ShardedOptimizer
 
@@ -204,3 +205,27 @@ def test_a_step_builds_no_shard_records(monkeypatch):
             opt.zero_grad()
         rt.quiesce()
     assert built == [], f"{len(built)} shard records built in a step of 12 units"
+
+
+def test_zero_grad_keeping_zeros_leases_each_gradient_chunk_once(monkeypatch):
+    """zero_grad(set_to_none=False) zeroes the stored gradient (AdamW still steps those parameters): a unit's
+    adjacent slots are one range, so each gradient chunk is leased once, not once a slot (a Linear: twice)."""
+    units = 12
+    leased = []
+    lease = UnitStateStore.lease
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="256MiB",
+                                     device_budget="256MiB")) as rt:
+        torch.manual_seed(0)
+        model = Stack(8, units)
+        opt = offload.AdamW(model.parameters(), lr=1e-3)
+        model(x).square().mean().backward()
+        opt.step()
+        rt.quiesce()
+        monkeypatch.setattr(UnitStateStore, "lease",
+                            lambda store, spec, *a, **k: leased.append(spec) or lease(store, spec, *a, **k))
+        opt.zero_grad(set_to_none=False)
+        rt.quiesce()
+        monkeypatch.undo()
+        chunks = sum(len(u.shards.chunks) for u in rt.units if u.layout.trainable)
+    assert len(leased) == chunks, f"{len(leased)} gradient leases to zero {chunks} chunks"

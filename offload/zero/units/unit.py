@@ -591,7 +591,14 @@ class ShardedUnit:
                 slot = self.layout.slots[s]
                 self.local_grad[slot.offset:slot.offset + slot.numel].zero_()
         if self.has_grad:  # other slots keep their gradient: zero these ranges of the stored shard, in order
-            ranges = [(p.lo, p.hi) for p in self.layout.pieces(self.ctx.rank) if p.slot in slots]
+            ranges = []
+            for p in self.layout.pieces(self.ctx.rank):
+                if p.slot not in slots:
+                    continue
+                if ranges and ranges[-1][1] == p.lo:  # adjacent slots: one range (one lease of each chunk, not one a
+                    ranges[-1] = (ranges[-1][0], p.hi)  # slot)
+                else:
+                    ranges.append((p.lo, p.hi))
             self.grads = self.ctx.lanes.reduce_drain.submit(f"zero_grad:{self.uid or '<root>'}", self._zero_now,
                                                             ranges, self.update)
         if set_to_none:
