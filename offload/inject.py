@@ -27,6 +27,7 @@ __all__ = ["delay", "pause", "delays", "Site", "out_of_memory_at", "allocation"]
 
 class Site(enum.Enum):
     """Where an allocation may be made to fail."""
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, in C (Enum's hashes its name in Python)
 
     GATHER_AHEAD = "gather_ahead"  # a unit's gathered buffer, allocated before the unit is needed
     ACTIVATION_BACK = "activation_back"  # a saved activation's tensor, allocated to bring it back for the backward

@@ -30,6 +30,7 @@ __all__ = ["Queue", "Lane", "Meter", "MeterSnapshot", "span", "start_trace", "st
 
 class Queue(enum.Enum):
     """What the training thread can wait for. Its wall time is compute plus these waits."""
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, in C (Enum's hashes its name in Python)
 
     NVME_READ = "nvme_read"  # a shard's bytes coming in from its swap file
     NVME_WRITE = "nvme_write"  # a write-behind that must land before its buffer is reused
@@ -48,6 +49,7 @@ class Queue(enum.Enum):
 
 class Lane(enum.Enum):
     """Threads that do work for the training thread (one trace row each)."""
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, in C (Enum's hashes its name in Python)
 
     MAIN = "main"  # the training thread: compute, and in synchronous mode every move
     GATHER = "gather"
@@ -78,6 +80,7 @@ class Meter:
     def __init__(self):
         self._lock = threading.Lock()
         self._wait = {q: 0.0 for q in Queue}
+        self._wait_total = 0.0  # their sum, kept as they grow: the schedule reads it at every unit's use
         self._busy = {l: 0.0 for l in Lane}
         self._working = threading.local()  # the lanes this thread is counting busy time for now
 
@@ -91,11 +94,11 @@ class Meter:
                 dt = time.perf_counter() - t0
                 with self._lock:
                     self._wait[queue] += dt
+                    self._wait_total += dt
 
     def total_wait(self) -> float:
         """Seconds the training thread has waited on every queue, all told (a snapshot's sum, without one)."""
-        with self._lock:
-            return sum(self._wait.values())
+        return self._wait_total  # (one float, written under the lock: read whole)
 
     def busy(self, lane: Lane, seconds: float) -> None:
         with self._lock:

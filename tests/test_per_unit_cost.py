@@ -1,14 +1,26 @@
 """The runtime's work a unit a step does not grow with the unit count (issue 42 section 1: at most 0.3 ms of CPU a
 unit a step over 80-160 units). The schedule's end-of-forward decision (keep a unit gathered for its backward, or
 free it) scanned every unit to list the gathered ones, and copied the rest of the trace, at every unit's forward:
-quadratic in the unit count."""
+quadratic in the unit count. And what a unit costs a step in lane items and tensor ops, counted (not timed) over
+one step that follows the plan: the optimizer's updates one lane item a step, not one a unit (the speculative path's
+one-at-a-time queue, taken when no chunk could be speculated); a one-rank reduce one lane item, not a launch and a
+drain; the gradient flags read with no tensor op."""
 from __future__ import annotations
+
+import collections
+import sys
+import threading
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload
+from offload.zero.lanes import WorkLane
+from offload.zero.shards import ShardSpec
+from offload.zero.state_store import UnitStateStore
 from offload.zero.units.unit import ShardedUnit
+from offload.zero.update.optimizer import ShardedOptimizer
 
 
 class Stack(nn.Module):
@@ -43,3 +55,177 @@ def test_a_forward_asks_a_few_units_a_unit_whether_they_are_gathered(monkeypatch
         opt.step()
         opt.zero_grad()
     assert len(asked) <= 8 * units, f"{len(asked)} reads of a unit's gathered state for {units} units"
+
+
+class _OpCount(TorchDispatchMode):
+    """aten ops dispatched on this thread (the training thread: forward, the CPU backward, opt.step())."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _third_step(monkeypatch, model, opt, x, rt=None):
+    """Two steps (traced, then planned), then a third counted: lane items by lane, the backward's runs asked for
+    speculation, and the training thread's aten ops."""
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if rt is not None:
+        rt.quiesce()
+    items, runs, mode = collections.Counter(), [], _OpCount()
+    if rt is not None:
+        submit, backward_runs = WorkLane.submit, ShardedOptimizer.backward_runs
+        monkeypatch.setattr(WorkLane, "submit", lambda lane, *a: items.update([lane.lane.value]) or submit(lane, *a))
+        monkeypatch.setattr(ShardedOptimizer, "backward_runs", lambda o, *a, **k: runs.append(a) or
+                            backward_runs(o, *a, **k))
+    with mode:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    monkeypatch.undo()
+    if rt is not None:
+        rt.quiesce()
+    return items, runs, mode.ops
+
+
+def _stack_run(monkeypatch, units: int, **cfg):
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="256MiB", device_budget="256MiB",
+                                     **cfg)) as rt:
+        torch.manual_seed(0)
+        model = Stack(8, units)
+        return _third_step(monkeypatch, model, offload.AdamW(model.parameters(), lr=1e-3), x, rt)
+
+
+def test_updates_with_states_in_memory_are_one_lane_item_a_step(monkeypatch):
+    """Speculation is on by default and arms after a calm step, but no chunk whose states are in memory is ever
+    speculated: the backward asks no unit for its runs, and opt.step() queues every update in one lane item (it
+    queued one a unit, each sorting the queue: quadratic)."""
+    units = 12
+    items, runs, _ = _stack_run(monkeypatch, units)
+    assert runs == [], f"the backward computed {len(runs)} units' runs for speculation that cannot happen"
+    assert items["optimizer"] == 1, f"{items['optimizer']} optimizer lane items for one step of {units} units"
+
+
+def test_one_rank_reduces_are_one_lane_item_a_unit(monkeypatch):
+    """One rank launches no collective: a unit's reduce is one piece of work on the reduce-drain lane, not a launch
+    on the reduce lane handed to a drain (a lane hop and a future fewer a unit a step)."""
+    units = 12
+    items, _, _ = _stack_run(monkeypatch, units)
+    assert items["reduce"] == 0 and items["reduce drain"] == units, dict(items)
+    assert items["gather"] <= 2 * units, dict(items)  # (one in the forward, one in the backward)
+
+
+def test_a_step_dispatches_few_tensor_ops_a_unit_beyond_torch(monkeypatch):
+    """The training thread's aten ops a unit a step beyond plain PyTorch's (same model, torch's fused AdamW): the
+    views of a forward's gather (one split, no second split of a detached copy when every slot trains; a backward's
+    gather keeps them), the flat gradient; the flags of which parameters got a gradient are read and set with no
+    tensor op (a bool tensor indexed per slot: 30 ops a unit beyond torch here; 13 without it, 9 without the
+    detached split, 6.6 with a backward's gather keeping the forward's views)."""
+    units = 12
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    plain = Stack(8, units)
+    _, _, torch_ops = _third_step(monkeypatch, plain, torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True), x)
+    _, _, ops = _stack_run(monkeypatch, units)
+    assert (ops - torch_ops) / units <= 8, f"{ops} aten ops against torch's {torch_ops} for {units} units"
+
+
+def test_a_step_makes_few_python_calls_a_unit(monkeypatch):
+    """Python calls a unit a step (hooks, the schedule, the step, the lanes' work), on the training thread and on
+    every lane's, counted over a step that follows the plan: a block's positional tensors routed without a pytree
+    walk, a gather that cannot block not metered as a wait, the shard's pieces computed once, the step counts from
+    the step's own plan; a gather's views with one hook on their split (not one a view) and the flags of their
+    placeholders read without dispatch; no stream context on the CPU, the runtime's enums hashed in C."""
+    units = 12
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    calls = collections.Counter()
+    on = [False]
+
+    def count(frame, event, arg):
+        if on[0] and event in ("call", "c_call"):
+            calls[threading.current_thread() is threading.main_thread()] += 1
+
+    threading.setprofile(count)  # (the lanes' threads start inside offload.init: each counts)
+    try:
+        with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="256MiB",
+                                         device_budget="256MiB")) as rt:
+            torch.manual_seed(0)
+            model = Stack(8, units)
+            opt = offload.AdamW(model.parameters(), lr=1e-3)
+            for _ in range(2):
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            rt.quiesce()
+            sys.setprofile(count)
+            on[0] = True
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            rt.quiesce()
+            on[0] = False
+            sys.setprofile(None)
+    finally:
+        threading.setprofile(None)
+    main, lanes = calls[True] / units, calls[False] / units
+    # measured a unit, training thread / lanes: 1253 / 1259 before issue 42's per-unit cuts (one optimizer lane item
+    # a unit, a reduce lane item, the pytree walk, a hook a view, ...), 717 / 960 before the enums' and the
+    # streams', 649 / 836 after
+    assert main <= 690 and lanes <= 900, f"Python calls a unit: {main:.0f} on the training thread, {lanes:.0f} on lanes"
+
+def test_a_step_builds_no_shard_records(monkeypatch):
+    """A shard's spec (its key, size, dtype, home) is built once, not each time a lane leases it (95 in a step of
+    these 12 units, each a new key the store's tables then compared field by field)."""
+    built = []
+    init = ShardSpec.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(args)
+        init(self, *args, **kwargs)
+
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="256MiB",
+                                     device_budget="256MiB")) as rt:
+        torch.manual_seed(0)
+        model = Stack(8, 12)
+        opt = offload.AdamW(model.parameters(), lr=1e-3)
+        for step in range(3):
+            if step == 2:
+                rt.quiesce()
+                monkeypatch.setattr(ShardSpec, "__init__", counted)
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        rt.quiesce()
+    assert built == [], f"{len(built)} shard records built in a step of 12 units"
+
+
+def test_zero_grad_keeping_zeros_leases_each_gradient_chunk_once(monkeypatch):
+    """zero_grad(set_to_none=False) zeroes the stored gradient (AdamW still steps those parameters): a unit's
+    adjacent slots are one range, so each gradient chunk is leased once, not once a slot (a Linear: twice)."""
+    units = 12
+    leased = []
+    lease = UnitStateStore.lease
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="256MiB",
+                                     device_budget="256MiB")) as rt:
+        torch.manual_seed(0)
+        model = Stack(8, units)
+        opt = offload.AdamW(model.parameters(), lr=1e-3)
+        model(x).square().mean().backward()
+        opt.step()
+        rt.quiesce()
+        monkeypatch.setattr(UnitStateStore, "lease",
+                            lambda store, spec, *a, **k: leased.append(spec) or lease(store, spec, *a, **k))
+        opt.zero_grad(set_to_none=False)
+        rt.quiesce()
+        monkeypatch.undo()
+        chunks = sum(len(u.shards.chunks) for u in rt.units if u.layout.trainable)
+    assert len(leased) == chunks, f"{len(leased)} gradient leases to zero {chunks} chunks"

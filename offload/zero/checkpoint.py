@@ -158,7 +158,7 @@ def save_checkpoint(rt, root, extra: dict | None = None, lr_schedulers=(), keep_
     steps = [{_param_key(p): int(st["step"]) for p, st in opt.state.items() if "step" in st}
              for opt in rt.live_optimizers()]
     status = {"file": name, "rng": rng_json, "steps": steps,
-              "used": {u.uid: u.used.tolist() for u in rt.units if u.has_grad},
+              "used": {u.uid: list(u.used) for u in rt.units if u.has_grad},
               "moments": [u.uid for u in rt.units if u.shards.moments_registered],
               "schemas": {u.uid: u.shards.schema.name for u in rt.units if u.shards.moments_registered}}
     try:
@@ -576,5 +576,5 @@ def _load_unit(rt, unit, entry: dict, handles: dict, keys: dict, old_world: int)
         optim_states.reset(unit)
     # the accumulation state: a saved partial gradient is added to by the next backward
     unit.on_gradient_loaded(bool(entry.get("grad")))
-    unit.used.copy_(torch.tensor(entry.get("used", [False] * len(unit.layout.slots)), dtype=torch.bool))
+    unit.on_used_flags(entry.get("used", [False] * len(unit.layout.slots)))
     unit.on_shard_written()  # a gathered (persistent) unit re-gathers before its next use

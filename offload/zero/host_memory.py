@@ -98,6 +98,8 @@ def advise_huge_pages(t: torch.Tensor) -> None:
     if t.device.type != "cpu" or not sys.platform.startswith("linux"):
         return
     storage = t.untyped_storage()
+    if storage.nbytes() < _HUGE:
+        return  # (no aligned huge page inside)
     start = storage.data_ptr()
     lo = -(-start // _HUGE) * _HUGE
     hi = (start + storage.nbytes()) // _HUGE * _HUGE

@@ -1,7 +1,7 @@
 """Lanes: the runtime's background queues, each one thread running its work in the order it was given.
 
     gather        a unit's all-gather: wait for its pending update, read its param chunks, gather
-    reduce        a unit's reduce-scatter: launched, not waited for
+    reduce        a unit's reduce-scatter: launched, not waited for (several ranks; one rank launches nothing)
     reduce drain  each launched reduce's host work: the wait for its sum, the accumulation into the gradient
                   chunks, their norms (every write to a gradient shard goes through here, in order). Apart from
                   the reduce lane, so one reduce's host work never holds the next collective's launch (the next
@@ -20,6 +20,7 @@ lanes, the meter), built before the units' context (context.py), which holds the
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -33,12 +34,16 @@ from ..telemetry import Lane, Meter, Queue
 from .state_store import UnitStateStore
 
 
+_NO_STREAM = contextlib.nullcontext()
+
+
 # See [Note: pipelined equals synchronous] in docs/zero-runtime.md
 class WorkLane:
     def __init__(self, lane: Lane, queue: Queue, meter: Meter, threaded: bool, pause_each: bool = True,
                  streams: Streams | None = None, slowed_by: Queue | None = None):
         self.lane = lane
         self.streams = streams or Streams(torch.device("cpu"))
+        self._stream_of_its_own = self.streams.device.type == "cuda"  # (on the CPU every stream is None)
         self.queue = queue  # what the training thread waits on when it waits for this lane's work
         self.meter = meter
         self.pause_each = pause_each  # injected delay (tests) per piece of work; False: the work pauses itself
@@ -60,7 +65,8 @@ class WorkLane:
             if self.pause_each:
                 inject.pause(self.slowed_by)  # a slow lane (tests): the work starts late
             try:
-                with self.meter.working(self.lane, name), self.streams.use(self.lane), comm.lane_work(self.lane.value):
+                stream = self.streams.use(self.lane) if self._stream_of_its_own else _NO_STREAM
+                with self.meter.working(self.lane, name), stream, comm.lane_work(self.lane.value):
                     return fn(*args)
             except BaseException as e:
                 with self._lock:

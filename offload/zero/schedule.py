@@ -327,11 +327,14 @@ class Schedule:
         taken = {}
         with self._lock:
             self._claims[unit.uid] = self._claims.get(unit.uid, 0) + 1
+            if not self._prefetched:
+                return taken  # (nothing read ahead: params in memory, or not following a plan)
             for c in unit.shards.chunks:
-                lease = self._prefetched.pop(ShardKey(unit.uid, StateKind.PARAM, c.index), None)
+                spec = unit.shards.spec(StateKind.PARAM, c)
+                lease = self._prefetched.pop(spec.key, None)
                 if lease is not None:
                     taken[c.index] = lease
-                    self._prefetched_bytes -= self.ctx.states.staged_nbytes(unit.shards.spec(StateKind.PARAM, c))
+                    self._prefetched_bytes -= self.ctx.states.staged_nbytes(spec)
         return taken
 
     def drop_prefetched(self, unit) -> None:

@@ -17,7 +17,7 @@ StateKind or the schema's StoredState.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,7 @@ from ..store import Tier
 
 
 class StateKind(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, in C (Enum's hashes its name in Python)
     PARAM = "param"
     MASTER = "master"
     GRAD = "grad"
@@ -101,6 +102,9 @@ class UnitShards:
     tiers: StateTiers
     schema: Schema | None = None  # the optimizer family whose states were created at the unit's first step
     grads_registered: bool = False  # created at the unit's first reduce
+    # (id(kind), chunk index) -> (kind, its ShardSpec): asked for several times a unit a step on every lane; one
+    # record a shard, so the store's and the lanes' tables find their key by identity
+    _specs: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, uid: str, shard_numel: int, chunk_numel: int, compute_dtype: torch.dtype,
@@ -124,7 +128,13 @@ class UnitShards:
         return out + list(self.schema.states if self.schema else ()) + [StateKind.GRAD]
 
     def spec(self, kind: StateKind | StoredState, chunk: Chunk | int) -> ShardSpec:
-        c = self.chunks[chunk] if isinstance(chunk, int) else chunk
+        index = chunk if isinstance(chunk, int) else chunk.index
+        got = self._specs.get((id(kind), index))
+        if got is None or got[0] is not kind:  # (the kind held beside it: an id is never another kind's)
+            got = self._specs[(id(kind), index)] = (kind, self._new_spec(kind, self.chunks[index]))
+        return got[1]
+
+    def _new_spec(self, kind: StateKind | StoredState, c: Chunk) -> ShardSpec:
         key = ShardKey(self.uid, kind, c.index)
         if isinstance(kind, StoredState):
             return ShardSpec(key, kind.numel(c.numel), kind.dtype, self.tiers.optimizer, "optim")

@@ -9,6 +9,8 @@ import enum
 
 
 class UnitState(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: hashed by identity, in C (Enum's hashes its name in Python)
+
     SHARDED = "sharded"
     """Only this rank's shard exists, in its home tier (device / cpu / nvme), chunk by chunk. The full flat
     buffer has no storage (0 bytes); the modules hold meta placeholders in place of their parameters."""

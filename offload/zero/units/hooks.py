@@ -65,7 +65,10 @@ def install(unit: ShardedUnit, schedule) -> list:
         schedule.pre_forward(unit)
         if not torch.is_grad_enabled():
             return None
-        leaves, spec = tree_flatten((args, kwargs))
+        if not kwargs and all(isinstance(x, torch.Tensor) for x in args):  # tensors only (a block's hidden state):
+            leaves, spec = list(args), None  # no pytree walk
+        else:
+            leaves, spec = tree_flatten((args, kwargs))
         idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not idx:
             return None
@@ -74,7 +77,7 @@ def install(unit: ShardedUnit, schedule) -> list:
             outs = (outs,)
         for i, t in zip(idx, outs):
             leaves[i] = t
-        return tree_unflatten(leaves, spec)
+        return (tuple(leaves), kwargs) if spec is None else tree_unflatten(leaves, spec)
 
     @torch.compiler.disable(reason="offload: a unit's free runs eagerly, between compiled graphs")
     def post_forward(module, args, kwargs, output):

@@ -54,19 +54,24 @@ class FlatLayout:
         quantum = world_size * ALIGN
         self.padded_numel = max(quantum, -(-offset // quantum) * quantum)
         self.shard_numel = self.padded_numel // world_size
+        self._pieces: dict[int, tuple[ShardPiece, ...]] = {}  # rank -> pieces(rank): asked a few times a unit a step
 
     def shard_bounds(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
-    def pieces(self, rank: int) -> list[ShardPiece]:
-        """The slots that overlap this rank's shard, in order, with shard-local ranges."""
-        lo, hi = self.shard_bounds(rank)
-        out = []
-        for s in self.slots:
-            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if a < b:
-                out.append(ShardPiece(s.index, a - lo, b - lo, a - s.offset))
-        return out
+    def pieces(self, rank: int) -> tuple[ShardPiece, ...]:
+        """The slots that overlap this rank's shard, in order, with shard-local ranges (the slots are fixed once
+        laid out: computed once a rank)."""
+        got = self._pieces.get(rank)
+        if got is None:
+            lo, hi = self.shard_bounds(rank)
+            out = []
+            for s in self.slots:
+                a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if a < b:
+                    out.append(ShardPiece(s.index, a - lo, b - lo, a - s.offset))
+            got = self._pieces[rank] = tuple(out)
+        return got
 
     @property
     def trainable(self) -> bool:

@@ -17,9 +17,11 @@ wait_for_unshard (the gather it is about to compute with) and where a reader nee
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 
 import torch
 import torch.nn as nn
+from torch._C import DisableTorchFunctionSubclass
 
 from ... import inject
 from ...device import is_out_of_memory, record, retire, sync
@@ -47,15 +49,22 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 class IssuedGather:
     """A gather the lane has issued (FSDP2's all-gather result): `pending` is the collective, `copied` the event
     after the lane's own copies into the flat buffer (one rank, GPU), `held` what the collective reads besides
-    the flat buffer (a one-chunk lease sent as it is, on gloo) and must outlive it. The training thread's wait()
-    orders its stream after both, then lets the held buffers go (retired on that stream, which is now after every reader of them)."""
+    the flat buffer (a one-chunk lease sent as it is, on gloo) and must outlive it; `pending` None: no collective (one
+    rank). The training thread's wait() orders its stream after both, then lets the held buffers go (retired on
+    that stream, which is now after every reader of them)."""
 
-    def __init__(self, pending: comm.Pending, copied, held: list, device: torch.device):
+    def __init__(self, pending: comm.Pending | None, copied, held: list, device: torch.device):
         self.pending, self.copied, self.held, self.device = pending, copied, held, device
+
+    @property
+    def may_block(self) -> bool:
+        """wait() may wait: a collective, or the lane's copies on a GPU stream."""
+        return self.pending is not None or self.copied is not None
 
     def wait(self) -> None:
         try:
-            self.pending.wait()
+            if self.pending is not None:
+                self.pending.wait()
             stream_wait(self.copied, self.device)
         finally:
             held, self.held = self.held, []
@@ -73,6 +82,9 @@ class LaunchedReduce:
 
     def __init__(self, shard: torch.Tensor, pending: comm.Pending, issued, read: list):
         self.shard, self.pending, self.issued, self.read = shard, pending, issued, read
+
+
+_NOTHING_TO_WAIT = contextlib.nullcontext()  # (a wait that cannot block is not metered: the meter's cost, not its)
 
 
 def _result(fut: cf.Future | None) -> None:
@@ -96,7 +108,9 @@ class ShardedUnit:
         self.stale = False  # UNSHARDED copy older than the shard (an update was issued since the gather)
         self.has_grad = False  # a gradient shard holds this step's gradient (since the last zero_grad)
         self.local_grad: torch.Tensor | None = None  # unsharded fp32 accumulator inside rt.no_sync()
-        self.used = torch.zeros(len(layout.slots), dtype=torch.bool)
+        # slot -> it got a gradient since the last zero_grad: set by the views' hooks, read per slot at every step (a
+        # list, not a tensor: no tensor op a slot a read)
+        self.used = [False] * len(layout.slots)
         self.update: cf.Future | None = None  # the optimizer's pending update of this unit
         self.grads: cf.Future | None = None  # the last reduce-drain work on the gradient chunks
         # {slot: L2 norm of this rank's piece of the slot's gradient}, written by the reduce's drain when the stored
@@ -112,6 +126,7 @@ class ShardedUnit:
         self.views: list[torch.Tensor] = []
         self._split_sizes = [s.numel for s in layout.slots] + [layout.padded_numel - layout.numel]
         self._fresh_views()
+        self._forward_views = False  # the views were made outside a backward, by a gather (construction's are not)
         self.flat.untyped_storage().resize_(0)  # views exist; no bytes until the first gather
         if layout.trainable:
             self.flat.register_post_accumulate_grad_hook(self._on_grad)
@@ -121,26 +136,37 @@ class ShardedUnit:
         slots' grads into the flat grad in one pass (per-slot slicing would materialize a zero-filled full-size
         grad for every parameter). Made anew at every gather: autograd runs ready nodes newest first, so a split
         made at construction would run after the whole backward, holding every unit's gradient (and its reduce)
-        until the end; made at the gather, it runs right after the unit's own backward."""
-        # the views keep their autograd link to `flat` even when made under no_grad or inference_mode (a persistent
-        # unit re-gathered by an inference forward kept views without one: its parameters never trained again)
-        with torch.inference_mode(False), torch.enable_grad():
-            whole = self._whole_flat_is_one_slot()  # (an embedding, an LM head): its gradient is the flat gradient
-            if whole:  # itself; the split's backward would copy it into a second full-size buffer (its concatenation)
-                pieces = [self.flat.view(self.layout.slots[0].shape)]
-            else:
-                pieces = self.flat.split(self._split_sizes)
-            frozen = self.flat.detach().split(self._split_sizes)
-            views = []
-            for slot in self.layout.slots:
-                base = pieces if slot.requires_grad else frozen
-                view = pieces[0] if whole else base[slot.index].view(slot.shape)
-                if slot.requires_grad:
-                    view.register_hook(self._used_hook(slot.index))
-                if slot.index < len(self.placeholders):
-                    view._offload_placeholder = self.placeholders[slot.index]  # model.parameters() while gathered
-                views.append(view)
-        self.views = views
+        until the end; made at the gather, it runs right after the unit's own backward. A gather inside a backward
+        keeps the views a forward's gather made: the graph holds those (their split is the one that runs), and a
+        recompute (activation checkpointing) computes with them as the forward did."""
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and self._forward_views:
+            return
+        self._forward_views = not in_backward
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            self.views = self._new_views()
+        else:
+            # the views keep their autograd link to `flat` even when made under no_grad or inference_mode (a persistent
+            # unit re-gathered by an inference forward kept views without one: its parameters never trained again)
+            with torch.inference_mode(False), torch.enable_grad():
+                self.views = self._new_views()
+
+    def _new_views(self) -> list[torch.Tensor]:
+        slots = self.layout.slots
+        if self._whole_flat_is_one_slot():  # (an embedding, an LM head): its gradient is the flat gradient itself;
+            views = [self.flat.view(slots[0].shape)]  # the split's backward would copy it into a second full-size
+            views[0].register_hook(self._used_hook(0))  # buffer (its concatenation)
+        else:
+            pieces = self.flat.split_with_sizes(self._split_sizes)
+            frozen = pieces if all(s.requires_grad for s in slots) else self.flat.detach().split_with_sizes(
+                self._split_sizes)
+            views = [(pieces if s.requires_grad else frozen)[s.index].view(s.shape) for s in slots]
+            if pieces[0].grad_fn is not None:  # one hook on the split, not one a view: which slots got a gradient
+                pieces[0].grad_fn.register_prehook(self._used_prehook)
+        for slot, view in zip(slots, views):
+            if slot.index < len(self.placeholders):
+                view._offload_placeholder = self.placeholders[slot.index]  # model.parameters() while gathered
+        return views
 
     def _whole_flat_is_one_slot(self) -> bool:
         """One trained parameter filling the flat buffer to the last element (no padding)."""
@@ -182,6 +208,10 @@ class ShardedUnit:
         (`has_grad`), or none, which the next reduce overwrites. No unsharded accumulator, no norms taken."""
         self.has_grad, self.local_grad, self.grad_norms = has_grad, None, None
 
+    def on_used_flags(self, flags) -> None:
+        """Which slots got a gradient, as the ranks agreed (their OR at a step) or a checkpoint saved."""
+        self.used[:] = [bool(f) for f in flags]
+
     def check_alive(self) -> None:
         if self.state is UnitState.FREED:
             raise RuntimeError(
@@ -193,14 +223,17 @@ class ShardedUnit:
     def check_requires_grad(self) -> None:
         """requires_grad is fixed when the unit is built (its flat buffer, views and gradient hooks follow it):
         a later change would be ignored silently, so it is refused, naming the parameter."""
-        for slot, p, v in zip(self.layout.slots, self.placeholders, self.views):
-            if p.requires_grad != slot.requires_grad or v.requires_grad != slot.requires_grad:
-                raise RuntimeError(
-                    f"offload: parameter {slot.fqn!r} ({self.label}) had requires_grad={slot.requires_grad} when "
-                    f"the model was sharded and was changed to {not slot.requires_grad} afterwards, which the "
-                    "runtime cannot follow. Set requires_grad before rt.wrap(model) (for a model built inside "
-                    "offload.init: before its first forward or offload.AdamW), or rebuild the model."
-                )
+        with DisableTorchFunctionSubclass():  # (the placeholders' flags read as a plain tensor's: no dispatch a read)
+            changed = [slot for slot, p, v in zip(self.layout.slots, self.placeholders, self.views)
+                       if p.requires_grad != slot.requires_grad or v.requires_grad != slot.requires_grad]
+        if changed:
+            slot = changed[0]
+            raise RuntimeError(
+                f"offload: parameter {slot.fqn!r} ({self.label}) had requires_grad={slot.requires_grad} when "
+                f"the model was sharded and was changed to {not slot.requires_grad} afterwards, which the "
+                "runtime cannot follow. Set requires_grad before rt.wrap(model) (for a model built inside "
+                "offload.init: before its first forward or offload.AdamW), or rebuild the model."
+            )
 
     # ---- gather ----------------------------------------------------------------------------
     @property
@@ -250,10 +283,14 @@ class ShardedUnit:
 
     def _allocate_full(self) -> None:
         """The flat buffer grows to the gathered size (once: a second call finds it allocated)."""
-        if self.flat.untyped_storage().nbytes() == self.nbytes_full:
+        storage = self.flat.untyped_storage()
+        if storage.nbytes() == self.nbytes_full:
             return
-        with self.ctx.streams.use(Lane.GATHER):  # allocated on the stream that writes it (device.py)
-            self.flat.untyped_storage().resize_(self.nbytes_full)
+        if self.ctx.device.type == "cuda":
+            with self.ctx.streams.use(Lane.GATHER):  # allocated on the stream that writes it (device.py)
+                storage.resize_(self.nbytes_full)
+        else:
+            storage.resize_(self.nbytes_full)
         advise_huge_pages(self.flat)  # fresh pages, written next: 512x fewer faults
         self.ctx.counters.gathered(self.nbytes_full)
 
@@ -271,7 +308,7 @@ class ShardedUnit:
             raise
         self._gather = None
         try:
-            with self.ctx.meter.waiting(Queue.GATHER):
+            with self.ctx.meter.waiting(Queue.GATHER) if issued.may_block else _NOTHING_TO_WAIT:
                 issued.wait()  # the unit computes next: GPU: the compute stream waits for the gather; gloo: the host
         except BaseException:
             self._drop_flat()
@@ -306,7 +343,7 @@ class ShardedUnit:
                 for c, lease in zip(self.shards.chunks, leases):
                     out[c.lo:c.hi].copy_(lease.wait(), non_blocking=True)  # GPU: on the gather stream
                 copied = record(ctx.device)
-                issued = IssuedGather(comm.Pending(), copied, [], ctx.device)
+                issued = IssuedGather(None, copied, [], ctx.device)
                 copies = 1
             else:
                 copies = 0
@@ -399,6 +436,12 @@ class ShardedUnit:
 
         return hook
 
+    def _used_prehook(self, grads: tuple) -> None:
+        """The split's backward is about to run: `grads` holds a gradient for each of its pieces that got one."""
+        for slot in self.layout.slots:
+            if slot.requires_grad and grads[slot.index] is not None:
+                self.used[slot.index] = True
+
     def _on_grad(self, flat: torch.Tensor) -> None:
         """Autograd has finished accumulating this unit's flat gradient (once per backward, or once per
         inner backward with reentrant checkpointing): fold it into the local accumulator or reduce it."""
@@ -425,7 +468,8 @@ class ShardedUnit:
         """Queue: mean over ranks of the full gradient (fp32, or Config.reduce_dtype; compute dtype on one rank,
         where nothing is summed), this rank's shard added into the stored fp32 gradient (or written over it,
         the first time since zero_grad). Two pieces of work: the launch on the reduce lane, its drain on the
-        reduce-drain lane (lanes.py), so no later collective's launch waits for this one's host work. `full_grad`
+        reduce-drain lane (lanes.py), so no later collective's launch waits for this one's host work; one on one
+        rank, where nothing is launched (the drain's lane does the launch's stream wait). `full_grad`
         travels with the work, and so does the event after the compute that wrote it (the reduce stream waits
         for that, not for the whole device)."""
         overwrite, self.has_grad = not self.has_grad, True
@@ -436,10 +480,15 @@ class ShardedUnit:
             wait(window.popleft(), self.ctx.meter, Queue.REDUCE)
         written = record(self.ctx.device)
         name = self.uid or "<root>"
-        launched = self.ctx.lanes.reduce.submit(f"reduce:{name}", self._launch_reduce, full_grad, written,
-                                                self.ctx.reduce_group.ticket(self.index))
-        self.grads = self.ctx.lanes.reduce_drain.submit(f"reduce drain:{name}", self._drain_reduce, launched,
-                                                        overwrite, self.update)
+        if self.ctx.distributed:
+            launched = self.ctx.lanes.reduce.submit(f"reduce:{name}", self._launch_reduce, full_grad, written,
+                                                    self.ctx.reduce_group.ticket(self.index))
+            self.grads = self.ctx.lanes.reduce_drain.submit(f"reduce drain:{name}", self._drain_reduce, launched,
+                                                            overwrite, self.update)
+        else:  # one rank: no collective to launch in program order, so no launch to keep apart from the host work:
+            # one lane item, the drain's (a lane hop and a future fewer a unit a step)
+            self.grads = self.ctx.lanes.reduce_drain.submit(f"reduce drain:{name}", self._reduce_locally, full_grad,
+                                                            written, overwrite, self.update)
         window.append(self.grads)
         if self.ctx.on_reduce is not None:
             self.ctx.on_reduce(self)
@@ -461,11 +510,19 @@ class ShardedUnit:
         ctx.counters.add("reduce_scatter_bytes", send.numel() * send.element_size())
         return LaunchedReduce(shard, pending, record(ctx.device), [full_grad, send])
 
+    def _reduce_locally(self, full_grad: torch.Tensor, written, overwrite: bool,
+                        after_update: cf.Future | None) -> None:
+        """On the reduce-drain lane, one rank (nothing summed over ranks): the launch's part (its stream's wait for
+        autograd's writes; the shard is the gradient itself) and the drain, in one piece of work."""
+        self._drain_launched(self._launch_reduce(full_grad, written, None), overwrite, after_update)
+
     def _drain_reduce(self, launched: cf.Future, overwrite: bool, after_update: cf.Future | None) -> None:
         """On the reduce-drain lane (its stream on a GPU): wait for the launched reduce's sum, then write this
         rank's shard of it into the gradient chunks (or add it), taking the pieces' norms on the way."""
+        self._drain_launched(launched.result(), overwrite, after_update)  # (a launch that failed fails this too)
+
+    def _drain_launched(self, reduced: LaunchedReduce, overwrite: bool, after_update: cf.Future | None) -> None:
         ctx = self.ctx
-        reduced: LaunchedReduce = launched.result()  # issued (a launch that failed fails this too)
         stream_wait(reduced.issued, ctx.device)  # one rank: the shard is the gradient the launch stream waited for
         reduced.pending.wait()  # this stream (gloo: this thread) goes on once the sum is here
         for t in reduced.read:  # the collective and the cast read them on other streams, which this one now follows
@@ -525,7 +582,7 @@ class ShardedUnit:
             if set_to_none:
                 self.has_grad = False  # the chunks stay registered; the next reduce writes over them
                 self.local_grad = None
-                self.used.zero_()
+                self.used[:] = [False] * len(self.used)
                 return
             slots = range(len(self.layout.slots))
         slots = set(slots)
@@ -534,7 +591,14 @@ class ShardedUnit:
                 slot = self.layout.slots[s]
                 self.local_grad[slot.offset:slot.offset + slot.numel].zero_()
         if self.has_grad:  # other slots keep their gradient: zero these ranges of the stored shard, in order
-            ranges = [(p.lo, p.hi) for p in self.layout.pieces(self.ctx.rank) if p.slot in slots]
+            ranges = []
+            for p in self.layout.pieces(self.ctx.rank):
+                if p.slot not in slots:
+                    continue
+                if ranges and ranges[-1][1] == p.lo:  # adjacent slots: one range (one lease of each chunk, not one a
+                    ranges[-1] = (ranges[-1][0], p.hi)  # slot)
+                else:
+                    ranges.append((p.lo, p.hi))
             self.grads = self.ctx.lanes.reduce_drain.submit(f"zero_grad:{self.uid or '<root>'}", self._zero_now,
                                                             ranges, self.update)
         if set_to_none:

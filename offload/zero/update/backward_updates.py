@@ -121,6 +121,8 @@ class BackwardUpdates:
         if not self._armed:
             return
         opt = optimizers[0]
+        if not self.enabled and not self.speculation.may_choose(unit):
+            return  # no chunk of it can be speculated (its states in memory): its runs would go unused
         runs = opt.backward_runs(unit, checked_at_step=not self.enabled) if opt.holds_all_of(unit) else None
         if not runs:
             return

@@ -123,11 +123,15 @@ class ShardedOptimizer:
                 plan.append((unit, entries))
         return plan
 
-    def _live_runs(self, unit, entries, ahead: int) -> list[Run]:
+    def _live_runs(self, unit, entries, ahead: int, hypers: dict | None = None) -> list[Run]:
         """The kernel runs of `unit`'s pieces that got a gradient, with their hyperparameters as they are now and
-        step counts `ahead` past the recorded ones."""
+        step counts `ahead` past the recorded ones. `hypers`: id(group) -> its values, shared by the units of one
+        step() (read once a group, not once a unit)."""
         live = [(pc, g, p) for pc, g, p in entries if unit.has_grad and bool(unit.used[pc.slot])]
-        hypers = {id(g): _hyper(g) for _, g, _ in live}
+        hypers = {} if hypers is None else hypers
+        for _, g, _ in live:
+            if id(g) not in hypers:
+                hypers[id(g)] = _hyper(g)
         return [Run(lo, hi, hypers[id(g)], step) for lo, hi, g, step in _runs(live, self.state, ahead)]
 
     def holds_all_of(self, unit) -> bool:
@@ -170,9 +174,10 @@ class ShardedOptimizer:
         self._outdate_kept_units_stepped_elsewhere(plan)
         # everything the update needs is read now (a scheduler may change the groups once step() returns), with
         # the step counts this step gives; the backward's updates are checked against it before a count changes
-        work = [(unit, self._live_runs(unit, entries, ahead=1)) for unit, entries in plan]
+        hypers: dict = {}
+        work = [(unit, self._live_runs(unit, entries, ahead=1, hypers=hypers)) for unit, entries in plan]
         path.backward_updates.check_before_step(work)
-        self.count_step([unit for unit, _ in plan])
+        self.count_step([unit for unit, _ in plan], plan)
         # path.grad_scale stays: another optimizer over other parameters may step after this one with the same
         # clipping coefficient; the next backward (or rt.zero_grad) resets it.
         path.step_units(work, self.schema)
@@ -191,10 +196,11 @@ class ShardedOptimizer:
                     and any(bool(unit.used[s.index]) for s in unit.layout.slots if (id(unit), s.index) in mine)):
                 unit.on_shard_written()
 
-    def count_step(self, units) -> None:
-        """Advance the step count of every parameter of `units` that got a gradient (once each)."""
+    def count_step(self, units, plan=None) -> None:
+        """Advance the step count of every parameter of `units` that got a gradient (once each). `plan`: their
+        _unit_plan, when the caller has it."""
         counted = set()
-        for unit, entries in self._unit_plan(units):
+        for unit, entries in self._unit_plan(units) if plan is None else plan:
             for piece, group, p in entries:
                 if unit.has_grad and bool(unit.used[piece.slot]) and id(p) not in counted:
                     counted.add(id(p))

@@ -81,6 +81,13 @@ class Speculation:
         """The next backward may speculate: on, and the last calm_needed steps did not clip."""
         return self.enabled and not self.refused and self.calm >= self.calm_needed
 
+    def may_choose(self, unit) -> bool:
+        """chunks_for(unit) may choose a chunk: its master and optimizer states are homed on nvme (a cheap check by
+        the unit's tiers, before anything is registered; residency is chunks_for's)."""
+        shards = unit.shards
+        return (shards.moments_registered and not self.refused and shards.tiers.optimizer is Tier.NVME
+                and (not shards.master_is_param or shards.tiers.params is Tier.NVME))
+
     def chunks_for(self, unit) -> frozenset:
         """Indices of `unit`'s chunks to update in the backward: those whose master and optimizer states are all
         on nvme and not resident (their spares registered here, on first use)."""

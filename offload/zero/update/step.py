@@ -253,7 +253,7 @@ class UpdatePath:
         """OR the per-parameter 'received a gradient' flags over ranks (params with none are not stepped)."""
         if not self.units or not self.group.distributed:
             return
-        flags = torch.cat([u.used.to(torch.int64) for u in self.units])
+        flags = torch.tensor([f for u in self.units for f in u.used], dtype=torch.int64)
         # and what each rank asked of the lanes since the last step, compared in the same collective (max of the
         # counts and of their negatives: the most and the fewest over ranks)
         counts, order_hash = self.group.order.asked.take()
@@ -267,8 +267,8 @@ class UpdatePath:
             self._refuse_rank_dependent_collectives(most, fewest)
         offset = 0
         for u in self.units:
-            n = u.used.numel()
-            u.used.copy_(both[offset:offset + n].bool())
+            n = len(u.used)
+            u.on_used_flags(both[offset:offset + n].tolist())
             offset += n
 
     def _refuse_rank_dependent_collectives(self, most: torch.Tensor, fewest: torch.Tensor) -> None:
@@ -348,8 +348,9 @@ class UpdatePath:
         for u in updates:
             self._before_update(u.unit)
             u.hand_over = True  # after the backward: the next forward gathers it next (Schedule.hand_over)
-        if early.armed:  # the backward queued updates, still running: with these, one at a time, the one the next
-            # forward needs first (a unit's chunks held resident wait for no I/O: not behind the others' I/O)
+        if early.armed and early.issued:  # the backward queued updates, still running: with these, one at a time,
+            # the one the next forward needs first (a unit's chunks held resident wait for no I/O: not behind the
+            # others' I/O). None queued (no chunk of theirs could be speculated): one lane item for all, as unarmed
             self.pipeline.prefer_forward_order([u.uid for u in order])
             for u in updates:
                 speculated = u.unit.update  # (a unit's speculative update and the rest of its chunks: both)
