@@ -6,7 +6,7 @@ model beside it.
 
     PYTHONPATH=. python benchmarks/bench_scale_load.py --shape llama3-70b-2layers --dir /tmp/l70 --nvme-dir /tmp/sw
         (budgets cpu 5GiB + device 12GiB by default; measured in benchmarks/RESULTS.md: peak RSS 14.95 GiB)
-    PYTHONPATH=. python benchmarks/bench_scale_load.py --shape tiny --json out.json      # CI (tests/test_bench_scale.py)
+    PYTHONPATH=. python benchmarks/bench_scale_load.py --shape tiny --json out.json   # CI (tests/test_bench_scale.py)
 
 The checkpoint is written once into --dir (kept for a second run; --keep no removes it) and the swap directory is
 removed at the end. Shapes: llama3-70b-2layers (Llama-3-70B's embedding, head and two of its decoder layers:
