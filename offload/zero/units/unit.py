@@ -99,6 +99,9 @@ class ShardedUnit:
         self.used = torch.zeros(len(layout.slots), dtype=torch.bool)
         self.update: cf.Future | None = None  # the optimizer's pending update of this unit
         self.grads: cf.Future | None = None  # the last reduce-drain work on the gradient chunks
+        # the last reduce's drain, chunk by chunk: each future resolves once that chunk's gradient is written (an
+        # update reads a unit's first chunks while the drain writes the rest); None after other drain work
+        self.grad_chunks: list[cf.Future] | None = None
         # {slot: L2 norm of this rank's piece of the slot's gradient}, written by the reduce's drain when the stored
         # gradient is one reduce's output (None: accumulated or partly zeroed since, so unknown). rt.clip_grad_norm_
         # uses it instead of reading every gradient chunk back (from disk, when they are paged).
@@ -438,8 +441,10 @@ class ShardedUnit:
         name = self.uid or "<root>"
         launched = self.ctx.lanes.reduce.submit(f"reduce:{name}", self._launch_reduce, full_grad, written,
                                                 self.ctx.reduce_group.ticket(self.index))
+        chunks_written = [cf.Future() for _ in self.shards.chunks]
         self.grads = self.ctx.lanes.reduce_drain.submit(f"reduce drain:{name}", self._drain_reduce, launched,
-                                                        overwrite, self.update)
+                                                        overwrite, self.update, chunks_written)
+        self.grad_chunks = chunks_written
         window.append(self.grads)
         if self.ctx.on_reduce is not None:
             self.ctx.on_reduce(self)
@@ -461,9 +466,25 @@ class ShardedUnit:
         ctx.counters.add("reduce_scatter_bytes", send.numel() * send.element_size())
         return LaunchedReduce(shard, pending, record(ctx.device), [full_grad, send])
 
-    def _drain_reduce(self, launched: cf.Future, overwrite: bool, after_update: cf.Future | None) -> None:
+    def _drain_reduce(self, launched: cf.Future, overwrite: bool, after_update: cf.Future | None,
+                      chunks_written: list[cf.Future]) -> None:
         """On the reduce-drain lane (its stream on a GPU): wait for the launched reduce's sum, then write this
-        rank's shard of it into the gradient chunks (or add it), taking the pieces' norms on the way."""
+        rank's shard of it into the gradient chunks (or add it), taking the pieces' norms on the way. Each of
+        `chunks_written` resolves once its chunk's host bytes are final (all at the end where they are written on
+        a device), or fails with the drain."""
+        try:
+            self._drain_into_chunks(launched, overwrite, after_update, chunks_written)
+        except BaseException as e:
+            for f in chunks_written:
+                if not f.done():
+                    f.set_exception(e)
+            raise
+        for f in chunks_written:
+            if not f.done():
+                f.set_result(None)
+
+    def _drain_into_chunks(self, launched: cf.Future, overwrite: bool, after_update: cf.Future | None,
+                           chunks_written: list[cf.Future]) -> None:
         ctx = self.ctx
         reduced: LaunchedReduce = launched.result()  # issued (a launch that failed fails this too)
         stream_wait(reduced.issued, ctx.device)  # one rank: the shard is the gradient the launch stream waited for
@@ -488,6 +509,8 @@ class ShardedUnit:
             else:
                 acc.add_(shard[c.lo:c.hi])  # on one device (_grads_where)
             lease.release()
+            if acc.device.type == "cpu":  # host bytes written (a copy from a device was synced above): final
+                chunks_written[c.index].set_result(None)
         retire(shard)
         self.grad_norms = norms.done if overwrite else None
         sync(record(ctx.device))  # readers of the gradient (optimizer, clip norm) wait on this lane's future only
@@ -537,6 +560,7 @@ class ShardedUnit:
             ranges = [(p.lo, p.hi) for p in self.layout.pieces(self.ctx.rank) if p.slot in slots]
             self.grads = self.ctx.lanes.reduce_drain.submit(f"zero_grad:{self.uid or '<root>'}", self._zero_now,
                                                             ranges, self.update)
+            self.grad_chunks = None
         if set_to_none:
             for s in slots:
                 self.used[s] = False

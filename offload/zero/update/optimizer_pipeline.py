@@ -77,6 +77,7 @@ class UnitUpdate:
     param_overwrite: bool  # the step writes every element of the compute-dtype param chunk (no read)
     grads_ready: cf.Future | None = None  # the last gradient work queued before step() (a later zero_grad
     #                                       waits for this update: reading unit.grads on the lane would deadlock)
+    grad_chunks: list | None = None  # that work's chunk by chunk, when it is a reduce's drain (unit.grad_chunks)
     done: cf.Future = field(default_factory=cf.Future)
     chunks: frozenset | None = None  # indices of the chunks this update steps (None: every chunk)
     # speculative (speculation.py): the master and optimizer states are written beside their old bytes, in the
@@ -87,6 +88,14 @@ class UnitUpdate:
     # queued by opt.step() after the backward: the next forward gathers the unit right after its update, so each
     # param chunk written is offered to it (OptimizerPipeline.param_written) before it goes home
     hand_over: bool = False
+
+    def grads_written(self, c: Chunk) -> cf.Future | None:
+        """What reading chunk c's gradient waits for: the drain's chunk (the reduce writes the chunks in order: the
+        update of a unit's first chunks overlaps the writing of its last), or, for the last chunk, the whole gradient
+        work (a drain failing after its last chunk fails the update, as it did when every chunk waited for it)."""
+        if self.grad_chunks is None or c.index == len(self.grad_chunks) - 1:
+            return self.grads_ready
+        return self.grad_chunks[c.index]
 
     def runs_in(self, c: Chunk) -> list[tuple[int, int, Run]]:
         """(chunk-local lo, hi, run) for the runs that meet chunk c."""
@@ -301,7 +310,7 @@ class OptimizerPipeline:
             if slot in item.leases:
                 continue
             if kind is StateKind.GRAD:
-                grads = item.update.grads_ready
+                grads = item.update.grads_written(item.chunk)
                 if grads is not None and not grads.done():
                     if not block:
                         return False  # a reduce is still writing the gradient: read it once that is over
