@@ -93,3 +93,36 @@ def test_the_overlap_keeps_the_update_bitwise_that_of_the_synchronous_runtime():
             out[pipeline] = {k: v.clone() for k, v in model.state_dict().items()}
     for k in out[False]:
         assert torch.equal(out[True][k], out[False][k]), k
+
+
+def test_the_lane_makes_each_chunks_state_specs_once(monkeypatch):
+    """A chunk's specs (its shard keys) were made again by each step of its update that needed one (its leases,
+    the param hand-over), and the list of what it leases for every chunk. Now once per chunk stepped."""
+    from offload.zero.shards import UnitShards
+
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    with offload.init(_config()) as rt:
+        torch.manual_seed(0)
+        model = Stack(64, 3)
+        opt = offload.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        rt.quiesce()
+        made = []
+        spec = UnitShards.spec
+
+        def on_the_lane(self, kind, c):
+            if threading.current_thread().name.startswith("offload-optimizer"):
+                made.append(kind)
+            return spec(self, kind, c)
+
+        monkeypatch.setattr(UnitShards, "spec", on_the_lane)
+        model(x).square().mean().backward()
+        opt.step()
+        rt.quiesce()
+        monkeypatch.undo()
+        chunks = sum(len(u.shards.chunks) for u in rt.units if u.shards.shard_numel)
+    per_chunk = 1 + len(offload.AdamW.schema.states) + 1  # the gradient, the moments, the fp32 param (its master)
+    assert len(made) == per_chunk * chunks, f"{len(made)} specs made for {chunks} chunks"
