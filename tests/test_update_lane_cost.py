@@ -126,3 +126,32 @@ def test_the_lane_makes_each_chunks_state_specs_once(monkeypatch):
         chunks = sum(len(u.shards.chunks) for u in rt.units if u.shards.shard_numel)
     per_chunk = 1 + len(offload.AdamW.schema.states) + 1  # the gradient, the moments, the fp32 param (its master)
     assert len(made) == per_chunk * chunks, f"{len(made)} specs made for {chunks} chunks"
+
+
+def test_stepping_a_chunk_at_rest_in_memory_allocates_no_tensor(monkeypatch):
+    """Each lease of a chunk homed in memory views its block; the view made a throwaway tensor to learn the dtype's
+    size (four a chunk stepped, six with AdamW8bit's states)."""
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    with offload.init(_config()) as rt:
+        torch.manual_seed(0)
+        model = Stack(64, 3)
+        opt = offload.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        model(x).square().mean().backward()
+        rt.quiesce()
+        made = []
+        empty = torch.empty
+
+        def on_the_lane(*args, **kw):
+            if threading.current_thread().name.startswith("offload-optimizer"):
+                made.append(args)
+            return empty(*args, **kw)
+
+        monkeypatch.setattr(torch, "empty", on_the_lane)
+        opt.step()
+        rt.quiesce()
+        monkeypatch.undo()
+    assert not made, f"{len(made)} tensors made on the optimizer lane for a step of states at rest in memory"
