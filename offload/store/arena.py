@@ -107,7 +107,7 @@ class ArenaBlock:
 
     def view(self, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
         """The block as a 1-D tensor of `dtype` (default: as many elements as fit)."""
-        item = dtype.itemsize
+        item = dtype.itemsize  # (no tensor made: a lease of a memory home views its block each time)
         if numel is None:
             numel = self.nbytes // item
         if numel * item > self.nbytes:

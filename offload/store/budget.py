@@ -158,7 +158,7 @@ class _CudaBlock:
     freed: bool = False
 
     def view(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        return self.tensor[: numel * torch.empty((), dtype=dtype).element_size()].view(dtype)
+        return self.tensor[: numel * dtype.itemsize].view(dtype)
 
     def free(self) -> None:
         self.tier._free(self)

@@ -113,6 +113,9 @@ class ShardedUnit:
         self.used = [False] * len(layout.slots)
         self.update: cf.Future | None = None  # the optimizer's pending update of this unit
         self.grads: cf.Future | None = None  # the last reduce-drain work on the gradient chunks
+        # the last reduce's drain, chunk by chunk: each future resolves once that chunk's gradient is written (an
+        # update reads a unit's first chunks while the drain writes the rest); None after other drain work
+        self.grad_chunks: list[cf.Future] | None = None
         # {slot: L2 norm of this rank's piece of the slot's gradient}, written by the reduce's drain when the stored
         # gradient is one reduce's output (None: accumulated or partly zeroed since, so unknown). rt.clip_grad_norm_
         # uses it instead of reading every gradient chunk back (from disk, when they are paged).
@@ -480,15 +483,17 @@ class ShardedUnit:
             wait(window.popleft(), self.ctx.meter, Queue.REDUCE)
         written = record(self.ctx.device)
         name = self.uid or "<root>"
+        chunks_written = [cf.Future() for _ in self.shards.chunks]
         if self.ctx.distributed:
             launched = self.ctx.lanes.reduce.submit(f"reduce:{name}", self._launch_reduce, full_grad, written,
                                                     self.ctx.reduce_group.ticket(self.index))
             self.grads = self.ctx.lanes.reduce_drain.submit(f"reduce drain:{name}", self._drain_reduce, launched,
-                                                            overwrite, self.update)
+                                                            overwrite, self.update, chunks_written)
         else:  # one rank: no collective to launch in program order, so no launch to keep apart from the host work:
             # one lane item, the drain's (a lane hop and a future fewer a unit a step)
             self.grads = self.ctx.lanes.reduce_drain.submit(f"reduce drain:{name}", self._reduce_locally, full_grad,
-                                                            written, overwrite, self.update)
+                                                            written, overwrite, self.update, chunks_written)
+        self.grad_chunks = chunks_written
         window.append(self.grads)
         if self.ctx.on_reduce is not None:
             self.ctx.on_reduce(self)
@@ -510,18 +515,36 @@ class ShardedUnit:
         ctx.counters.add("reduce_scatter_bytes", send.numel() * send.element_size())
         return LaunchedReduce(shard, pending, record(ctx.device), [full_grad, send])
 
-    def _reduce_locally(self, full_grad: torch.Tensor, written, overwrite: bool,
-                        after_update: cf.Future | None) -> None:
+    def _reduce_locally(self, full_grad: torch.Tensor, written, overwrite: bool, after_update: cf.Future | None,
+                        chunks_written: list[cf.Future]) -> None:
         """On the reduce-drain lane, one rank (nothing summed over ranks): the launch's part (its stream's wait for
         autograd's writes; the shard is the gradient itself) and the drain, in one piece of work."""
-        self._drain_launched(self._launch_reduce(full_grad, written, None), overwrite, after_update)
+        self._drain_resolving(lambda: self._launch_reduce(full_grad, written, None), overwrite, after_update,
+                              chunks_written)
 
-    def _drain_reduce(self, launched: cf.Future, overwrite: bool, after_update: cf.Future | None) -> None:
+    def _drain_reduce(self, launched: cf.Future, overwrite: bool, after_update: cf.Future | None,
+                      chunks_written: list[cf.Future]) -> None:
         """On the reduce-drain lane (its stream on a GPU): wait for the launched reduce's sum, then write this
         rank's shard of it into the gradient chunks (or add it), taking the pieces' norms on the way."""
-        self._drain_launched(launched.result(), overwrite, after_update)  # (a launch that failed fails this too)
+        self._drain_resolving(launched.result, overwrite, after_update, chunks_written)  # (a failed launch fails it)
 
-    def _drain_launched(self, reduced: LaunchedReduce, overwrite: bool, after_update: cf.Future | None) -> None:
+    def _drain_resolving(self, reduced_of, overwrite: bool, after_update: cf.Future | None,
+                         chunks_written: list[cf.Future]) -> None:
+        """The drain of `reduced_of()`'s sum. Each of `chunks_written` resolves once its chunk's host bytes are
+        final (all at the end where they are written on a device), or fails with the drain."""
+        try:
+            self._drain_into_chunks(reduced_of(), overwrite, after_update, chunks_written)
+        except BaseException as e:
+            for f in chunks_written:
+                if not f.done():
+                    f.set_exception(e)
+            raise
+        for f in chunks_written:
+            if not f.done():
+                f.set_result(None)
+
+    def _drain_into_chunks(self, reduced: LaunchedReduce, overwrite: bool, after_update: cf.Future | None,
+                           chunks_written: list[cf.Future]) -> None:
         ctx = self.ctx
         stream_wait(reduced.issued, ctx.device)  # one rank: the shard is the gradient the launch stream waited for
         reduced.pending.wait()  # this stream (gloo: this thread) goes on once the sum is here
@@ -545,6 +568,8 @@ class ShardedUnit:
             else:
                 acc.add_(shard[c.lo:c.hi])  # on one device (_grads_where)
             lease.release()
+            if acc.device.type == "cpu":  # host bytes written (a copy from a device was synced above): final
+                chunks_written[c.index].set_result(None)
         retire(shard)
         self.grad_norms = norms.done if overwrite else None
         sync(record(ctx.device))  # readers of the gradient (optimizer, clip norm) wait on this lane's future only
@@ -601,6 +626,7 @@ class ShardedUnit:
                     ranges.append((p.lo, p.hi))
             self.grads = self.ctx.lanes.reduce_drain.submit(f"zero_grad:{self.uid or '<root>'}", self._zero_now,
                                                             ranges, self.update)
+            self.grad_chunks = None
         if set_to_none:
             for s in slots:
                 self.used[s] = False

@@ -36,7 +36,7 @@ import torch
 from ... import inject
 from ...optim.schema import Schema
 from ...store import LeaseMode, Tier
-from ...telemetry import Queue
+from ...telemetry import Queue, recording
 from ..lanes import LaneContext
 from ..shards import Chunk, StateKind
 from ..state_store import Use
@@ -77,6 +77,7 @@ class UnitUpdate:
     param_overwrite: bool  # the step writes every element of the compute-dtype param chunk (no read)
     grads_ready: cf.Future | None = None  # the last gradient work queued before step() (a later zero_grad
     #                                       waits for this update: reading unit.grads on the lane would deadlock)
+    grad_chunks: list | None = None  # that work's chunk by chunk, when it is a reduce's drain (unit.grad_chunks)
     done: cf.Future = field(default_factory=cf.Future)
     chunks: frozenset | None = None  # indices of the chunks this update steps (None: every chunk)
     # speculative (speculation.py): the master and optimizer states are written beside their old bytes, in the
@@ -87,6 +88,32 @@ class UnitUpdate:
     # queued by opt.step() after the backward: the next forward gathers the unit right after its update, so each
     # param chunk written is offered to it (OptimizerPipeline.param_written) before it goes home
     hand_over: bool = False
+    _wanted: list | None = field(default=None, repr=False)  # (wanted())
+
+    def grads_written(self, c: Chunk) -> cf.Future | None:
+        """What reading chunk c's gradient waits for: the drain's chunk (the reduce writes the chunks in order: the
+        update of a unit's first chunks overlaps the writing of its last), or, for the last chunk, the whole gradient
+        work (a drain failing after its last chunk fails the update, as it did when every chunk waited for it)."""
+        if self.grad_chunks is None or c.index == len(self.grad_chunks) - 1:
+            return self.grads_ready
+        return self.grad_chunks[c.index]
+
+    def wanted(self) -> list[tuple[object, object, LeaseMode]]:
+        """(lease slot, state kind, mode) of every state chunk the kernel touches: the gradient, the family's
+        states (slot: the StoredState), the master and the compute-dtype param. The same for every chunk: made once."""
+        if self._wanted is None:
+            shards = self.unit.shards
+            moments = LeaseMode.OVERWRITE if self.zero_moments else LeaseMode.UPDATE
+            want = [(StateKind.GRAD, StateKind.GRAD, LeaseMode.READ)]
+            want += [(s, s, moments) for s in shards.schema.states]
+            if shards.master_is_param:
+                want.append((StateKind.MASTER, StateKind.PARAM, LeaseMode.UPDATE))
+            else:
+                want.append((StateKind.MASTER, StateKind.MASTER, LeaseMode.UPDATE))
+                want.append((StateKind.PARAM, StateKind.PARAM,
+                             LeaseMode.OVERWRITE if self.param_overwrite else LeaseMode.UPDATE))
+            self._wanted = want
+        return self._wanted
 
     def runs_in(self, c: Chunk) -> list[tuple[int, int, Run]]:
         """(chunk-local lo, hi, run) for the runs that meet chunk c."""
@@ -105,6 +132,14 @@ class _Item:
     runs: list
     last_of_unit: bool
     leases: dict = field(default_factory=dict)  # StateKind (or "out") -> lease
+    wants: list = field(default_factory=list)  # (lease slot, ShardSpec, mode) of each state chunk it touches
+
+    @classmethod
+    def of(cls, u: UnitUpdate, c: Chunk) -> "_Item":
+        """Chunk c of update u, its specs made once (a chunk the update does not step: no runs, no wants)."""
+        runs = u.runs_in(c)
+        specs = [(slot, u.unit.shards.spec(kind, c), mode) for slot, kind, mode in u.wanted()] if runs else []
+        return cls(u, c, runs, False, wants=specs)
 
 
 class OptimizerPipeline:
@@ -224,8 +259,7 @@ class OptimizerPipeline:
     def _run(self, updates: list[UnitUpdate], keep_read_ahead: bool) -> None:
         items: list[_Item] = []
         for u in updates:
-            mine = [_Item(u, c, u.runs_in(c), False) for c in u.unit.shards.chunks
-                    if u.chunks is None or c.index in u.chunks]
+            mine = [_Item.of(u, c) for c in u.unit.shards.chunks if u.chunks is None or c.index in u.chunks]
             mine = [it for it in mine if it.runs]
             if mine:
                 mine[-1].last_of_unit = True
@@ -234,8 +268,7 @@ class OptimizerPipeline:
                 u.done.set_result(None)  # nothing of this unit lives in this rank's shard
         if self._ahead and not keep_read_ahead:  # states read ahead for chunks this update does not step go back
             # first (the lane's room)
-            self.drop_states_read_ahead(keep={it.update.unit.shards.spec(kind, it.chunk).key
-                                              for it in items for _, kind, _ in self._wanted(it)})
+            self.drop_states_read_ahead(keep={spec.key for it in items for _, spec, _ in it.wants})
         try:
             self._run_items(items)
         except BaseException:
@@ -278,38 +311,21 @@ class OptimizerPipeline:
         if failed is not None:
             raise failed
 
-    def _wanted(self, item: _Item) -> list[tuple[object, object, LeaseMode]]:
-        """(lease slot, state kind, mode) of every state chunk the kernel touches: the gradient, the family's
-        states (slot: the StoredState), the master and the compute-dtype param."""
-        u, shards = item.update, item.update.unit.shards
-        moments = LeaseMode.OVERWRITE if u.zero_moments else LeaseMode.UPDATE
-        want = [(StateKind.GRAD, StateKind.GRAD, LeaseMode.READ)]
-        want += [(s, s, moments) for s in shards.schema.states]
-        if shards.master_is_param:
-            want.append((StateKind.MASTER, StateKind.PARAM, LeaseMode.UPDATE))
-        else:
-            want.append((StateKind.MASTER, StateKind.MASTER, LeaseMode.UPDATE))
-            want.append((StateKind.PARAM, StateKind.PARAM,
-                         LeaseMode.OVERWRITE if u.param_overwrite else LeaseMode.UPDATE))
-        return want
-
     def _lease(self, item: _Item, block: bool) -> bool:
         """Lease what `item` still lacks; block=False: stop at the first that has no room now. True when it
         has every lease."""
-        unit = item.update.unit
-        for slot, kind, mode in self._wanted(item):
+        for slot, spec, mode in item.wants:
             if slot in item.leases:
                 continue
-            if kind is StateKind.GRAD:
-                grads = item.update.grads_ready
+            if slot is StateKind.GRAD:
+                grads = item.update.grads_written(item.chunk)
                 if grads is not None and not grads.done():
                     if not block:
                         return False  # a reduce is still writing the gradient: read it once that is over
                     grads.result()  # the kernel reads the gradient: the reduce must be over
                 elif grads is not None:
                     grads.result()  # a failed reduce fails the update
-            spec = unit.shards.spec(kind, item.chunk)
-            lease = self._take_ahead(spec.key)
+            lease = self._take_ahead(spec.key) if self._ahead else None  # (only this lane fills the table)
             if lease is not None and mode is LeaseMode.UPDATE:
                 lease.upgrade()  # read between steps; the kernel writes it now
             else:
@@ -324,7 +340,7 @@ class OptimizerPipeline:
     def _step(self, item: _Item) -> None:
         u = item.update
         schema: Schema = u.unit.shards.schema
-        name = f"{schema.name}:{u.unit.uid or '<root>'}[{item.chunk.index}]"
+        name = f"{schema.name}:{u.unit.uid or '<root>'}[{item.chunk.index}]" if recording() else ""
         t = {slot: lease.wait() for slot, lease in item.leases.items()}  # the kernel needs every state now
         if u.speculative:
             self._write_beside(item)
@@ -348,17 +364,16 @@ class OptimizerPipeline:
         """The kernel wrote `item`'s compute-dtype param chunk: while the lease still holds those bytes in memory,
         offer them to the next forward's gather (else it would read back from nvme what this release writes)."""
         if item.update.hand_over and self.param_written is not None:
-            for slot, kind, _ in self._wanted(item):
-                if kind is StateKind.PARAM and slot in item.leases:
-                    self.param_written(item.update.unit, item.chunk, item.update.unit.shards.spec(kind, item.chunk))
+            for slot, spec, _ in item.wants:
+                if spec.key.kind is StateKind.PARAM and slot in item.leases:
+                    self.param_written(item.update.unit, item.chunk, spec)
 
     def _write_beside(self, item: _Item) -> None:
         """A speculative update (speculation.py): its master and optimizer states are read (waited); exchange each
         one's slot with its spare's, so the write-behind lands beside the old bytes, which the spare now holds."""
         u, shards, states = item.update, item.update.unit.shards, self.ctx.states
-        for slot, kind, _ in self._wanted(item):
+        for slot, spec, _ in item.wants:
             if slot is StateKind.MASTER or slot in shards.schema.states:
-                spec = shards.spec(kind, item.chunk)
                 if states.is_resident(spec):  # chosen when not resident; residency changes only at a step
                     raise RuntimeError(f"offload: {spec.key} became resident under a speculative update")
                 states.exchange(spec, spec.spare())

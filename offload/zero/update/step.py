@@ -381,7 +381,7 @@ class UpdatePath:
         covered = sum(r.hi - r.lo for r in runs)
         overwrite = not unit.shards.master_is_param and covered == real
         return UnitUpdate(unit, runs, grad_scale, zero_moments=first, param_overwrite=overwrite,
-                          grads_ready=unit.grads, chunks=chunks)
+                          grads_ready=unit.grads, grad_chunks=unit.grad_chunks, chunks=chunks)
 
     def taken_back(self, unit) -> None:
         """A speculative update of `unit` was taken back (its param rewritten): what was read of it goes."""
