@@ -118,7 +118,9 @@ def test_plan_70b_on_one_node(tmp_path, capsys):
         return 8 * max(0.0, sum(states.values()) - room) / 12e9
 
     assert plan["chosen"]["prediction"]["resources"]["nvme write"] == pytest.approx(written(plan["chosen"]))
-    assert 0 < written(plan["chosen"]) < 12 * n / 12e9 / 10  # a tenth of the states, or less, still pages
+    # the lanes' staging is a few chunks a rank (0.4 GiB, not the 8 GiB of four units' states once counted), so
+    # the 103 GB of master and moments a rank stay resident in its 110 GB of host memory: nothing pages
+    assert 0 <= written(plan["chosen"]) < 12 * n / 12e9 / 10
     paged = next(o for o in plan["options"] if o["placement"] == "params=device, optimizer=nvme")
     assert paged["prediction"]["resources"]["nvme write"] == pytest.approx(written(paged))
 
@@ -224,10 +226,12 @@ def test_plan_refuses_a_zero_rate_naming_the_flag(flag, capsys):
 
 def test_plan_counts_and_advice_read_right(capsys):
     """"1 ranks"; and with NVMe unbounded, "a larger NVMe drive" was advised where only host RAM was short."""
-    assert main(["plan", "--model", "llama-7b", "--gpus", "1", "--gpu-mem", "24GiB", "--cpu-mem", "16GiB"]) == 0
+    # (16 GiB of host RAM once lacked a 7B model's staging, when it was counted as four units' states; the lanes
+    # hold a few chunks: 512 MiB lacks the 8 MiB chunks of a decoder layer's params gathered from nvme, 0.8 GiB)
+    assert main(["plan", "--model", "llama-7b", "--gpus", "1", "--gpu-mem", "8GiB", "--cpu-mem", "512MiB"]) == 0
     out = capsys.readouterr().out
     assert "; 1 rank (1 node x 1)" in out, out
-    assert "does NOT fit" in out and "short on cpu" in out, out  # 16 GiB of host RAM for a 7B model's staging
+    assert "does NOT fit" in out and "short on cpu" in out and "short on device" not in out, out
     assert "larger NVMe drive" not in out and "more host RAM (--cpu-mem)" in out, out
 
 
@@ -311,7 +315,7 @@ def test_the_longest_sequence_that_fits_and_with_activations_offloaded(capsys):
     """offload plan says how long a sequence the placement holds: the longest multiple of 1024 tokens that fits
     (one more step does not), longer with the activations offloaded (the 70B on one 8x80 GiB node: on the device
     about 38K tokens, to the cpu 65K, to nvme 135K, where the logits and one layer's recompute are what stay)."""
-    from offload.plan.sizing import SEQ_STEP, capacity, longest_sequences, shortfall
+    from offload.plan.sizing import SEQ_STEP, capacity, longest_sequences, resolve_activations, shortfall, tiers_for
 
     m, mc = PRESETS["llama-70b"], Machine(gpus_per_node=8)
     cap = capacity(80 << 30, 1 << 40, None)
@@ -324,9 +328,9 @@ def test_the_longest_sequence_that_fits_and_with_activations_offloaded(capsys):
         if where == "auto":
             continue
 
-        def fits(seq):
-            wider = Workload(micro_batch=1, seq_len=seq, activations=where)
-            return not shortfall(tier_bytes(m, wider, mc.ranks, place), cap, 8)
+        def fits(seq):  # as the runtime runs it (a longer sequence may leave no room to gather a unit ahead)
+            wider = resolve_activations(m, Workload(micro_batch=1, seq_len=seq, activations=where), mc, cap, place)
+            return not shortfall(tiers_for(m, wider, mc, cap, place), cap, 8)
         assert n % SEQ_STEP == 0 and fits(n) and not fits(n + SEQ_STEP), (where, n)
     assert main(["plan", "--model", "llama-70b", "--gpus", "8", "--gpu-mem", "80GiB", "--cpu-mem", "1TiB",
                  "--seq-len", "131072"]) == 0

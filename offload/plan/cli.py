@@ -158,6 +158,12 @@ def _print(plan: dict) -> None:
         _print_longest(plan["longest_seq"])
         return
     print(f"fits: placement {c['placement']}")
+    if not c.get("gather_ahead", True):
+        print("  the device budget holds one gathered unit, not the next one ahead too: the runtime gathers each "
+              "unit when it is needed")
+    if not c.get("speculative_updates", True) and w["speculative_updates"]:
+        print("  no nvme room for speculative updates' spare slots (the optimizer states' size again): the runtime "
+              "runs without them (each update waits for the step)")
     print(f"  {'per rank':<14}" + "".join(f"{t:>12}" for t in ("device", "cpu", "nvme")))
     classes = sorted({k for tier in c["tiers"].values() for k in tier})
     for cls in classes:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .host_staging import staging_bytes
 from .model_spec import ModelSpec
 
 ADAM_K = 12  # fp32 master + two fp32 moments, bytes per parameter
@@ -36,6 +37,7 @@ class StateBytes:
     moments: float = 8  # the optimizer family's own states: AdamW 8, AdamW8bit about 2.03, Lion 4
     update_bytes: float = 28.0  # host memory traffic of the family's step per parameter (Schema)
     update_core_rate: float | None = None  # parameters one core steps per second where compute bounds it
+    state_tensors: int = 2  # tensors the family stores per chunk (its schema's states: AdamW 2, AdamW8bit 4)
 
     @property
     def total(self) -> int:
@@ -68,6 +70,8 @@ class Workload:
     checkpointing: bool = True
     update_in_backward: bool = False  # Config.update_in_backward: the update runs under the last backward
     speculative_updates: bool = True  # Config.speculative_updates: a spare nvme slot per paged optimizer state
+    gather_ahead: bool = True  # the next unit gathered while one runs (the runtime's, where the device budget holds it)
+    chunk_size: int | None = None  # Config.chunk_size: fp32 bytes per chunk of a paged shard (None: cpu budget / 64)
     unclipped: bool = False  # steps whose norm stays under the clip: speculative updates run under the backward
     activations: str = "none"  # Config.activations: where saved activations wait (none: on the device)
     optimizer_states: str = "adamw"  # Config.optimizer_states: the optimizer family (its schema's bytes)
@@ -79,7 +83,7 @@ def state_bytes(w: Workload) -> StateBytes:
 
     schema = by_name(w.optimizer_states, "--optimizer-states")
     return StateBytes(moments=schema.bytes_per_element, update_bytes=schema.update_bytes,
-                      update_core_rate=schema.update_core_rate)
+                      update_core_rate=schema.update_core_rate, state_tensors=len(schema.states))
 
 
 ACTIVATION_WINDOW = 3  # layers' saved tensors on the device while offloaded: the current one and two read ahead
@@ -121,10 +125,10 @@ def unit_working_set_bytes(unit_numel: int, compute_bytes: int = 2, ranks: int =
     return params + grads + norm_copy + (REDUCES_IN_FLIGHT * unit_numel * 4 if ranks > 1 else 0)
 
 
-def gathered_bytes(m: ModelSpec, compute_bytes: int = 2, ranks: int = 1) -> int:
+def gathered_bytes(m: ModelSpec, compute_bytes: int = 2, ranks: int = 1, ahead: bool = True) -> int:
     """Gathered parameters on the device at once, with their gradients (unit_working_set_bytes of the largest unit,
-    the next one gathered ahead)."""
-    return unit_working_set_bytes(m.largest_unit_params, compute_bytes, ranks, ahead=True)
+    the next one gathered ahead unless `ahead` is False: the runtime gathers ahead only where the budget holds it)."""
+    return unit_working_set_bytes(m.largest_unit_params, compute_bytes, ranks, ahead=ahead)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,10 +160,12 @@ def per_rank_state_bytes(m: ModelSpec, ranks: int, sb: StateBytes = RUNTIME) -> 
     return {"params": sb.params * n, "grads": sb.grads * n, "master": sb.master * n, "moments": sb.moments * n}
 
 
-def tier_bytes(m: ModelSpec, w: Workload, ranks: int, place: Placement, sb: StateBytes | None = None) -> dict:
+def tier_bytes(m: ModelSpec, w: Workload, ranks: int, place: Placement, sb: StateBytes | None = None,
+               cpu_budget: float | None = None) -> dict:
     """{tier: {class: bytes per rank}} for a placement: states where it puts them, activations and the
-    gathered working set on the device, a host staging buffer for nvme-homed states. sb: default the
-    workload's optimizer family's (state_bytes)."""
+    gathered working set on the device, the lanes' host working copies of nvme-homed states (host_staging.py).
+    sb: default the workload's optimizer family's (state_bytes); cpu_budget: host bytes a rank has (the runtime's
+    chunk size follows it; None: a large host, 64 MiB chunks)."""
     sb = sb or state_bytes(w)
     states = per_rank_state_bytes(m, ranks, sb)
     out = {"device": {}, "cpu": {}, "nvme": {}}
@@ -172,8 +178,11 @@ def tier_bytes(m: ModelSpec, w: Workload, ranks: int, place: Placement, sb: Stat
         out[w.activations]["activations"] = offloaded_activation_bytes(m, w)
     if place.optimizer == "nvme" and w.speculative_updates:  # what a speculative update writes beside the old
         out["nvme"]["spares"] = states["master"] + states["moments"]
-    out["device"]["gathered"] = gathered_bytes(m, sb.params, ranks)
+    out["device"]["gathered"] = gathered_bytes(m, sb.params, ranks, w.gather_ahead)
     if "nvme" in (place.params, place.optimizer):
-        # staging: the lanes' working copies (about four units' shards, read-ahead included)
-        out["cpu"]["staging"] = 4 * m.largest_unit_params / ranks * (sb.params + sb.total - sb.params)
+        # staging: the chunks the lanes hold at once, the floor the runtime refuses a cpu budget below (its
+        # read-ahead only fills what the budget has left beside it)
+        out["cpu"]["staging"] = staging_bytes(m.unit_params, ranks, sb.params, place.params == "nvme",
+                                              place.optimizer == "nvme", place.grads_tier == "nvme", sb.state_tensors,
+                                              cpu_budget, w.chunk_size)
     return out

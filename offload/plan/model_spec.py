@@ -100,6 +100,14 @@ class ModelSpec:
         return self.params - self.moe_layers * idle * self.expert_params
 
     @property
+    def unit_params(self) -> list[int]:
+        """Parameters of each unit the runtime gathers and pages: the embedding, every decoder layer, the LM head
+        when untied (the final norm, always gathered and a few KiB, left out)."""
+        dense = [self.dense_layer_params] * (self.layers - self.moe_layers)
+        head = [] if self.tied else [self.vocab * self.hidden]
+        return [self.embedding_params] + dense + [self.moe_layer_params] * self.moe_layers + head
+
+    @property
     def largest_unit_params(self) -> int:
         """The biggest unit the runtime gathers at once: a decoder layer, or the embedding / LM head."""
         return max(self.layer_params, self.embedding_params)

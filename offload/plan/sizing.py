@@ -46,30 +46,50 @@ def shortfall(tiers: dict, cap: Capacity, gpus_per_node: int) -> dict[str, float
     return {t: need[t] - have[t] for t in need if need[t] > have[t]}
 
 
+def tiers_for(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity, place) -> dict:
+    """tier_bytes under this machine's host memory a rank (the runtime cuts its chunks by its cpu budget)."""
+    return tier_bytes(m, w, mc.ranks, place, cpu_budget=cap.cpu_per_node / mc.gpus_per_node)
+
+
+def as_the_runtime_runs(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity, place) -> Workload:
+    """The workload as the runtime runs it on this machine: two things it gives up rather than refuse a run. It
+    gathers the next unit ahead only where the device budget holds that too (offload.zero.placement: gather_ahead),
+    and with no nvme room for speculative updates' spare slots it turns them off for the run, with a warning
+    (offload.zero.update.speculation)."""
+    short = shortfall(tiers_for(m, w, mc, cap, place), cap, mc.gpus_per_node)
+    if "device" in short and w.gather_ahead:
+        w = dataclasses.replace(w, gather_ahead=False)
+    if "nvme" in short and w.speculative_updates and place.optimizer == "nvme":
+        w = dataclasses.replace(w, speculative_updates=False)
+    return w
+
+
 def evaluate(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity) -> list[dict]:
     """Every placement: its bytes per tier, what it lacks, and its predicted step. The host memory a rank has
     left beside its cpu-homed states and staging keeps nvme-homed states resident, as the runtime does."""
     out = []
     for place in PLACEMENTS:
         wp = resolve_activations(m, w, mc, cap, place)
-        tiers = tier_bytes(m, wp, mc.ranks, place)
+        tiers = tiers_for(m, wp, mc, cap, place)
         room = cap.cpu_per_node / mc.gpus_per_node - sum(tiers["cpu"].values())
         out.append({"placement": place, "tiers": tiers, "short": shortfall(tiers, cap, mc.gpus_per_node),
-                    "activations": wp.activations,
+                    "activations": wp.activations, "gather_ahead": wp.gather_ahead,
+                    "speculative_updates": wp.speculative_updates,
                     "prediction": predict(m, wp, place, mc, resident_bytes=max(0.0, room))})
     return out
 
 
 def resolve_activations(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity, place) -> Workload:
     """Config.activations="auto" as the runtime takes it, for one placement: the cpu tier when the activations fit
-    there beside the states, else the swap file (when that fits; else the cpu tier, whose shortfall is reported)."""
+    there beside the states, else the swap file (when that fits; else the cpu tier, whose shortfall is reported);
+    then the runtime's fallbacks (as_the_runtime_runs)."""
     if w.activations != "auto":
-        return w
+        return as_the_runtime_runs(m, w, mc, cap, place)
     for where in ("cpu", "nvme"):
-        wp = dataclasses.replace(w, activations=where)
-        if not shortfall(tier_bytes(m, wp, mc.ranks, place), cap, mc.gpus_per_node):
+        wp = as_the_runtime_runs(m, dataclasses.replace(w, activations=where), mc, cap, place)
+        if not shortfall(tiers_for(m, wp, mc, cap, place), cap, mc.gpus_per_node):
             return wp
-    return dataclasses.replace(w, activations="cpu")
+    return as_the_runtime_runs(m, dataclasses.replace(w, activations="cpu"), mc, cap, place)
 
 
 SEQ_STEP, SEQ_MAX = 1024, 1 << 20  # the longest sequence is searched in these steps, up to this many tokens
@@ -81,7 +101,7 @@ def longest_sequence(m: ModelSpec, w: Workload, mc: Machine, cap: Capacity, plac
     fitting is monotone in it: a bisection."""
     def fits(steps: int) -> bool:
         wider = resolve_activations(m, dataclasses.replace(w, seq_len=steps * SEQ_STEP), mc, cap, placement)
-        return not shortfall(tier_bytes(m, wider, mc.ranks, placement), cap, mc.gpus_per_node)
+        return not shortfall(tiers_for(m, wider, mc, cap, placement), cap, mc.gpus_per_node)
 
     lo, hi = 0, SEQ_MAX // SEQ_STEP
     if fits(hi):
@@ -120,6 +140,8 @@ def config_for(chosen: dict, cap: Capacity, gpus_per_node: int) -> dict:
         fields["cpu_budget"] = f"{max(1, int(min(room, 1.05 * cpu + (1 << 30)) // (1 << 30)))}GiB"
     if chosen["activations"] != "none":
         fields["activations"] = chosen["activations"]
+    if not chosen.get("speculative_updates", True) and place.optimizer == "nvme":  # (the runtime's warning, silenced)
+        fields["speculative_updates"] = False
     return fields
 
 

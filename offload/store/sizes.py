@@ -14,7 +14,15 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["parse_size", "format_bytes", "Bytes"]
+__all__ = ["parse_size", "format_bytes", "Bytes", "SLOT_ALIGN", "page_bytes"]
+
+SLOT_ALIGN = 4096  # a swap slot's and a store buffer's granule (here, not in swap_file.py: `offload plan` counts in it)
+
+
+def page_bytes(nbytes: int) -> int:
+    """`nbytes` rounded up to whole pages: what a swap slot, and the store's buffer, of that many bytes takes."""
+    return -(-int(nbytes) // SLOT_ALIGN) * SLOT_ALIGN
+
 # The one size parser of the package: config.py and the aio engine use it too, so "512M" means the
 # same number of bytes in every setting.
 

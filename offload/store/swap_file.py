@@ -17,16 +17,9 @@ import shutil
 import stat
 
 from .aio import AioEngine, AioError, AioFile
-from .sizes import format_bytes
+from .sizes import SLOT_ALIGN, format_bytes, page_bytes
 
 __all__ = ["SwapDir", "SwapFile", "SwapSpaceError", "SLOT_ALIGN", "page_bytes"]
-
-SLOT_ALIGN = 4096
-
-
-def page_bytes(nbytes: int) -> int:
-    """`nbytes` rounded up to whole pages: what a swap slot, and the store's buffer, of that many bytes takes."""
-    return -(-int(nbytes) // SLOT_ALIGN) * SLOT_ALIGN
 
 
 class SwapSpaceError(OSError):
