@@ -104,8 +104,12 @@ def test_tiny_runs_end_to_end_through_the_shell_script(tmp_path):
 def _hang_script(tmp_path):
     """A child that starts a grandchild (its pid written to a file), says "started" and hangs."""
     script, pidfile = tmp_path / "hang.py", tmp_path / "grandchild.pid"
-    script.write_text("import subprocess, sys, time\n"
-                      f"p = subprocess.Popen(['sleep', '300'])\nopen({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+    # (the pid written aside and renamed into place: a reader that sees the file sees the whole pid; written in place,
+    # a test once read it empty)
+    script.write_text("import os, subprocess, sys, time\n"
+                      "p = subprocess.Popen(['sleep', '300'])\n"
+                      f"open({str(pidfile)!r} + '.tmp', 'w').write(str(p.pid))\n"
+                      f"os.replace({str(pidfile)!r} + '.tmp', {str(pidfile)!r})\n"
                       "print('started', flush=True)\ntime.sleep(300)\n")
     return script, pidfile
 
