@@ -12,7 +12,6 @@ import sys
 import threading
 
 import torch
-import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload
@@ -21,17 +20,7 @@ from offload.zero.shards import ShardSpec
 from offload.zero.state_store import UnitStateStore
 from offload.zero.units.unit import ShardedUnit
 from offload.zero.update.optimizer import ShardedOptimizer
-
-
-class Stack(nn.Module):
-    def __init__(self, dim: int, layers: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return x
+from zero_common import LinearStack
 
 
 def test_a_forward_asks_a_few_units_a_unit_whether_they_are_gathered(monkeypatch):
@@ -40,7 +29,7 @@ def test_a_forward_asks_a_few_units_a_unit_whether_they_are_gathered(monkeypatch
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
     with offload.init(cfg) as rt:
         torch.manual_seed(0)
-        model = Stack(8, units)
+        model = LinearStack(8, units)
         opt = offload.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):  # the first step traces and plans; the second follows the plan
             model(x).square().mean().backward()
@@ -99,7 +88,7 @@ def _stack_run(monkeypatch, units: int, **cfg):
     with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="256MiB", device_budget="256MiB",
                                      **cfg)) as rt:
         torch.manual_seed(0)
-        model = Stack(8, units)
+        model = LinearStack(8, units)
         return _third_step(monkeypatch, model, offload.AdamW(model.parameters(), lr=1e-3), x, rt)
 
 
@@ -131,7 +120,7 @@ def test_a_step_dispatches_few_tensor_ops_a_unit_beyond_torch(monkeypatch):
     units = 12
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
-    plain = Stack(8, units)
+    plain = LinearStack(8, units)
     _, _, torch_ops = _third_step(monkeypatch, plain, torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True), x)
     _, _, ops = _stack_run(monkeypatch, units)
     assert (ops - torch_ops) / units <= 8, f"{ops} aten ops against torch's {torch_ops} for {units} units"
@@ -157,7 +146,7 @@ def test_a_step_makes_few_python_calls_a_unit(monkeypatch):
         with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="256MiB",
                                          device_budget="256MiB")) as rt:
             torch.manual_seed(0)
-            model = Stack(8, units)
+            model = LinearStack(8, units)
             opt = offload.AdamW(model.parameters(), lr=1e-3)
             for _ in range(2):
                 model(x).square().mean().backward()
@@ -194,7 +183,7 @@ def test_a_step_builds_no_shard_records(monkeypatch):
     with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="256MiB",
                                      device_budget="256MiB")) as rt:
         torch.manual_seed(0)
-        model = Stack(8, 12)
+        model = LinearStack(8, 12)
         opt = offload.AdamW(model.parameters(), lr=1e-3)
         for step in range(3):
             if step == 2:
@@ -217,7 +206,7 @@ def test_zero_grad_keeping_zeros_leases_each_gradient_chunk_once(monkeypatch):
     with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="256MiB",
                                      device_budget="256MiB")) as rt:
         torch.manual_seed(0)
-        model = Stack(8, units)
+        model = LinearStack(8, units)
         opt = offload.AdamW(model.parameters(), lr=1e-3)
         model(x).square().mean().backward()
         opt.step()

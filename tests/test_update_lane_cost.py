@@ -10,22 +10,11 @@ import threading
 import time
 
 import torch
-import torch.nn as nn
 
 import offload
 from offload.zero.units.piece_norms import PieceNorms
 from offload.zero.update.optimizer_pipeline import OptimizerPipeline
-
-
-class Stack(nn.Module):
-    def __init__(self, dim: int, layers: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return x
+from zero_common import LinearStack
 
 
 def _config(**kw) -> offload.Config:
@@ -54,7 +43,7 @@ def test_an_update_reads_its_first_gradient_chunks_while_the_drain_writes_the_la
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
     with offload.init(_config()) as rt:
         torch.manual_seed(0)
-        model = Stack(64, 2)
+        model = LinearStack(64, 2)
         opt = offload.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):  # traced and planned
             model(x).square().mean().backward()
@@ -83,7 +72,7 @@ def test_the_overlap_keeps_the_update_bitwise_that_of_the_synchronous_runtime():
     for pipeline in (True, False):
         with offload.init(_config(pipeline=pipeline)) as rt:
             torch.manual_seed(0)
-            model = Stack(64, 3)
+            model = LinearStack(64, 3)
             opt = offload.AdamW(model.parameters(), lr=1e-2)
             for _ in range(4):
                 model(x).square().mean().backward()
@@ -103,7 +92,7 @@ def test_the_lane_makes_each_chunks_state_specs_once(monkeypatch):
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
     with offload.init(_config()) as rt:
         torch.manual_seed(0)
-        model = Stack(64, 3)
+        model = LinearStack(64, 3)
         opt = offload.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):
             model(x).square().mean().backward()
@@ -134,7 +123,7 @@ def test_stepping_a_chunk_at_rest_in_memory_allocates_no_tensor(monkeypatch):
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
     with offload.init(_config()) as rt:
         torch.manual_seed(0)
-        model = Stack(64, 3)
+        model = LinearStack(64, 3)
         opt = offload.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):
             model(x).square().mean().backward()

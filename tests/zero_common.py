@@ -52,6 +52,19 @@ class Block(nn.Module):
         return (x + h) * self.gain
 
 
+class LinearStack(nn.Module):
+    """`layers` Linear(dim, dim) blocks with tanh between: many small units (the per-unit cost tests)."""
+
+    def __init__(self, dim: int, layers: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x
+
+
 class TinyTransformer(nn.Module):
     """Tied embeddings, a frozen layer, a buffer, an unused branch, activation checkpointing (inside block
     0's MLP, and around the whole of block 1)."""
