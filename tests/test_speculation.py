@@ -157,8 +157,10 @@ def test_the_updates_overlap_a_slow_backward(tmp_path):
     """FSDP2's overlap test, for the default path: every block's backward made 30 ms slow (a sleep: compute the
     cores are free for) and each unit's update 25 ms (one chunk each). Without speculation the 9 updates wait for
     opt.step() and follow the backward (about 240 + 225 ms); with it, a step that does not clip updates under the
-    backward, and only the last two reduced (block 0, the root) follow it. Asserted as a ratio of the two runs'
-    fastest steps, side by side, after the second (the first speculating step is the second)."""
+    backward, and only the last two reduced (block 0, the root) follow it. Asserted on the two runs' fastest steps,
+    side by side, after the second (the first speculating step is the second), as the time saved: at least half of
+    the seven hidden updates' 175 ms (a gap, not a ratio: a loaded machine's stretched compute adds to both runs
+    alike and pulls a ratio toward 1; the same test in test_update_in_backward.py failed so once at load 10)."""
     def run(speculate):
         seconds, stats = slow_backward_steps(_config(tmp_path / str(speculate), speculate), _step, steps=8,
                                              update_s=0.025)
@@ -167,7 +169,8 @@ def test_the_updates_overlap_a_slow_backward(tmp_path):
     t_exact, _ = run(False)
     t_fast, report = run(True)
     assert report["steps"] == 7 and report["missed"] == 0 and report["committed"] >= 7 * 8, report
-    assert t_fast < 0.85 * t_exact, (t_fast, t_exact)  # measured here: 0.62
+    hidden = 7 * 0.025  # blocks 7..1's updates, each 25 ms, run under the backward
+    assert t_exact - t_fast >= hidden / 2, (t_fast, t_exact)  # measured here: 0.62x
 
 
 def test_no_room_for_the_spare_slots_turns_it_off_with_one_warning(tmp_path, caplog):

@@ -53,8 +53,10 @@ def test_the_updates_overlap_a_slow_backward(tmp_path):
     """Every block's backward made 30 ms slow (a sleep: compute the cores are free for) and every unit's update
     20 ms (one chunk each): by default the step is their sum; with the updates in the backward only the last
     two (block 0, reduced last, and the root unit, whose tied embedding is final only at the end) follow it.
-    8 blocks: about 420 against 280 ms. Asserted as a ratio of the two runs' fastest steps, measured side by side,
-    after the second (step 1's forward still waits for step 0's updates, queued by opt.step() in both)."""
+    8 blocks: about 420 against 280 ms. Asserted on the two runs' fastest steps, measured side by side, after the
+    second (step 1's forward still waits for step 0's updates, queued by opt.step() in both), as the time saved:
+    at least half of the seven hidden updates' 140 ms. (A ratio of the two, < 0.85, failed once at load 10: the
+    compute a loaded machine stretches adds to both runs alike and pulls their ratio toward 1, not their gap.)"""
     def run(in_backward):
         seconds, stats = slow_backward_steps(_config(tmp_path, in_backward), _step, steps=7, update_s=0.02)
         return min(seconds), stats["last_step"].get("clip", {}).get("in_backward", 0)
@@ -62,7 +64,8 @@ def test_the_updates_overlap_a_slow_backward(tmp_path):
     t_default, _ = run(False)
     t_early, issued = run(True)
     assert issued == 9  # the root unit and the eight blocks
-    assert t_early < 0.85 * t_default, (t_early, t_default)  # measured here: 0.69
+    hidden = 7 * 0.02  # blocks 7..1's updates, each 20 ms, run during the backward
+    assert t_default - t_early >= hidden / 2, (t_early, t_default)  # measured here: 0.14 s saved (0.69x)
 
 
 def test_first_step_exact_then_the_previous_coefficient(tmp_path):
