@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -29,8 +30,6 @@ def launch(args: list[str], nproc: int, env: dict | None = None, timeout: float 
            grace_s: float = 30.0) -> subprocess.CompletedProcess:
     """Run `python args...` as `nproc` ranks of one group; returns their exit (0 if every rank exited 0, else 1)
     and their stdout and stderr as text. Raises subprocess.TimeoutExpired past `timeout`, the ranks killed."""
-    import sys
-
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # held until the ranks are gone
     base = dict(os.environ if env is None else env)
     base.setdefault("OMP_NUM_THREADS", "1")
