@@ -89,12 +89,15 @@ def test_the_generation_config_comes_with_the_model_and_goes_with_it(tmp_path):
 
 
 def test_loading_holds_about_the_budgets_not_the_model(tmp_path):
-    """A 37M-parameter Llama (140 MiB in fp32) loads into a runtime of a 32 MiB cpu budget: the process's peak
+    """A 65M-parameter Llama (249 MiB in fp32) loads into a runtime of a 32 MiB cpu budget: the process's peak
     resident set grows by less than 112 MiB (the cpu budget, 32 MiB for the device tier's first blocks, one unit
     being read, the safetensors pages of one tensor, allocator slack), not by the model's size as an in-memory
-    load does. The device budget is what a step of its largest unit (the embedding) needs, or wrap refuses it
+    load does. With glibc keeping freed buffers ("fast") the bound is 160 MiB: its heap fragments by the order
+    the load's buffers come and go, and that order follows timing (measured here 67-121 MiB, at 140 and at 249
+    MiB of model alike; CI once 119; "frugal" 47-49, "pool" 83-85, the pool's cache included).
+    The device budget is what a step of its largest unit (the embedding) needs, or wrap refuses it
     (placement.check_unit_working_set); a load gathers nothing, so it does not raise the bound."""
-    _save(tmp_path / "m", tie=False, layers=12, hidden=512, vocab=8000)
+    _save(tmp_path / "m", tie=False, layers=24, hidden=512, vocab=8000)
     code = textwrap.dedent(f"""
         import offload
         from transformers import AutoModelForCausalLM
@@ -108,10 +111,11 @@ def test_loading_holds_about_the_budgets_not_the_model(tmp_path):
             n = sum(p.numel() for p in model.parameters())
             print("GROWTH", status("VmHWM") - before, n * 4, flush=True)
     """)
-    for mode in ("frugal", "pool", "fast"):  # a GPU run's malloc mode, the CPU default's, glibc keeping freed buffers
+    bound_mib = {"frugal": 112, "pool": 112, "fast": 160}  # a GPU run's malloc mode, the CPU default's, glibc's
+    for mode, bound in bound_mib.items():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                              env=dict(os.environ, OFFLOAD_MALLOC_TUNE=mode, OMP_NUM_THREADS="1"))
         assert out.returncode == 0, out.stderr[-3000:]
         growth, model_bytes = map(int, next(x for x in out.stdout.splitlines() if x.startswith("GROWTH")).split()[1:])
-        assert model_bytes > 128 << 20
-        assert growth < (64 + 48) << 20, (mode, growth >> 20)
+        assert model_bytes > 240 << 20
+        assert growth < bound << 20, (mode, growth >> 20)
