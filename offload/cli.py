@@ -86,28 +86,46 @@ def _host_memory_info() -> dict:
     return info
 
 
-def build_parser() -> argparse.ArgumentParser:
+# The subcommands: each one's help line and where its parser is built. `offload --help`, `--version` and a
+# mistyped command import none of them (their modules import torch: 3 s of CPU before a word was printed); a
+# command imports its own module only.
+SUBCOMMANDS = {
+    "bench": ("measure this machine (writes JSON that offload plan reads)", "offload.bench.cli", "add_bench_parser"),
+    "finetune": ("fine-tune a Hugging Face causal LM with states paged to disk", "offload.finetune.cli",
+                 "add_finetune_parser"),
+    "export": ("a checkpoint's weights as a Hugging Face directory (safetensors)", "offload.checkpoint.export",
+               "add_export_parser"),
+    "plan": ("size a run before launching it: fit, placement, step time", "offload.plan.cli", "add_plan_parser"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with `only` (a subcommand's name, or "" for none), that subcommand's parser in full and
+    the others as their help line alone, so that nothing else is imported."""
+    import importlib
+
     parser = argparse.ArgumentParser(prog="offload", description=__doc__)
     parser.add_argument("--version", action="version", version=f"offload {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     env = sub.add_parser("env", help="versions, CPU ISA, extension build status")
     env.add_argument("--json", action="store_true", help="print JSON")
     env.set_defaults(func=_cmd_env)
-    # Each later subcommand adds itself here: from .x.cli import add_x_parser; add_x_parser(sub)
-    from .bench.cli import add_bench_parser
-    from .checkpoint.export import add_export_parser
-    from .finetune.cli import add_finetune_parser
-    from .plan.cli import add_plan_parser
-
-    add_bench_parser(sub)
-    add_finetune_parser(sub)
-    add_export_parser(sub)
-    add_plan_parser(sub)
+    for name, (help_line, module, add) in SUBCOMMANDS.items():  # a new subcommand: one row in SUBCOMMANDS
+        if only is None or only == name:
+            getattr(importlib.import_module(module), add)(sub, help_line)
+        else:
+            sub.add_parser(name, help=help_line)
     return parser
 
 
+def _command_in(argv: list[str]) -> str:
+    """The subcommand `argv` names ("" for none): the first word that is not an option (the top level's options
+    take no values)."""
+    return next((a for a in argv if not a.startswith("-")), "")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(only=_command_in(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     if argv is None and args.command == "finetune":  # run as the program (not called by a test): its CUDA work
         from .device import prefer_expandable_segments  # is all ours, and none has started yet

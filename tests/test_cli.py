@@ -27,6 +27,32 @@ def test_version():
     assert out.stdout.strip() == f"offload {__version__}"
 
 
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], [], ["plna"]], ids=["version", "help", "none", "typo"])
+def test_help_version_and_a_typo_import_no_subcommand(argv):
+    """They import no subcommand's module, so not torch (3 s of CPU before a word, measured); the top-level help
+    still lists every subcommand with its line; a command imports its own module and not the others'."""
+    code = ("import sys; from offload.cli import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+            "print('IMPORTED', sorted(m for m in ('torch', 'offload.plan.cli', 'offload.bench.cli') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert "IMPORTED []" in out.stdout, out.stdout + out.stderr
+    if argv in (["--help"], []):
+        listed = out.stdout + out.stderr
+        assert all(name in listed for name in ("env", "bench", "finetune", "export", "plan")), listed
+    if argv == ["plna"]:
+        assert "invalid choice: 'plna'" in out.stderr, out.stderr
+
+
+def test_a_command_builds_its_own_parser_only():
+    from offload.cli import build_parser
+
+    plan = dict(next(a for a in build_parser(only="plan")._actions if getattr(a, "choices", None)).choices)
+    assert "--model" in plan["plan"].format_help()
+    assert "--model" not in plan["finetune"].format_help()  # the others are their help line alone
+    assert "--model" in dict(next(a for a in build_parser()._actions if getattr(a, "choices", None)).choices)[
+        "finetune"].format_help()  # the whole parser (tests, docs) has every subcommand's flags
+
+
 def test_env_reports_built_extension():
     out = run_cli("env", "--json")
     assert out.returncode == 0, out.stderr

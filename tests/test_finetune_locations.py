@@ -230,6 +230,9 @@ def test_an_unexpected_error_is_one_line_unless_debugging(monkeypatch, capsys):
         raise RuntimeError("something\nwent wrong")
 
     class Parser:  # a subcommand failing in a way nobody foresaw
+        def __init__(self, only=None):
+            pass
+
         def parse_args(self, argv=None):
             return argparse.Namespace(command="plan", func=broken)
 

@@ -258,8 +258,8 @@ def _cmd_nvme(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench_parser(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="measure this machine (writes JSON that offload plan reads)")
+def add_bench_parser(subparsers, help_line: str) -> None:
+    bench = subparsers.add_parser("bench", help=help_line)
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
 

@@ -88,8 +88,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_export_parser(sub) -> None:
-    p = sub.add_parser("export", help="a checkpoint's weights as a Hugging Face directory (safetensors)",
+def add_export_parser(sub, help_line: str) -> None:
+    p = sub.add_parser("export", help=help_line,
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a checkpoint directory, or the directory of checkpoints (its `latest`)")
     p.add_argument("out", help="output directory")

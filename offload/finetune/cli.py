@@ -218,8 +218,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def add_finetune_parser(sub) -> None:
-    p = sub.add_parser("finetune", help="fine-tune a Hugging Face causal LM with states paged to disk",
+def add_finetune_parser(sub, help_line: str) -> None:
+    p = sub.add_parser("finetune", help=help_line,
                        description=__doc__, formatter_class=HelpFormatter)
     d = FinetuneConfig()
     p.add_argument("--model", help="Hugging Face model directory (config.json + safetensors); default: the built-in "

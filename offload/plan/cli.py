@@ -207,8 +207,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_plan_parser(sub) -> None:
-    p = sub.add_parser("plan", help="size a run before launching it: fit, placement, step time",
+def add_plan_parser(sub, help_line: str) -> None:
+    p = sub.add_parser("plan", help=help_line,
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help=f"a config.json (or its directory) or one of {', '.join(PRESETS)}")
     p.add_argument("--gpus", type=_count("--gpus"), default=8, help="GPUs per node (default 8)")
