@@ -445,7 +445,8 @@ def plan_prediction(s: ScaleSettings, host: dict, pcie_Bps: float, placement: tu
     """`offload plan`'s step model for this run: the plan built from the same flags the CLI takes (this model's
     config.json, one GPU, this host's RAM and measured CPU AdamW rate, the PCIe rate), then its prediction for
     the placement the run used (the plan's own choice beside it)."""
-    from offload.plan.cli import add_plan_parser, plan_from_args
+    from offload.cli import build_parser
+    from offload.plan.cli import plan_from_args
     from offload.plan.memory import Placement, Workload, tier_bytes
     from offload.plan.model_spec import model_from
     from offload.plan.sizing import capacity
@@ -459,9 +460,7 @@ def plan_prediction(s: ScaleSettings, host: dict, pcie_Bps: float, placement: tu
             f"{ram >> 20}MiB", "--micro-batch", str(s.batch), "--seq-len", str(s.seq), "--grad-accum",
             str(s.accum), "--optimizer-states", s.family, "--pcie", f"{pcie_Bps / 1e9:g}GB/s",
             "--adam-params-per-s", f"{host['adam_params_per_s']:.4g}"]
-    parser = argparse.ArgumentParser()
-    add_plan_parser(parser.add_subparsers())
-    plan = plan_from_args(parser.parse_args(argv))
+    plan = plan_from_args(build_parser(only="plan").parse_args(argv))
     m, w, mc = model_from(path), Workload(**plan["workload"]), Machine(**plan["machine"])
     place = Placement(*placement)
     cap = capacity(1, ram, None)

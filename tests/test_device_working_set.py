@@ -2,14 +2,13 @@
 naming the setting and the figure needed, and runs one the plan accepts: both size the largest unit's working set
 with offload.plan.memory.unit_working_set_bytes (issue 42: the first step ran to 18.6 GiB against a device budget
 of 3 GiB that `offload plan` had said was 12.2 GiB short)."""
-import argparse
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import offload
-from offload.plan.cli import add_plan_parser, plan_from_args
+from offload.cli import build_parser
+from offload.plan.cli import plan_from_args
 from offload.plan.memory import Workload, tier_bytes, PLACEMENTS, unit_working_set_bytes
 from offload.plan.model_spec import model_from
 
@@ -22,9 +21,7 @@ def _config() -> LlamaConfig:
 
 
 def _plan_fits(config_json: str, gpu_mem: str) -> bool:
-    parser = argparse.ArgumentParser()
-    add_plan_parser(parser.add_subparsers())
-    args = parser.parse_args(["plan", "--model", config_json, "--gpus", "1", "--gpu", "cpu", "--gpu-mem", gpu_mem,
+    args = build_parser(only="plan").parse_args(["plan", "--model", config_json, "--gpus", "1", "--gpu", "cpu", "--gpu-mem", gpu_mem,
                               "--cpu-mem", "8GiB", "--seq-len", "16", "--micro-batch", "1",
                               "--optimizer-states", "adamw"])
     return plan_from_args(args)["chosen"] is not None
