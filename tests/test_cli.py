@@ -33,7 +33,8 @@ def test_help_version_and_a_typo_import_no_subcommand(argv):
     still lists every subcommand with its line; a command imports its own module and not the others'."""
     code = ("import sys; from offload.cli import main\n"
             f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
-            "print('IMPORTED', sorted(m for m in ('torch', 'offload.plan.cli', 'offload.bench.cli') if m in sys.modules))")
+            "print('IMPORTED', sorted(m for m in ('torch', 'offload.plan.cli', 'offload.bench.cli')\n"
+            "                         if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert "IMPORTED []" in out.stdout, out.stdout + out.stderr
     if argv in (["--help"], []):

@@ -1,4 +1,4 @@
-"""The test launcher (tests/rank_launch.py): what the ranks see, what comes back, and a failed rank stopping the rest."""
+"""The test launcher (tests/rank_launch.py): what the ranks see, what comes back, a failed rank stopping the rest."""
 import textwrap
 import time
 
