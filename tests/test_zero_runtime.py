@@ -950,7 +950,8 @@ def test_an_update_that_fails_names_what_it_left_and_a_checkpoint_load_in_proces
                 # the unit named is the first whose states are read back, which the timing decides: a layer, or the
                 # root (CI's load once read the root's first)
                 with pytest.raises(offload.UpdateFailed, match=r"the optimizer update of unit \d "
-                                   r"\((layers\.\d|<root>)\) failed \(SwapCorruptError: .*part-updated.*rt\.load_checkpoint") as failed:
+                                   r"\((layers\.\d|<root>)\) failed \(SwapCorruptError: .*part-updated.*"
+                                   r"rt\.load_checkpoint") as failed:
                     step(3)
                 assert isinstance(failed.value.__cause__, offload.store.SwapCorruptError)
                 opt.zero_grad()
