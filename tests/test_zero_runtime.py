@@ -948,7 +948,7 @@ def test_an_update_that_fails_names_what_it_left_and_a_checkpoint_load_in_proces
             if corrupt:
                 step(2, damage=True)  # its update fails on the lane, after opt.step() returned
                 # the unit named is the first whose states are read back, which the timing decides: a layer, or the
-                # root (CI's load once read the root's first)
+                # root (a suite run at load 13 once read the root's first)
                 with pytest.raises(offload.UpdateFailed, match=r"the optimizer update of unit \d "
                                    r"\((layers\.\d|<root>)\) failed \(SwapCorruptError: .*part-updated.*"
                                    r"rt\.load_checkpoint") as failed:
