@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload
 from offload.zero.lanes import WorkLane
+from offload.zero.units import unit as unit_module
 from offload.zero.shards import ShardSpec
 from offload.zero.state_store import UnitStateStore
 from offload.zero.units.unit import ShardedUnit
@@ -58,9 +59,10 @@ class _OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _third_step(monkeypatch, model, opt, x, rt=None):
-    """Two steps (traced, then planned), then a third counted: lane items by lane, the backward's runs asked for
-    speculation, and the training thread's aten ops."""
+def _third_step(monkeypatch, model, opt, x, rt=None, hops=None):
+    """Two steps (traced, then planned), then a third counted: pieces of lane work by lane (run on the lane or, when
+    small, in the caller), the backward's runs asked for speculation, and the training thread's aten ops; `hops`
+    (a Counter): the pieces handed to a lane's thread."""
     for _ in range(2):
         model(x).square().mean().backward()
         opt.step()
@@ -69,8 +71,11 @@ def _third_step(monkeypatch, model, opt, x, rt=None):
         rt.quiesce()
     items, runs, mode = collections.Counter(), [], _OpCount()
     if rt is not None:
-        submit, backward_runs = WorkLane.submit, ShardedOptimizer.backward_runs
-        monkeypatch.setattr(WorkLane, "submit", lambda lane, *a: items.update([lane.lane.value]) or submit(lane, *a))
+        work, submit, backward_runs = WorkLane._work, WorkLane.submit, ShardedOptimizer.backward_runs
+        monkeypatch.setattr(WorkLane, "_work", lambda lane, *a: items.update([lane.lane.value]) or work(lane, *a))
+        if hops is not None:
+            monkeypatch.setattr(WorkLane, "submit", lambda lane, *a: hops.update([lane.lane.value]) or
+                                submit(lane, *a))
         monkeypatch.setattr(ShardedOptimizer, "backward_runs", lambda o, *a, **k: runs.append(a) or
                             backward_runs(o, *a, **k))
     with mode:
@@ -83,13 +88,13 @@ def _third_step(monkeypatch, model, opt, x, rt=None):
     return items, runs, mode.ops
 
 
-def _stack_run(monkeypatch, units: int, **cfg):
+def _stack_run(monkeypatch, units: int, hops=None, **cfg):
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
-    with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="256MiB", device_budget="256MiB",
-                                     **cfg)) as rt:
+    cfg = dict(params="cpu", optimizer="cpu", cpu_budget="256MiB", device_budget="256MiB") | cfg
+    with offload.init(offload.Config(**cfg)) as rt:
         torch.manual_seed(0)
         model = LinearStack(8, units)
-        return _third_step(monkeypatch, model, offload.AdamW(model.parameters(), lr=1e-3), x, rt)
+        return _third_step(monkeypatch, model, offload.AdamW(model.parameters(), lr=1e-3), x, rt, hops)
 
 
 def test_updates_with_states_in_memory_are_one_lane_item_a_step(monkeypatch):
@@ -111,6 +116,23 @@ def test_one_rank_reduces_are_one_lane_item_a_unit(monkeypatch):
     assert items["gather"] <= 2 * units, dict(items)  # (one in the forward, one in the backward)
 
 
+def test_small_resident_units_gather_and_drain_without_a_lane_hop(monkeypatch):
+    """One rank, units of a few KiB whose params and gradients are in memory: a gather or a reduce's drain is
+    cheaper than handing it to a lane's thread (its queue, a wake-up, the GIL handed over and back), so each runs
+    on the training thread when its lane is idle, its future resolved at once (the same work, counted above). A
+    unit over SMALL_WORK_BYTES still goes to the lanes."""
+    units = 12
+    hops = collections.Counter()
+    items, _, _ = _stack_run(monkeypatch, units, hops)
+    assert items["gather"] >= units and items["reduce drain"] == units, dict(items)
+    assert hops["gather"] == 0 and hops["reduce drain"] == 0, dict(hops)
+    hops.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(unit_module, "SMALL_WORK_BYTES", 0)  # every unit is large
+        items, _, _ = _stack_run(monkeypatch, units, hops)
+    assert hops["gather"] == items["gather"] and hops["reduce drain"] == items["reduce drain"] == units, dict(hops)
+
+
 def test_a_step_dispatches_few_tensor_ops_a_unit_beyond_torch(monkeypatch):
     """The training thread's aten ops a unit a step beyond plain PyTorch's (same model, torch's fused AdamW): the
     views of a forward's gather (one split, no second split of a detached copy when every slot trains; a backward's
@@ -122,7 +144,9 @@ def test_a_step_dispatches_few_tensor_ops_a_unit_beyond_torch(monkeypatch):
     torch.manual_seed(0)
     plain = LinearStack(8, units)
     _, _, torch_ops = _third_step(monkeypatch, plain, torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True), x)
-    _, _, ops = _stack_run(monkeypatch, units)
+    with monkeypatch.context() as patch:  # every gather and drain on its lane (as the lanes' work, not counted)
+        patch.setattr(unit_module, "SMALL_WORK_BYTES", 0)
+        _, _, ops = _stack_run(monkeypatch, units)
     assert (ops - torch_ops) / units <= 8, f"{ops} aten ops against torch's {torch_ops} for {units} units"
 
 
@@ -141,6 +165,9 @@ def test_a_step_makes_few_python_calls_a_unit(monkeypatch):
         if on[0] and event in ("call", "c_call"):
             calls[threading.current_thread() is threading.main_thread()] += 1
 
+    # every gather and drain on its lane, as when these bounds were set (small units' run on the training thread:
+    # 1081 / 342 a unit, 1423 in all against 1485)
+    monkeypatch.setattr(unit_module, "SMALL_WORK_BYTES", 0)
     threading.setprofile(count)  # (the lanes' threads start inside offload.init: each counts)
     try:
         with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="256MiB",

@@ -31,7 +31,7 @@ from ...telemetry import Lane, Queue
 from ..collectives import comm
 from ..context import UnitContext
 from ..host_memory import advise_huge_pages
-from ..lanes import wait
+from ..lanes import SMALL_WORK_BYTES, wait
 from .layout import FlatLayout
 from .piece_norms import PieceNorms
 from ..shards import StateKind, UnitShards
@@ -256,10 +256,10 @@ class ShardedUnit:
             else:  # stale (updated, or loaded) while gathered: re-gathered into the buffer the compute stream's
                 readers = record(self.ctx.device)  # queued kernels may still read; the gather writes after them
             prefetched = self.ctx.schedule.take_prefetched(self)
-            self._gather = self.ctx.lanes.gather.submit(f"gather:{self.uid or '<root>'}", self._gather_now,
-                                                        prefetched, self.update,
-                                                        self.ctx.gather_group.ticket(self.index),
-                                                        readers)
+            lane = self.ctx.lanes.gather
+            submit = lane.submit_small if self._may_run_here(self.nbytes_full, StateKind.PARAM) else lane.submit
+            self._gather = submit(f"gather:{self.uid or '<root>'}", self._gather_now, prefetched, self.update,
+                                  self.ctx.gather_group.ticket(self.index), readers)
             self._transition(UnitState.GATHERING)
         if not async_op:
             self.wait_for_unshard()
@@ -283,6 +283,20 @@ class ShardedUnit:
                 return False
         self.unshard(async_op=True)
         return True
+
+    def _may_run_here(self, nbytes: int, kind: StateKind) -> bool:
+        """This unit's gather, or its reduce on one rank, may run on the training thread when its lane is idle
+        (WorkLane.submit_small): one rank (no collective, so no ticket to keep in order), a CPU device (no stream
+        to overlap with), few bytes (a lane hop costs more than the copy: SMALL_WORK_BYTES), its `kind` chunks
+        in memory (no I/O to overlap) and the unit's last update over (nothing to wait for)."""
+        ctx = self.ctx
+        if nbytes > SMALL_WORK_BYTES or ctx.distributed or ctx.device.type != "cpu":
+            return False
+        if self.update is not None and not self.update.done():
+            return False
+        home = self.shards.tiers.params if kind is StateKind.PARAM else self.shards.tiers.grads
+        return home is not Tier.NVME or all(ctx.states.is_resident(self.shards.spec(kind, c))
+                                            for c in self.shards.chunks)
 
     def _allocate_full(self) -> None:
         """The flat buffer grows to the gathered size (once: a second call finds it allocated)."""
@@ -490,9 +504,11 @@ class ShardedUnit:
             self.grads = self.ctx.lanes.reduce_drain.submit(f"reduce drain:{name}", self._drain_reduce, launched,
                                                             overwrite, self.update, chunks_written)
         else:  # one rank: no collective to launch in program order, so no launch to keep apart from the host work:
-            # one lane item, the drain's (a lane hop and a future fewer a unit a step)
-            self.grads = self.ctx.lanes.reduce_drain.submit(f"reduce drain:{name}", self._reduce_locally, full_grad,
-                                                            written, overwrite, self.update, chunks_written)
+            # one lane item, the drain's (a lane hop and a future fewer a unit a step), or none where it is small
+            lane = self.ctx.lanes.reduce_drain
+            submit = lane.submit_small if self._may_run_here(full_grad.nbytes, StateKind.GRAD) else lane.submit
+            self.grads = submit(f"reduce drain:{name}", self._reduce_locally, full_grad, written, overwrite,
+                                self.update, chunks_written)
         self.grad_chunks = chunks_written
         window.append(self.grads)
         if self.ctx.on_reduce is not None:
