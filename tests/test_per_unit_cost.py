@@ -17,8 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import offload
 from offload.zero.lanes import WorkLane
 from offload.zero.units import unit as unit_module
-from offload.zero.shards import ShardSpec
-from offload.zero.state_store import UnitStateStore
+from offload.store import LeaseMode
+from offload.zero.shards import ShardSpec, StateKind
+from offload.zero.state_store import UnitStateStore, Use
 from offload.zero.units.unit import ShardedUnit
 from offload.zero.update.optimizer import ShardedOptimizer
 from zero_common import LinearStack
@@ -150,6 +151,19 @@ def test_a_step_dispatches_few_tensor_ops_a_unit_beyond_torch(monkeypatch):
     assert (ops - torch_ops) / units <= 8, f"{ops} aten ops against torch's {torch_ops} for {units} units"
 
 
+def test_small_units_gathered_and_drained_on_the_training_thread_dispatch_few_tensor_ops(monkeypatch):
+    """The same count where a small unit's gather and drain run on the training thread (one rank, states in memory):
+    the lanes' tensor ops counted too (the leases' views, the alias of the flat buffer, the copies, the norms):
+    29 a unit with a view of the home block made at each lease, 20.25 with one made once."""
+    units = 12
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    plain = LinearStack(8, units)
+    _, _, torch_ops = _third_step(monkeypatch, plain, torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True), x)
+    _, _, ops = _stack_run(monkeypatch, units)
+    assert (ops - torch_ops) / units <= 21, f"{ops} aten ops against torch's {torch_ops} for {units} units"
+
+
 def test_a_step_makes_few_python_calls_a_unit(monkeypatch):
     """Python calls a unit a step (hooks, the schedule, the step, the lanes' work), on the training thread and on
     every lane's, counted over a step that follows the plan: a block's positional tensors routed without a pytree
@@ -245,3 +259,25 @@ def test_zero_grad_keeping_zeros_leases_each_gradient_chunk_once(monkeypatch):
         monkeypatch.undo()
         chunks = sum(len(u.shards.chunks) for u in rt.units if u.layout.trainable)
     assert len(leased) == chunks, f"{len(leased)} gradient leases to zero {chunks} chunks"
+
+
+def test_a_lease_of_a_memory_home_makes_no_tensor_after_the_first():
+    """A shard homed in memory lends its home copy: a view of its block, made once and shared by every lease of it
+    (each lease made a slice, a dtype view and a future: two gathers and a drain a unit a step)."""
+    with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="64MiB",
+                                     device_budget="64MiB")) as rt:
+        model = LinearStack(8, 2)
+        model(torch.randn(2, 8)).sum().backward()
+        rt.quiesce()
+        unit = rt.units[-1]
+        spec = unit.shards.spec(StateKind.PARAM, unit.shards.chunks[0])
+        first = rt.states.lease(spec, Use.COMPUTE, LeaseMode.READ)
+        first.wait()
+        first.release()
+        mode = _OpCount()
+        with mode:
+            second = rt.states.lease(spec, Use.COMPUTE, LeaseMode.READ)
+            view = second.wait()
+            second.release()
+        assert mode.ops == 0 and view is first._ready.result(), mode.ops
+
