@@ -154,14 +154,15 @@ def test_a_step_dispatches_few_tensor_ops_a_unit_beyond_torch(monkeypatch):
 def test_small_units_gathered_and_drained_on_the_training_thread_dispatch_few_tensor_ops(monkeypatch):
     """The same count where a small unit's gather and drain run on the training thread (one rank, states in memory):
     the lanes' tensor ops counted too (the leases' views, the alias of the flat buffer, the copies, the norms):
-    29 a unit with a view of the home block made at each lease, 20.25 with one made once."""
+    29 a unit with a view of the home block made at each lease, 20.25 with one made once, 16.4 with the
+    flat buffer's alias made once, not at every gather."""
     units = 12
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     plain = LinearStack(8, units)
     _, _, torch_ops = _third_step(monkeypatch, plain, torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True), x)
     _, _, ops = _stack_run(monkeypatch, units)
-    assert (ops - torch_ops) / units <= 21, f"{ops} aten ops against torch's {torch_ops} for {units} units"
+    assert (ops - torch_ops) / units <= 17, f"{ops} aten ops against torch's {torch_ops} for {units} units"
 
 
 def test_a_step_makes_few_python_calls_a_unit(monkeypatch):

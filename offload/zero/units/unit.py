@@ -125,6 +125,8 @@ class ShardedUnit:
         self.nbytes_full = layout.padded_numel * dtype.itemsize
         self.flat = torch.empty(layout.padded_numel, dtype=dtype, device=ctx.device)
         self.flat.requires_grad_(layout.trainable)
+        # what the gathers write through (_alias): made once, it follows the storage's resizes
+        self._flat_writer = _alias(self.flat)
         self.placeholders: list[nn.Parameter] = []
         self.views: list[torch.Tensor] = []
         self._split_sizes = [s.numel for s in layout.slots] + [layout.padded_numel - layout.numel]
@@ -354,7 +356,7 @@ class ShardedUnit:
                 if lease is None:
                     lease = ctx.states.lease(self.shards.spec(StateKind.PARAM, c), Use.COMPUTE, LeaseMode.READ)
                 leases.append(lease)
-            out = _alias(self.flat)
+            out = self._flat_writer
             gpu = ctx.device.type == "cuda"
             if not ctx.distributed:
                 for c, lease in zip(self.shards.chunks, leases):
