@@ -117,7 +117,8 @@ class ShardedUnit:
         # update reads a unit's first chunks while the drain writes the rest); None after other drain work
         self.grad_chunks: list[cf.Future] | None = None
         # {slot: L2 norm of this rank's piece of the slot's gradient}, written by the reduce's drain when the stored
-        # gradient is one reduce's output (None: accumulated or partly zeroed since, so unknown). rt.clip_grad_norm_
+        # gradient is one reduce's output (None: accumulated or partly zeroed since, or not taken because the last
+        # step asked for no norm: UnitContext.take_grad_norms). rt.clip_grad_norm_
         # uses it instead of reading every gradient chunk back (from disk, when they are paged).
         self.grad_norms: dict[int, torch.Tensor] | None = None
         self._gather: cf.Future | None = None  # the gather in flight (GATHERING)
@@ -573,8 +574,9 @@ class ShardedUnit:
         self.register_grads()
         mode = LeaseMode.OVERWRITE if overwrite else LeaseMode.UPDATE
         where = self._grads_where(accumulate=not overwrite)
-        pieces = [p for p in self.layout.pieces(ctx.rank) if self.layout.slots[p.slot].requires_grad]
-        norms = PieceNorms(pieces) if overwrite else None  # of the fp32 values stored, while they are here
+        norms = None  # of the fp32 values stored, while they are here (where a norm is likely asked for)
+        if overwrite and ctx.take_grad_norms:
+            norms = PieceNorms([p for p in self.layout.pieces(ctx.rank) if self.layout.slots[p.slot].requires_grad])
         for c in self.shards.chunks:
             lease = ctx.states.lease(self.shards.spec(StateKind.GRAD, c), where, mode)
             acc = lease.wait()
@@ -582,14 +584,15 @@ class ShardedUnit:
                 acc.copy_(shard[c.lo:c.hi], non_blocking=True)  # GPU to a pinned host chunk: on this stream
                 if acc.device != shard.device:
                     sync(record(ctx.device))  # the norm below and the write-behind read these host bytes next
-                norms.feed(c, acc)
+                if norms is not None:
+                    norms.feed(c, acc)
             else:
                 acc.add_(shard[c.lo:c.hi])  # on one device (_grads_where)
             lease.release()
             if acc.device.type == "cpu":  # host bytes written (a copy from a device was synced above): final
                 chunks_written[c.index].set_result(None)
         retire(shard)
-        self.grad_norms = norms.done if overwrite else None
+        self.grad_norms = norms.done if norms is not None else None
         sync(record(ctx.device))  # readers of the gradient (optimizer, clip norm) wait on this lane's future only
 
     def _grads_where(self, accumulate: bool = False) -> Use:
