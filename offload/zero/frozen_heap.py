@@ -3,8 +3,10 @@
 A process that imported torch holds about 300k objects the collector tracks (torch's modules, functions, dispatch
 tables; the model's), and each full collection walks every one: 12-20 ms on the EPYC, every 20 or so steps of 120
 small units, whose hooks, futures and leases are what fills the young generations. Frozen (gc.freeze) after each
-wrap, once a collection has freed what was garbage then, they are out of every collection: the per-unit bench
-spends 10% less CPU a step (gc disabled: about the same). The objects made later are collected as before.
+wrap, once a collection of the young generations has freed what was garbage there, they are out of every
+collection: the per-unit bench spends 10% less CPU a step (gc disabled: about the same). The objects made later are
+collected as before. Garbage already in the oldest generation is frozen with the rest (a full collection first
+would take 0.5-1 s a wrap) and collected once the runtime closes.
 
 The user's GC is changed by this alone, and only while a runtime that froze is open: nothing is frozen where the
 process had frozen objects itself (its choice stays as it is), and when the last runtime that froze closes, the
@@ -21,7 +23,7 @@ def freeze_after_wrap(owner: object) -> None:
     """A model was wrapped: collect, then freeze what is alive (unless the process froze objects itself)."""
     if gc.get_freeze_count() and not _froze:
         return  # frozen by the user (e.g. before a fork): theirs to manage
-    gc.collect()  # what is garbage now is freed, not frozen
+    gc.collect(1)  # the young generations' garbage freed, not frozen (a full collection: 0.5-1 s under load)
     gc.freeze()
     _froze.add(id(owner))
 
