@@ -320,3 +320,25 @@ def test_the_drains_take_gradient_norms_only_where_a_step_asks_for_one(monkeypat
     assert fed == 0, f"{fed} norm feeds in a step of a run that never clips"
     fed, read = _norms_taken(monkeypatch, clip=True)
     assert fed > 0 and read == 0, (fed, read)
+
+
+def test_a_unit_with_one_output_hooks_it_without_torchs_multi_grad_hook(monkeypatch):
+    """A block's forward returns one tensor: its own hook runs once a backward (its node runs once), so torch's
+    register_multi_grad_hook (a once-per-graph-task wrapper, a lock, a handle, functools.wraps: every unit every
+    forward) is not needed; where a unit returns several tensors it still is."""
+    multi = []
+    register = torch.autograd.graph.register_multi_grad_hook
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="64MiB",
+                                     device_budget="64MiB")) as rt:
+        torch.manual_seed(0)
+        model = LinearStack(8, 4)
+        opt = offload.AdamW(model.parameters(), lr=1e-3)
+        monkeypatch.setattr(torch.autograd.graph, "register_multi_grad_hook",
+                            lambda *a, **k: multi.append(a) or register(*a, **k))
+        for _ in range(2):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        rt.quiesce()
+    assert multi == [], f"{len(multi)} multi-grad hooks in two steps of 4 units"
