@@ -209,8 +209,9 @@ def test_a_step_makes_few_python_calls_a_unit(monkeypatch):
     main, lanes = calls[True] / units, calls[False] / units
     # measured a unit, training thread / lanes: 1253 / 1259 before issue 42's per-unit cuts (one optimizer lane item
     # a unit, a reduce lane item, the pytree walk, a hook a view, ...), 717 / 960 before the enums' and the
-    # streams', 649 / 836 after
-    assert main <= 690 and lanes <= 900, f"Python calls a unit: {main:.0f} on the training thread, {lanes:.0f} on lanes"
+    # streams', 649 / 836 after; 616 / 700 with the pre-backward's own hook and no norms where nothing clips; 600-605 /
+    # 662 with no span's context per piece of lane work (none is recorded) and no requires_grad check in a backward
+    assert main <= 625 and lanes <= 680, f"Python calls a unit: {main:.0f} on the training thread, {lanes:.0f} on lanes"
 
 def test_a_step_builds_no_shard_records(monkeypatch):
     """A shard's spec (its key, size, dtype, home) is built once, not each time a lane leases it (95 in a step of

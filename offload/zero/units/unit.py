@@ -251,7 +251,8 @@ class ShardedUnit:
         """Gather every rank's shard into the full flat parameter on the compute device. async_op: only issue
         it (GATHERING); wait_for_unshard() (or unshard()) waits and lets the modules see the views."""
         self.check_alive()
-        self.check_requires_grad()
+        if torch._C._current_graph_task_id() == -1:  # (a backward's gather: its forward's checked them this step)
+            self.check_requires_grad()
         if not self.fresh:
             readers = None
             if self.state is UnitState.SHARDED:
