@@ -343,3 +343,35 @@ def test_a_unit_with_one_output_hooks_it_without_torchs_multi_grad_hook(monkeypa
             opt.zero_grad()
         rt.quiesce()
     assert multi == [], f"{len(multi)} multi-grad hooks in two steps of 4 units"
+
+
+def test_a_step_leaves_the_collector_few_objects_a_unit():
+    """Objects the cyclic GC tracks that a step leaves behind (alive, or garbage only it can free), a unit a step:
+    what fills its young generation and sets how often it runs. pytree's recursive helper (a function and its cells,
+    and a list[Any] alias, each cyclic garbage) came with every unit's forward output: 22 a unit, 15 without."""
+    import gc
+
+    units = 12
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="64MiB",
+                                     device_budget="64MiB")) as rt:
+        torch.manual_seed(0)
+        model = LinearStack(8, units)
+        opt = offload.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(3):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        rt.quiesce()
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(3):
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            rt.quiesce()
+            left = len(gc.get_objects(0)) / (3 * units)
+        finally:
+            gc.enable()
+    assert left <= 17, f"{left:.1f} objects a unit a step left to the collector"

@@ -45,6 +45,8 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _tensors(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):  # (a block's hidden state) no pytree walk: its recursive helper is cyclic
+        return [tree]  # garbage, nine objects a unit a forward for the collector
     leaves, _ = tree_flatten(tree)
     found = [x for x in leaves if isinstance(x, torch.Tensor)]
     if not found and hasattr(tree, "values"):  # ModelOutput-like mappings pytree does not know
