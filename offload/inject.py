@@ -22,7 +22,7 @@ import time
 from . import env
 from .telemetry import Queue
 
-__all__ = ["delay", "pause", "delays", "Site", "out_of_memory_at", "allocation"]
+__all__ = ["delay", "pause", "delayed", "delays", "Site", "out_of_memory_at", "allocation"]
 
 
 class Site(enum.Enum):
@@ -51,6 +51,11 @@ _DELAYS: dict[Queue, float] = _from_env()
 
 def delays() -> dict[Queue, float]:
     return dict(_DELAYS)
+
+
+def delayed(queue: Queue) -> bool:
+    """Work on this queue is slowed now (a test's delay)."""
+    return bool(_DELAYS) and bool(_DELAYS.get(queue))
 
 
 def pause(queue: Queue) -> None:

@@ -112,13 +112,16 @@ class Meter:
         outer = lane not in active
         t0 = time.perf_counter()
         active.add(lane)
-        with span(name, lane):
-            try:
+        try:
+            if recording():
+                with span(name, lane):
+                    yield
+            else:  # (no span's context to open and close: a few pieces of work a unit a step)
                 yield
-            finally:
-                if outer:
-                    active.discard(lane)
-                    self.busy(lane, time.perf_counter() - t0)
+        finally:
+            if outer:
+                active.discard(lane)
+                self.busy(lane, time.perf_counter() - t0)
 
     def snapshot(self) -> MeterSnapshot:
         with self._lock:

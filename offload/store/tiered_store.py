@@ -161,6 +161,7 @@ class _Shard:
     lease_tier: Tier | None = None  # the tier of those leases (one: a working copy is in one tier)
     unsaved: str | None = None  # the last writeback failed (its error): the working copy holds changes the home
     #                             copy lacks, so every later release writes it home first (or fails, keeping it)
+    home_ready: tuple | None = None  # (slot, home tier, a resolved future of the home copy's view): _home_ready
 
 
 def _view(block, s: _Shard) -> torch.Tensor:
@@ -170,6 +171,18 @@ def _view(block, s: _Shard) -> torch.Tensor:
 def _home_view(s: _Shard) -> torch.Tensor:
     """The home copy of a shard homed in memory: a view of its block."""
     return s.home_tier.view(s.slot, s.dtype, s.numel)
+
+
+def _home_ready(s: _Shard) -> cf.Future:
+    """A resolved future of _home_view(s), made once per home block and shared by every lease of the shard on it
+    (per lease, two tensor ops and a future a step: 9% of the training thread's time over 120 small units). Its
+    holders read and write through the tensor and never reshape it in place."""
+    cached = s.home_ready
+    if cached is not None and cached[0] is s.slot and cached[1] is s.home_tier:
+        return cached[2]
+    ready = resolved(_home_view(s))
+    s.home_ready = (s.slot, s.home_tier, ready)
+    return ready
 
 
 class TieredStore:
@@ -360,7 +373,7 @@ class TieredStore:
             s.leases += 1  # this fetch may return (release, unless_leased)
             s.lease_tier = tier
             if tier is s.home and self._at_rest_home(s):  # the home copy as it is: no move to queue
-                return Lease(self, name, tier, mode, resolved(_home_view(s)))
+                return Lease(self, name, tier, mode, _home_ready(s))
         try:
             ready = self.fetch(name, tier, timeout=None if block else 0, read=mode is not LeaseMode.OVERWRITE,
                                resident=resident)

@@ -59,6 +59,7 @@ class UnitContext:
     max_reduces_in_flight: int = 2  # full gradients held by the reduce lanes at once (bounded memory)
     reduce_window: collections.deque = field(default_factory=collections.deque)  # their futures, oldest first
     on_reduce: Callable | None = None  # (unit) -> None after a unit's reduce is queued (Config.update_in_backward)
+    take_grad_norms: bool = True  # a reduce's drain takes its pieces' norms (the last step asked for a norm)
 
     @property
     def rank(self) -> int:

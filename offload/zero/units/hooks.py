@@ -45,6 +45,8 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _tensors(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):  # (a block's hidden state) no pytree walk: its recursive helper is cyclic
+        return [tree]  # garbage, nine objects a unit a forward for the collector
     leaves, _ = tree_flatten(tree)
     found = [x for x in leaves if isinstance(x, torch.Tensor)]
     if not found and hasattr(tree, "values"):  # ModelOutput-like mappings pytree does not know
@@ -88,11 +90,15 @@ def install(unit: ShardedUnit, schedule) -> list:
             return None
         if torch.is_grad_enabled():
             outs = [t for t in _tensors(output) if t.requires_grad]
-            if outs:
-                torch.autograd.graph.register_multi_grad_hook(outs, lambda grad: schedule.pre_backward(unit),
-                                                              mode="any")
+            if len(outs) == 1:  # (a block's hidden state) its node runs once a backward: its own hook, not torch's
+                outs[0].register_hook(pre_backward)  # once-per-backward wrapper, lock and handle around it
+            elif outs:
+                torch.autograd.graph.register_multi_grad_hook(outs, pre_backward, mode="any")
         schedule.post_forward(unit)
         return None
+
+    def pre_backward(grad) -> None:  # the first gradient reaching one of the unit's outputs in a backward
+        schedule.pre_backward(unit)
 
     def inside_unit(module, args):  # traced by torch.compile: inside the unit's forward it reads True
         check_call(unit, module, schedule)

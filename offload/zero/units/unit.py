@@ -31,7 +31,7 @@ from ...telemetry import Lane, Queue
 from ..collectives import comm
 from ..context import UnitContext
 from ..host_memory import advise_huge_pages
-from ..lanes import wait
+from ..lanes import SMALL_WORK_BYTES, wait
 from .layout import FlatLayout
 from .piece_norms import PieceNorms
 from ..shards import StateKind, UnitShards
@@ -117,7 +117,8 @@ class ShardedUnit:
         # update reads a unit's first chunks while the drain writes the rest); None after other drain work
         self.grad_chunks: list[cf.Future] | None = None
         # {slot: L2 norm of this rank's piece of the slot's gradient}, written by the reduce's drain when the stored
-        # gradient is one reduce's output (None: accumulated or partly zeroed since, so unknown). rt.clip_grad_norm_
+        # gradient is one reduce's output (None: accumulated or partly zeroed since, or not taken because the last
+        # step asked for no norm: UnitContext.take_grad_norms). rt.clip_grad_norm_
         # uses it instead of reading every gradient chunk back (from disk, when they are paged).
         self.grad_norms: dict[int, torch.Tensor] | None = None
         self._gather: cf.Future | None = None  # the gather in flight (GATHERING)
@@ -125,6 +126,8 @@ class ShardedUnit:
         self.nbytes_full = layout.padded_numel * dtype.itemsize
         self.flat = torch.empty(layout.padded_numel, dtype=dtype, device=ctx.device)
         self.flat.requires_grad_(layout.trainable)
+        # what the gathers write through (_alias): made once, it follows the storage's resizes
+        self._flat_writer = _alias(self.flat)
         self.placeholders: list[nn.Parameter] = []
         self.views: list[torch.Tensor] = []
         self._split_sizes = [s.numel for s in layout.slots] + [layout.padded_numel - layout.numel]
@@ -248,7 +251,8 @@ class ShardedUnit:
         """Gather every rank's shard into the full flat parameter on the compute device. async_op: only issue
         it (GATHERING); wait_for_unshard() (or unshard()) waits and lets the modules see the views."""
         self.check_alive()
-        self.check_requires_grad()
+        if torch._C._current_graph_task_id() == -1:  # (a backward's gather: its forward's checked them this step)
+            self.check_requires_grad()
         if not self.fresh:
             readers = None
             if self.state is UnitState.SHARDED:
@@ -256,10 +260,10 @@ class ShardedUnit:
             else:  # stale (updated, or loaded) while gathered: re-gathered into the buffer the compute stream's
                 readers = record(self.ctx.device)  # queued kernels may still read; the gather writes after them
             prefetched = self.ctx.schedule.take_prefetched(self)
-            self._gather = self.ctx.lanes.gather.submit(f"gather:{self.uid or '<root>'}", self._gather_now,
-                                                        prefetched, self.update,
-                                                        self.ctx.gather_group.ticket(self.index),
-                                                        readers)
+            lane = self.ctx.lanes.gather
+            submit = lane.submit_small if self._may_run_here(self.nbytes_full, StateKind.PARAM) else lane.submit
+            self._gather = submit(f"gather:{self.uid or '<root>'}", self._gather_now, prefetched, self.update,
+                                  self.ctx.gather_group.ticket(self.index), readers)
             self._transition(UnitState.GATHERING)
         if not async_op:
             self.wait_for_unshard()
@@ -283,6 +287,20 @@ class ShardedUnit:
                 return False
         self.unshard(async_op=True)
         return True
+
+    def _may_run_here(self, nbytes: int, kind: StateKind) -> bool:
+        """This unit's gather, or its reduce on one rank, may run on the training thread when its lane is idle
+        (WorkLane.submit_small): one rank (no collective, so no ticket to keep in order), a CPU device (no stream
+        to overlap with), few bytes (a lane hop costs more than the copy: SMALL_WORK_BYTES), its `kind` chunks
+        in memory (no I/O to overlap) and the unit's last update over (nothing to wait for)."""
+        ctx = self.ctx
+        if nbytes > SMALL_WORK_BYTES or ctx.distributed or ctx.device.type != "cpu":
+            return False
+        if self.update is not None and not self.update.done():
+            return False
+        home = self.shards.tiers.params if kind is StateKind.PARAM else self.shards.tiers.grads
+        return home is not Tier.NVME or all(ctx.states.is_resident(self.shards.spec(kind, c))
+                                            for c in self.shards.chunks)
 
     def _allocate_full(self) -> None:
         """The flat buffer grows to the gathered size (once: a second call finds it allocated)."""
@@ -340,7 +358,7 @@ class ShardedUnit:
                 if lease is None:
                     lease = ctx.states.lease(self.shards.spec(StateKind.PARAM, c), Use.COMPUTE, LeaseMode.READ)
                 leases.append(lease)
-            out = _alias(self.flat)
+            out = self._flat_writer
             gpu = ctx.device.type == "cuda"
             if not ctx.distributed:
                 for c, lease in zip(self.shards.chunks, leases):
@@ -490,9 +508,11 @@ class ShardedUnit:
             self.grads = self.ctx.lanes.reduce_drain.submit(f"reduce drain:{name}", self._drain_reduce, launched,
                                                             overwrite, self.update, chunks_written)
         else:  # one rank: no collective to launch in program order, so no launch to keep apart from the host work:
-            # one lane item, the drain's (a lane hop and a future fewer a unit a step)
-            self.grads = self.ctx.lanes.reduce_drain.submit(f"reduce drain:{name}", self._reduce_locally, full_grad,
-                                                            written, overwrite, self.update, chunks_written)
+            # one lane item, the drain's (a lane hop and a future fewer a unit a step), or none where it is small
+            lane = self.ctx.lanes.reduce_drain
+            submit = lane.submit_small if self._may_run_here(full_grad.nbytes, StateKind.GRAD) else lane.submit
+            self.grads = submit(f"reduce drain:{name}", self._reduce_locally, full_grad, written, overwrite,
+                                self.update, chunks_written)
         self.grad_chunks = chunks_written
         window.append(self.grads)
         if self.ctx.on_reduce is not None:
@@ -555,8 +575,9 @@ class ShardedUnit:
         self.register_grads()
         mode = LeaseMode.OVERWRITE if overwrite else LeaseMode.UPDATE
         where = self._grads_where(accumulate=not overwrite)
-        pieces = [p for p in self.layout.pieces(ctx.rank) if self.layout.slots[p.slot].requires_grad]
-        norms = PieceNorms(pieces) if overwrite else None  # of the fp32 values stored, while they are here
+        norms = None  # of the fp32 values stored, while they are here (where a norm is likely asked for)
+        if overwrite and ctx.take_grad_norms:
+            norms = PieceNorms([p for p in self.layout.pieces(ctx.rank) if self.layout.slots[p.slot].requires_grad])
         for c in self.shards.chunks:
             lease = ctx.states.lease(self.shards.spec(StateKind.GRAD, c), where, mode)
             acc = lease.wait()
@@ -564,14 +585,15 @@ class ShardedUnit:
                 acc.copy_(shard[c.lo:c.hi], non_blocking=True)  # GPU to a pinned host chunk: on this stream
                 if acc.device != shard.device:
                     sync(record(ctx.device))  # the norm below and the write-behind read these host bytes next
-                norms.feed(c, acc)
+                if norms is not None:
+                    norms.feed(c, acc)
             else:
                 acc.add_(shard[c.lo:c.hi])  # on one device (_grads_where)
             lease.release()
             if acc.device.type == "cpu":  # host bytes written (a copy from a device was synced above): final
                 chunks_written[c.index].set_result(None)
         retire(shard)
-        self.grad_norms = norms.done if overwrite else None
+        self.grad_norms = norms.done if norms is not None else None
         sync(record(ctx.device))  # readers of the gradient (optimizer, clip norm) wait on this lane's future only
 
     def _grads_where(self, accumulate: bool = False) -> Use:

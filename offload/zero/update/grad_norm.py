@@ -4,8 +4,9 @@ Per-parameter norms first, then the norm of those (as torch.nn.utils.clip_grad_n
 reproduces torch bit for bit: a parameter whose shard range spans two gradient chunks is joined into one
 contiguous copy before its norm is taken. Ranks then combine their partial sums (runtime.py).
 When a unit's stored gradient is one reduce's output, the reduce took the L2 norms from the shard it stored
-(ShardedUnit.grad_norms): nothing is read back. Otherwise (accumulated by several reduces, partly zeroed,
-another norm type) the gradient chunks are read here.
+(ShardedUnit.grad_norms), where the last step asked for a norm too (UnitContext.take_grad_norms): nothing is read
+back. Otherwise (accumulated by several reduces, partly zeroed, another norm type, the first clip of a run that did
+not clip before) the gradient chunks are read here.
 """
 from __future__ import annotations
 

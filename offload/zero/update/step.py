@@ -81,6 +81,7 @@ class UpdatePath:
         self.grad_scale = 1.0
         self.loss_scale = LossScale()  # offload.GradScaler's scale, and what this step's gradients carry
         self._unscaled_norm: torch.Tensor | None = None  # unscale_grads' local L2 norm, for the clip that follows
+        self._norms_asked = True  # a norm of the gradients was asked for since the last backward began
         self.optimizers: list = []  # weak references to the sharded optimizers over this run, in creation order
         self.backward_updates = BackwardUpdates(
             config.update_in_backward, self,
@@ -119,6 +120,9 @@ class UpdatePath:
         self.grad_scale = 1.0  # a new backward pass: the last clip coefficient was for the last step
         self.loss_scale.on_new_backward()  # its gradients carry the loss scale, if a GradScaler set one
         self._unscaled_norm = None
+        # the drains take the gradients' norms where the last step asked for one (a clip, a GradScaler's check): a
+        # run that never clips reads nothing twice; one that starts to reads its gradients back once, the same norms
+        self.ctx.take_grad_norms, self._norms_asked = self._norms_asked, False
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -173,6 +177,7 @@ class UpdatePath:
 
     def _local_norm(self, norm_type: float) -> torch.Tensor:
         """The norm over this rank's gradient shards, as they are stored (times the loss scale, if any)."""
+        self._norms_asked = True
         self.flush_grads()
         norms = local_norms(self.units, self.rank, norm_type)  # on the host (grad_norm._on_host)
         return torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
