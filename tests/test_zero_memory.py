@@ -69,12 +69,13 @@ SLACK = {"pool": 256 * MiB,  # issue 21's rule: budgets + 256 MiB (activations, 
 def test_a_transformers_llama_at_5x_the_cpu_budget_stays_within_the_budgets_every_step(tmp_path, malloc):
     """A transformers Llama (19.4M params, 333 MiB of states on nvme, 5x the cpu budget): after every step, the peak
     resident set since the warm-up is within the cpu budget + the device budget (host memory here) + the slack,
-    and with pool and frugal, 7 steps, flat from the fourth on (nothing accumulates; a leak of one layer's fp32
-    gradient a step, 6.3 MiB, grows 19 over the last three steps). Flat from the third it is not, by chance: the
-    peak is a high-water mark of transients the lanes overlap in ways that vary with timing. Measured fp32 (AVX2
-    cap), under load: pool 256-268, 292-305, then 305-308 MiB at the end, against 368, once 12 MiB higher at the
-    fourth step than at the third and once 8 at the fifth than at the fourth (5 steps, flat from the third: 12.2
-    against its 16); frugal 190, 249, 250-252; fast (5 steps, not flat: it creeps) 265-290, up to 461."""
+    and with pool and frugal, 7 steps, flat from the third on apart from one step's rise (nothing accumulates; a
+    leak of one layer's fp32 gradient a step, 6.3 MiB, rises 19 over the other three, measured). Flat it is not,
+    by chance: the peak is a high-water mark of transients the lanes overlap in ways that vary with timing, and it
+    reaches its plateau at the second to fifth step (one rise of up to 12 MiB), or once rose 8 above it. Measured
+    fp32 (AVX2 cap), under load: pool 256-268, 292-308, then 305-316 MiB, against 368 (5 steps flat from the
+    third, bound 16: 12.2 once; 7 steps from the fourth: 13.6 once); the other rises 0.2-2.8 in all; frugal 190,
+    249, 250-257; fast (5 steps, not flat: it creeps) 265-290, up to 461."""
     cpu_budget, device_budget = 64 * MiB, 48 * MiB  # 48: a step of the embedding in fp32 (wrap refuses less)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent),
                OFFLOAD_MALLOC_TUNE=malloc, OFFLOAD_HOST_POOL_HEADROOM=host_pool.DEFAULT_HEADROOM)
@@ -89,7 +90,8 @@ def test_a_transformers_llama_at_5x_the_cpu_budget_stays_within_the_budgets_ever
     limit = (cpu_budget + device_budget + SLACK[malloc]) / MiB
     assert all(g <= limit for g in grown), (malloc, grown, limit)
     if malloc != "fast":
-        assert grown[-1] - grown[3] <= 16, grown  # flat once the overlaps have been seen: nothing accumulates
+        rises = [b - a for a, b in zip(grown[2:], grown[3:])]
+        assert sum(rises) - max(rises) <= 12, grown  # flat but for one rise (a late plateau); a leak rises each step
     assert list(tmp_path.iterdir()) == []  # swap files removed
 
 
