@@ -947,8 +947,10 @@ def test_an_update_that_fails_names_what_it_left_and_a_checkpoint_load_in_proces
             rt.save_checkpoint(tmp_path / f"ckpt{corrupt}")
             if corrupt:
                 step(2, damage=True)  # its update fails on the lane, after opt.step() returned
-                with pytest.raises(offload.UpdateFailed, match=r"the optimizer update of unit \d \(layers\.\d\) "
-                                   r"failed \(SwapCorruptError: .*part-updated.*rt\.load_checkpoint") as failed:
+                # which unit's update meets a damaged file first follows the lanes' timing (once, under load, the root)
+                unit = r"unit \d \((layers\.\d|<root>)\)"
+                with pytest.raises(offload.UpdateFailed, match=rf"the optimizer update of {unit} failed "
+                                   r"\(SwapCorruptError: .*part-updated.*rt\.load_checkpoint") as failed:
                     step(3)
                 assert isinstance(failed.value.__cause__, offload.store.SwapCorruptError)
                 opt.zero_grad()
