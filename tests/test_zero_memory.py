@@ -67,16 +67,22 @@ SLACK = {"pool": 256 * MiB,  # issue 21's rule: budgets + 256 MiB (activations, 
 
 @pytest.mark.parametrize("malloc", ["pool", "frugal", "fast"])
 def test_a_transformers_llama_at_5x_the_cpu_budget_stays_within_the_budgets_every_step(tmp_path, malloc):
-    """A transformers Llama (19.4M params, 333 MiB of states on nvme, 5x the cpu budget), 5 steps: after every
-    step, the peak resident set since the warm-up is within the cpu budget + the device budget (host memory here)
-    + the slack, and it is flat from the third step on (nothing accumulates). Measured: pool (the CPU default)
-    288, 302, 303, 303, 303 MiB against 352; frugal 131, 204, 206, 206, 206; fast 284-379 MiB (it creeps)."""
+    """A transformers Llama (19.4M params, 333 MiB of states on nvme, 5x the cpu budget): after every step, the peak
+    resident set since the warm-up is within the cpu budget + the device budget (host memory here) + the slack,
+    and with pool and frugal, 7 steps, flat from the third on apart from one step's rise (nothing accumulates; a
+    leak of one layer's fp32 gradient a step, 6.3 MiB, rises 19 over the other three, measured). Flat it is not,
+    by chance: the peak is a high-water mark of transients the lanes overlap in ways that vary with timing, and it
+    reaches its plateau at the second to fifth step (one rise of up to 12 MiB), or once rose 8 above it. Measured
+    fp32 (AVX2 cap), under load: pool 256-268, 292-308, then 305-316 MiB, against 368 (5 steps flat from the
+    third, bound 16: 12.2 once; 7 steps from the fourth: 13.6 once); the other rises 0.2-2.8 in all; frugal 190,
+    249, 250-257; fast (5 steps, not flat: it creeps) 265-290, up to 461."""
     cpu_budget, device_budget = 64 * MiB, 48 * MiB  # 48: a step of the embedding in fp32 (wrap refuses less)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parent.parent),
                OFFLOAD_MALLOC_TUNE=malloc, OFFLOAD_HOST_POOL_HEADROOM=host_pool.DEFAULT_HEADROOM)
     probe = Path(__file__).with_name("llama_rss_probe.py")
-    proc = subprocess.run([sys.executable, str(probe), str(tmp_path), f"{cpu_budget}B", f"{device_budget}B", "5"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    steps = 5 if malloc == "fast" else 7
+    proc = subprocess.run([sys.executable, str(probe), str(tmp_path), f"{cpu_budget}B", f"{device_budget}B",
+                           str(steps)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["params"] * 16 >= 4 * cpu_budget and r["nvme_read"] > r["params"] * 4, r  # it pages, every step
@@ -84,9 +90,8 @@ def test_a_transformers_llama_at_5x_the_cpu_budget_stays_within_the_budgets_ever
     limit = (cpu_budget + device_budget + SLACK[malloc]) / MiB
     assert all(g <= limit for g in grown), (malloc, grown, limit)
     if malloc != "fast":
-        # flat: nothing held from one step to the next (from the third: the lanes' interleaving in the first steps
-        # can still set a new high-water mark, as it did once in the 2-rank run)
-        assert grown[-1] - grown[2] <= 16, grown
+        rises = [b - a for a, b in zip(grown[2:], grown[3:])]
+        assert sum(rises) - max(rises) <= 12, grown  # flat but for one rise (a late plateau); a leak rises each step
     assert list(tmp_path.iterdir()) == []  # swap files removed
 
 
