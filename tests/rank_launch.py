@@ -34,11 +34,10 @@ def launch(args: list[str], nproc: int, env: dict | None = None, timeout: float 
            grace_s: float = 30.0) -> subprocess.CompletedProcess:
     """Run `python args...` as `nproc` ranks of one group; returns their exit (0 if every rank exited 0, else 1)
     and their stdout and stderr as text. Raises subprocess.TimeoutExpired past `timeout`, the ranks killed."""
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # held until the ranks are gone
+    store, joins = hosted_store()  # held until the ranks are gone
     base = dict(os.environ if env is None else env)
     base.setdefault("OMP_NUM_THREADS", "1")
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
-                WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc), GROUP_RANK="0",
+    base.update(joins, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc), GROUP_RANK="0",
                 TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
     outs = [tempfile.TemporaryFile("w+") for _ in range(nproc)]
     errs = [tempfile.TemporaryFile("w+") for _ in range(nproc)]
@@ -73,6 +72,14 @@ def launch(args: list[str], nproc: int, env: dict | None = None, timeout: float 
     finally:
         for f in outs + errs:
             f.close()
+
+
+def hosted_store() -> tuple[TCPStore, dict[str, str]]:
+    """A TCPStore this process hosts on a port the kernel picks, and the environment that makes every rank join it
+    as a client (torchrun's agent store). Keep the store alive until the ranks are gone. No rank binds a port, so
+    there is no race for one: a port probed free and handed to rank 0 can be taken before rank 0 binds it."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return store, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def _read(f) -> str:

@@ -3,7 +3,6 @@ ranks; an explicit slow choice kept and warned about once. An AVX2-only CPU is e
 ONEDNN_MAX_CPU_ISA=AVX2 (oneDNN then has no bf16 kernels: torch's bf16 matmul falls back to its emulation)."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -116,12 +115,12 @@ with offload.init(offload.Config(compute_dtype="auto", cpu_budget="64MiB", devic
 def test_ranks_that_measure_apart_all_compute_in_fp32():
     """Rank 1 sees an AVX2-only CPU, rank 0 a bf16 one: every rank must compute in one dtype, or their gathers
     and reduce-scatters pair buffers of different sizes. The choice is agreed (the safe one wins)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    import rank_launch
+
+    store, joins = rank_launch.hosted_store()  # held while the ranks run; no free-port race
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        env = {**os.environ, **joins, "RANK": str(rank),
                "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", **(AVX2_ONLY if rank else {})}
         procs.append(subprocess.Popen([sys.executable, "-c", _RANK], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))

@@ -55,15 +55,13 @@ def test_a_dead_rank_without_a_launcher_to_stop_the_rest_is_named_by_the_survivo
     """Ranks started one by one (a scheduler's srun, a hand-made launch: nobody stops the others when one dies):
     rank 1 exits at step 2; rank 0 stops within the timeout, naming the collective it was in and rank 1 as
     silent (dead or frozen)."""
-    import socket
+    import rank_launch
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    store, joins = rank_launch.hosted_store()  # no free-port race; nothing here stops a rank (no launcher)
     procs = []
     for rank in (0, 1):
         env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                   LOCAL_WORLD_SIZE="2", **joins)
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), "die"], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     t0 = time.monotonic()
