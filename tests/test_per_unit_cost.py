@@ -23,7 +23,7 @@ from offload.zero.shards import ShardSpec, StateKind
 from offload.zero.state_store import UnitStateStore, Use
 from offload.zero.units.unit import ShardedUnit
 from offload.zero.update.optimizer import ShardedOptimizer
-from zero_common import LinearStack
+from zero_common import LinearStack, trained_stack
 
 
 def test_a_forward_asks_a_few_units_a_unit_whether_they_are_gathered(monkeypatch):
@@ -31,13 +31,7 @@ def test_a_forward_asks_a_few_units_a_unit_whether_they_are_gathered(monkeypatch
     cfg = offload.Config(params="cpu", optimizer="cpu", cpu_budget="256MiB", device_budget="256MiB")
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
     with offload.init(cfg) as rt:
-        torch.manual_seed(0)
-        model = LinearStack(8, units)
-        opt = offload.AdamW(model.parameters(), lr=1e-3)
-        for _ in range(2):  # the first step traces and plans; the second follows the plan
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        model, opt = trained_stack(8, units, x, steps=2)
         rt.quiesce()
         asked = []
         fresh = ShardedUnit.fresh
@@ -188,13 +182,7 @@ def test_a_step_makes_few_python_calls_a_unit(monkeypatch):
     try:
         with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="256MiB",
                                          device_budget="256MiB")) as rt:
-            torch.manual_seed(0)
-            model = LinearStack(8, units)
-            opt = offload.AdamW(model.parameters(), lr=1e-3)
-            for _ in range(2):
-                model(x).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
+            model, opt = trained_stack(8, units, x, steps=2)
             rt.quiesce()
             sys.setprofile(count)
             on[0] = True
@@ -355,13 +343,7 @@ def test_a_step_leaves_the_collector_few_objects_a_unit():
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
     with offload.init(offload.Config(params="cpu", optimizer="cpu", cpu_budget="64MiB",
                                      device_budget="64MiB")) as rt:
-        torch.manual_seed(0)
-        model = LinearStack(8, units)
-        opt = offload.AdamW(model.parameters(), lr=1e-3)
-        for _ in range(3):
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        model, opt = trained_stack(8, units, x, steps=3)
         rt.quiesce()
         gc.collect()
         gc.disable()

@@ -15,7 +15,7 @@ import offload
 from offload.zero.units import unit as unit_module
 from offload.zero.units.piece_norms import PieceNorms
 from offload.zero.update.optimizer_pipeline import OptimizerPipeline
-from zero_common import LinearStack
+from zero_common import LinearStack, trained_stack
 
 
 def _config(**kw) -> offload.Config:
@@ -45,13 +45,7 @@ def test_an_update_reads_its_first_gradient_chunks_while_the_drain_writes_the_la
     big = monkeypatch.context()  # every drain on its lane, as a large unit's (a small one's runs in the backward)
     with big as patch, offload.init(_config()) as rt:
         patch.setattr(unit_module, "SMALL_WORK_BYTES", 0)
-        torch.manual_seed(0)
-        model = LinearStack(64, 2)
-        opt = offload.AdamW(model.parameters(), lr=1e-3)
-        for _ in range(2):  # traced and planned
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        model, opt = trained_stack(64, 2, x, steps=2)
         rt.quiesce()
         first = next(u for u in rt.units if u.uid == "blocks.0")  # the block the backward reduces last
         assert len(first.shards.chunks) == 3
@@ -95,13 +89,7 @@ def test_the_lane_makes_each_chunks_state_specs_once(monkeypatch):
 
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
     with offload.init(_config()) as rt:
-        torch.manual_seed(0)
-        model = LinearStack(64, 3)
-        opt = offload.AdamW(model.parameters(), lr=1e-3)
-        for _ in range(2):
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        model, opt = trained_stack(64, 3, x, steps=2)
         rt.quiesce()
         made = []
         spec = UnitShards.spec
@@ -126,13 +114,7 @@ def test_stepping_a_chunk_at_rest_in_memory_allocates_no_tensor(monkeypatch):
     size (four a chunk stepped, six with AdamW8bit's states)."""
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
     with offload.init(_config()) as rt:
-        torch.manual_seed(0)
-        model = LinearStack(64, 3)
-        opt = offload.AdamW(model.parameters(), lr=1e-3)
-        for _ in range(2):
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        model, opt = trained_stack(64, 3, x, steps=2)
         model(x).square().mean().backward()
         rt.quiesce()
         made = []

@@ -10,12 +10,19 @@ import contextlib
 import copy
 import dataclasses
 import math
+import os
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+# The per-unit bench's model (benchmarks/bench_scale.py's Stack), so the cost tests count what the bench times: the
+# benchmarks folder joins sys.path for the whole test session, as test_gpu_scale.py's import of gpu_scale does.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from bench_scale import Stack as LinearStack  # noqa: E402
 
 VOCAB, DIM, SEQ, MICRO = 32, 16, 8, 2  # MICRO: samples per rank per micro-batch
 
@@ -52,17 +59,19 @@ class Block(nn.Module):
         return (x + h) * self.gain
 
 
-class LinearStack(nn.Module):
-    """`layers` Linear(dim, dim) blocks with tanh between: many small units (the per-unit cost tests)."""
+def trained_stack(dim: int, units: int, x: torch.Tensor, steps: int):
+    """A LinearStack (seed 0) and its offload.AdamW (lr 1e-3), inside the open runtime, trained `steps` steps on
+    `x`: the first step traces and plans, the later ones follow the plan. Returns (model, opt)."""
+    import offload
 
-    def __init__(self, dim: int, layers: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return x
+    torch.manual_seed(0)
+    model = LinearStack(dim, units)
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
 
 
 class TinyTransformer(nn.Module):
