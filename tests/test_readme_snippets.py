@@ -142,7 +142,7 @@ def test_the_readme_snippet_runs(tmp_path, key, capsys):
     if key == "offload_trainer(SFTTrainer)":
         pytest.importorskip("trl", reason="TRL is not installed (pip install trl runs this snippet)")
         datasets = pytest.importorskip("datasets", reason="TRL's SFTTrainer needs datasets")
-        import pyarrow
+        pyarrow = pytest.importorskip("pyarrow", reason="datasets' tables need pyarrow")
         from trl import SFTConfig, SFTTrainer
 
         ns.update(SFTTrainer=SFTTrainer, SFTConfig=SFTConfig,

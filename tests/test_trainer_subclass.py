@@ -110,8 +110,7 @@ def test_trls_sft_trainer_trains_as_itself(tmp_path):
 
     tok = _tokenizer(tmp_path)
     text = ["the cat sat on the mat", "a dog ran on a log", "the dog and the cat sat", "a cat ran and sat"] * 4
-    import pyarrow
-
+    pyarrow = pytest.importorskip("pyarrow", reason="datasets' tables need pyarrow")
     ds = datasets.Dataset(pyarrow.table({"text": text}), fingerprint="offload-sft-test")
 
     def args(out):
