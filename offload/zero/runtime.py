@@ -50,7 +50,7 @@ from ..store import host_pool
 from ..store.links import Link
 from ..telemetry import Lane, Meter, Queue
 from .collectives import comm, divergence, user_calls, warm
-from . import frozen_heap, placement
+from . import placement
 from .activations import ActivationOffloader
 from .active import ACTIVE as _ACTIVE, current  # noqa: F401 - (current: offload.zero.runtime's name too)
 from .update.backward_updates import BackwardUpdates
@@ -283,7 +283,6 @@ class Runtime:
             self._malloc_mode = None
         self.closed = True
         self.is_open = False
-        frozen_heap.thaw_on_close(self)
         if self in _ACTIVE:
             _ACTIVE.remove(self)
         if error is not None and not failed:
@@ -466,7 +465,6 @@ class Runtime:
         self.models.append(model)
         self.attach_activation_offload(model)
         self._sync_generate()
-        frozen_heap.freeze_after_wrap(self)  # the full collections walk only what the steps make (frozen_heap.py)
         return model
 
     def _take_placement(self, place: placement.Placement) -> None:
